@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from importlib import import_module
 import os
 import shutil
 import time
@@ -117,10 +118,8 @@ class GGUFPackageModel(_Base):
             return pkg_dir / self.gguf_file
         target = cache_root() / "gguf" / self.gguf_file
         if not target.exists():
-            import importlib
-
             target.parent.mkdir(parents=True, exist_ok=True)
-            mod = importlib.import_module(self.package)
+            mod = import_module(self.package)
             mod.assemble(str(target))
         return target
 

@@ -1,0 +1,89 @@
+"""``python -m luka_bench [overrides]``: one run (or a sweep with ``-m``). See README.md."""
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("model", "method", "data")
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_group_overrides(argv: list[str]) -> str | None:
+    """One-line message for an unknown model/method/data name in the command line, else None. Hydra's own
+    message for this is many lines; this one names the bad value, the closest match and the allowed values."""
+    for arg in argv:
+        if "=" not in arg or arg.startswith("-"):
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if key not in GROUPS:
+            continue
+        allowed = group_options(key)
+        if value.startswith("glob(") or value.startswith("choice(") or value.startswith("range("):
+            names = [v.strip(" '\"") for v in value[value.index("(") + 1: -1].split(",")] \
+                if value.startswith("choice(") else []
+        else:
+            names = [v.strip() for v in value.split(",")]
+        for name in names:
+            if name and name not in allowed:
+                close = difflib.get_close_matches(name, allowed, n=1)
+                hint = f" Did you mean '{close[0]}'?" if close else ""
+                return f"Unknown {key} '{name}'.{hint} Available: {', '.join(allowed)}"
+    return None
+
+
+def _one_line_errors():
+    from luka_bench.data.base import DataError
+    from luka_bench.methods.base import MethodConfigError
+    from luka_bench.models import ModelUnavailable
+    from luka_bench.results import RunFolderError
+    from luka_bench.run import PromptTooLong
+
+    return (DataError, MethodConfigError, ModelUnavailable, RunFolderError, PromptTooLong)
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    from hydra.errors import InstantiationException
+
+    while isinstance(e, InstantiationException) and e.__cause__ is not None:
+        e = e.__cause__
+    return e
+
+
+def main() -> None:
+    msg = check_group_overrides(sys.argv[1:])
+    if msg:
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
+
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig, open_dict
+
+    @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+    def _app(cfg: DictConfig) -> None:
+        from luka_bench.run import run
+
+        hc = HydraConfig.get()
+        with open_dict(cfg):
+            for g in GROUPS:
+                cfg[f"{g}_name"] = hc.runtime.choices.get(g)
+        try:
+            run(cfg, hc.runtime.output_dir)
+        except Exception as e:  # noqa: BLE001 - turn known bad input into one line, re-raise the rest
+            inner = _unwrap(e)
+            if isinstance(inner, _one_line_errors()):
+                print(f"error: {inner}", file=sys.stderr)
+                sys.exit(2)
+            raise
+
+    _app()
+
+
+if __name__ == "__main__":
+    main()

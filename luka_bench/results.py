@@ -1,0 +1,156 @@
+"""The run folder: ``config.yaml`` (resolved), ``predictions.jsonl`` (one line per item, appended and flushed as
+each finishes), ``metrics.json`` (written atomically at the end), ``env.json`` (git SHA, versions, device, seed).
+
+Resume: opening a folder that already holds a run of the *same* config returns the finished item ids, so they
+are not redone; a half-written last line (a crash mid-write) is dropped. A folder holding a run of a different
+config is refused with one line, and nothing in it is touched.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Keys that may change between a run and its resumption (more items, other display settings).
+_VOLATILE = {("data", "limit"), ("progress",)}
+
+
+class RunFolderError(RuntimeError):
+    """The folder cannot take this run. One line."""
+
+
+def _flatten(d: Any, prefix: tuple = ()) -> dict[tuple, Any]:
+    if isinstance(d, dict):
+        out: dict[tuple, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, prefix + (k,)))
+        return out
+    return {prefix: d}
+
+
+def config_difference(old: dict, new: dict) -> list[str]:
+    a, b = _flatten(old), _flatten(new)
+    diffs = []
+    for key in sorted(set(a) | set(b), key=str):
+        if key in _VOLATILE or key[:2] in _VOLATILE:
+            continue
+        if a.get(key, "<unset>") != b.get(key, "<unset>"):
+            diffs.append(f"{'.'.join(map(str, key))}: {a.get(key, '<unset>')!r} -> {b.get(key, '<unset>')!r}")
+    return diffs
+
+
+class RunFolder:
+    def __init__(self, path: str | Path, config: dict):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.config = config
+        self.pred_path = self.path / "predictions.jsonl"
+        self.metrics_path = self.path / "metrics.json"
+        cfg_path = self.path / "config.yaml"
+        if cfg_path.exists():
+            old = yaml.safe_load(cfg_path.read_text()) or {}
+            diffs = config_difference(old, config)
+            if diffs:
+                raise RunFolderError(
+                    f"{self.path} already holds a run with another config ({diffs[0]}"
+                    f"{f' and {len(diffs) - 1} more' if len(diffs) > 1 else ''}); "
+                    "pick a new hydra.run.dir or repeat the original overrides to resume")
+        self.done: dict[str, dict] = self._read_predictions()
+        self._write_atomic(cfg_path, yaml.safe_dump(config, sort_keys=False))
+
+    # -- predictions ---------------------------------------------------------------------------------------
+    def _read_predictions(self) -> dict[str, dict]:
+        if not self.pred_path.exists():
+            return {}
+        good, records = [], {}
+        raw = self.pred_path.read_text(encoding="utf-8")
+        for line in raw.splitlines(keepends=True):
+            try:
+                if not line.endswith("\n"):
+                    raise ValueError("partial line")
+                rec = json.loads(line)
+            except ValueError:
+                break  # a crash mid-write: drop this line and anything after it
+            records[rec["item_id"]] = rec
+            good.append(line)
+        if len(good) != len(raw.splitlines(keepends=True)):
+            self._write_atomic(self.pred_path, "".join(good))
+        return records
+
+    def append(self, record: dict) -> None:
+        line = json.dumps(record, ensure_ascii=False, default=_json_default) + "\n"
+        with open(self.pred_path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        self.done[record["item_id"]] = record
+
+    # -- metrics / env -------------------------------------------------------------------------------------
+    def write_metrics(self, metrics: dict) -> None:
+        self._write_atomic(self.metrics_path, json.dumps(metrics, indent=2, default=_json_default) + "\n")
+
+    def write_env(self, env: dict) -> None:
+        self._write_atomic(self.path / "env.json", json.dumps(env, indent=2, default=_json_default) + "\n")
+
+    @staticmethod
+    def _write_atomic(path: Path, text: str) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+
+
+def _json_default(o):
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def git_sha(repo_dir: Path) -> dict:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo_dir, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo_dir,
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+        return {"git_sha": sha or None, "git_dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"git_sha": None, "git_dirty": None}
+
+
+def environment(seed: int, device: str, dtype: str) -> dict:
+    import torch
+    import transformers
+
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    env = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": socket.gethostname(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "argv": sys.argv,
+        "seed": seed,
+        "device": device,
+        "dtype": dtype,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch_threads": torch.get_num_threads(),
+        "versions": {n: ver(n) for n in ("luka_bench", "torch", "transformers", "hydra-core", "datasets")},
+    }
+    env["versions"]["transformers"] = transformers.__version__
+    env.update(git_sha(Path(__file__).resolve().parent.parent))
+    return env

