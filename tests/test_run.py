@@ -1,0 +1,118 @@
+"""The runner in-process on tiny models: resume, isolation between questions, perplexity protocol."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import luka_bench.run as R
+from luka_bench import metrics as M
+from luka_bench.methods.full import Full
+from luka_bench.methods.hf import attach
+from luka_bench.methods.streaming_llm import StreamingLLM
+
+from conftest import compose
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_resume_does_not_redo_finished_items(tmp_path, monkeypatch):
+    cfg = compose("model=tiny_llama", "data.limit=2", "max_new_tokens=3", "progress=false")
+    first = R.run(cfg, tmp_path)
+    lines = (tmp_path / "predictions.jsonl").read_text().splitlines(keepends=True)
+    n_items = len(lines)
+    assert n_items == first["n_examples"] >= 4
+    # interrupt: keep the first 3 items plus half a line, lose metrics.json
+    (tmp_path / "predictions.jsonl").write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])
+    (tmp_path / "metrics.json").unlink()
+    calls = []
+    real = R.greedy_answer
+    monkeypatch.setattr(R, "greedy_answer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = R.run(cfg, tmp_path)
+    assert len(calls) == n_items - 3
+    recs = read_jsonl(tmp_path / "predictions.jsonl")
+    assert [r["item_id"] for r in recs] == [json.loads(x)["item_id"] for x in lines]
+    assert [r["prediction"] for r in recs] == [json.loads(x)["prediction"] for x in lines]
+    assert again["em_lenient"] == first["em_lenient"] and again["n_examples"] == n_items
+    # a third run finds everything done
+    calls.clear()
+    R.run(cfg, tmp_path)
+    assert calls == []
+
+
+def test_question_after_another_equals_alone(tiny_llama):
+    """Isolation: the answer to question 2 must not depend on question 1 having been asked first."""
+    lm = tiny_llama
+    tok = lm.tokenizer
+    ctx, q1 = R.qa_prompt_ids(tok, False, "some context text " * 8, "\nQuestion one?\nAnswer:")
+    _, q2 = R.qa_prompt_ids(tok, False, "some context text " * 8, "\nAnother question?\nAnswer:")
+    for method in (Full(), StreamingLLM(budget=0.3)):
+        with attach(lm.model, method) as a:
+            cache = a.new_cache()
+            R.prefill(lm.model, ctx, cache)
+            c1 = cache.clone()
+            R.greedy_answer(lm.model, tok, c1, q1, 8, set(), ())
+            after = R.greedy_answer(lm.model, tok, cache.clone(), q2, 8, set(), ())
+            fresh = a.new_cache()
+            R.prefill(lm.model, ctx, fresh)
+            alone = R.greedy_answer(lm.model, tok, fresh, q2, 8, set(), ())
+        assert after.token_ids == alone.token_ids
+        assert c1.get_seq_length() > cache.get_seq_length()  # the first question really used its own copy
+
+
+def test_chunked_prefill_equals_one_pass(tiny_qwen3):
+    lm = tiny_qwen3
+    ids = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(0)).tolist()
+    with attach(lm.model, Full()) as a:
+        one = R.forward(lm.model, ids, a.new_cache())
+        chunked = R.forward(lm.model, ids, a.new_cache(), chunk=16)
+    assert torch.allclose(one, chunked, atol=1e-4)
+
+
+def test_teacher_forced_nll_equals_one_forward(tiny_llama):
+    """The pg19 protocol with full attention equals the log-likelihood of one un-cached forward."""
+    lm = tiny_llama
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with attach(lm.model, Full()) as a:
+        nll, steps = R.teacher_forced_nll(lm.model, a.new_cache(), ids)
+    with torch.no_grad():
+        logits = lm.model(torch.tensor([ids]), use_cache=False).logits[0].float()
+    ref = -torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert len(nll) == 39 and len(steps) == 38
+    assert torch.allclose(torch.tensor(nll), ref, atol=1e-4)
+
+
+def test_perplexity_is_token_weighted():
+    # two documents: 1 token with NLL 4, 3 tokens with NLL 0 each -> exp(4/4) = e, not mean of exp(4), exp(0)
+    assert M.perplexity([4.0, 0.0], [1, 3]) == pytest.approx(math.e)
+    recs = [{"nll_sum": 4.0, "n_tokens": 1}, {"nll_sum": 0.0, "n_tokens": 3}]
+    assert M.ppl_summary(recs)["perplexity"] == pytest.approx(math.e)
+    with pytest.raises(ValueError):
+        M.perplexity([], [])
+
+
+def test_ppl_run_streaming_budget_one_equals_full(tmp_path):
+    text = tmp_path / "book.txt"
+    text.write_text("It was a bright cold day in April, and the clocks were striking thirteen. " * 6)
+    common = ["model=tiny_llama", "data=pg19", "data.source=file", f"data.path={text}", "data.max_tokens=200",
+              "progress=false"]
+    full = R.run(compose(*common), tmp_path / "full")
+    stream = R.run(compose(*common, "method=streaming_llm", "method.budget=1.0"), tmp_path / "s1")
+    small = R.run(compose(*common, "method=streaming_llm", "method.budget=0.25"), tmp_path / "s25")
+    assert math.isfinite(full["perplexity"]) and full["n_tokens"] == 199
+    assert stream["perplexity"] == pytest.approx(full["perplexity"], rel=1e-5)
+    assert small["kv_ratio"] == pytest.approx(0.25, abs=0.01)
+    assert full["kv_ratio"] == 1.0
+
+
+def test_kv_summary_and_latency():
+    recs = [{"kv_bytes_prefill": 10, "kv_bytes_peak": 30, "kv_bytes_full": 100, "ttft_s": 1.0, "tpot_s": 0.1},
+            {"kv_bytes_prefill": 20, "kv_bytes_peak": 10, "kv_bytes_full": 100, "ttft_s": 3.0, "tpot_s": None}]
+    kv = M.kv_summary(recs)
+    assert kv["kv_ratio"] == pytest.approx(0.2)
+    assert kv["kv_bytes"] == {"after_prefill": 15, "peak": 30}
+    assert M.latency_summary(recs) == {"ttft_s": 2.0, "tpot_s": 0.1}
