@@ -195,3 +195,40 @@ def exact_attention(store: "KVStore", query: torch.Tensor, scaling: float,
     """Exact attention of the last query chunk over everything the store holds."""
     mask = chunk_mask(store, query.shape[2], sliding_window)
     return sdpa(query, store.keys, store.values, scaling, mask)
+
+
+def attention_with_mass(store: "KVStore", query: torch.Tensor, scaling: float,
+                        chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of the last query chunk over everything held, and the attention mass each held token
+    received, summed over the queries and over the query heads of each KV group (GQA): returns
+    (output [B, Hq, Lq, Dv], mass [B, Hkv, n] float32). Softmax in fp32. Queries are processed ``chunk`` at a
+    time so a long prefill never materialises the full N x N weights (a prefill-only loop; a decode step is one
+    chunk)."""
+    k, v = store.keys, store.values
+    b, hq, lq, d = query.shape
+    hkv, n = k.shape[1], k.shape[2]
+    g = hq // hkv
+    q = query.view(b, hkv, g, lq, d)
+    past = n - lq
+    out = query.new_empty(b, hkv, g, lq, v.shape[-1])
+    mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=query.device)
+    kt = k.transpose(-1, -2).unsqueeze(2)  # [B, Hkv, 1, D, n]
+    vv = v.unsqueeze(2)
+    for s in range(0, lq, chunk):
+        qc = q[:, :, :, s: s + chunk]
+        logits = (qc @ kt).float() * scaling  # [B, Hkv, g, c, n]
+        if lq > 1:
+            qi = torch.arange(s, s + qc.shape[3], device=query.device)
+            visible = torch.arange(n, device=query.device)[None, :] <= (past + qi)[:, None]
+            logits = logits.masked_fill(~visible, float("-inf"))
+        w = torch.softmax(logits, dim=-1)
+        out[:, :, :, s: s + chunk] = (w.to(v.dtype) @ vv)
+        mass += w.sum(dim=(2, 3))
+    return out.view(b, hq, lq, v.shape[-1]), mass
+
+
+def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` highest scores along the last axis, in time order. Ties go to the earlier token
+    (a stable sort), so a selection is reproducible — max pooling makes plateaus of equal scores."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    return order.sort(dim=-1).values

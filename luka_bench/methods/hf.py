@@ -51,6 +51,7 @@ class KVStore(CacheLayerMixin):
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None
+        self._aux: dict[str, torch.Tensor] = {}  # per-token method state [B, Hkv, cap], kept aligned with keys
         self.n = 0
         self.seen = 0
 
@@ -78,6 +79,14 @@ class KVStore(CacheLayerMixin):
         """Logical position of each held token, [B, Hkv, n] (int64)."""
         return self._pos[:, :, : self.n]
 
+    def aux(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A per-held-token tensor [B, Hkv, n] owned by the policy (e.g. accumulated attention mass). It is
+        created zero-filled on first use, new tokens get 0, and ``keep``/``keep_ends`` move it with the keys."""
+        if name not in self._aux:
+            b, h, cap = self._k.shape[:3]
+            self._aux[name] = torch.zeros(b, h, cap, dtype=dtype, device=self._k.device)
+        return self._aux[name][:, :, : self.n]
+
     @property
     def device(self) -> torch.device:
         return self._k.device
@@ -101,6 +110,10 @@ class KVStore(CacheLayerMixin):
             k[:, :, : self.n] = self.keys
             v[:, :, : self.n] = self.values
             pos[:, :, : self.n] = self.positions
+        for name, a in self._aux.items():
+            new = torch.zeros(b, h, cap, dtype=a.dtype, device=a.device)
+            new[:, :, : self.n] = a[:, :, : self.n]
+            self._aux[name] = new
         self._k, self._v, self._pos = k, v, pos
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -112,6 +125,8 @@ class KVStore(CacheLayerMixin):
         self._k[:, :, self.n : need] = key_states
         self._v[:, :, self.n : need] = value_states
         self._pos[:, :, self.n : need] = torch.arange(self.seen, self.seen + L, device=key_states.device)
+        for a in self._aux.values():
+            a[:, :, self.n : need] = 0
         self.n = need
         self.seen += L
 
@@ -124,18 +139,23 @@ class KVStore(CacheLayerMixin):
             m = index.numel()
             k, v, pos = self.keys.index_select(2, index), self.values.index_select(2, index), \
                 self.positions.index_select(2, index)
+            aux = {name: a[:, :, : self.n].index_select(2, index) for name, a in self._aux.items()}
         else:
             m = index.shape[-1]
             ik = index.unsqueeze(-1)
             k = self.keys.gather(2, ik.expand(b, h, m, self._k.shape[-1]))
             v = self.values.gather(2, ik.expand(b, h, m, self._v.shape[-1]))
             pos = self.positions.gather(2, index)
+            aux = {name: a[:, :, : self.n].gather(2, index) for name, a in self._aux.items()}
         if m < self._k.shape[2] // 2:
             self._k, self._v, self._pos = k.contiguous(), v.contiguous(), pos.contiguous()
+            self._aux = {name: a.contiguous() for name, a in aux.items()}
         else:
             self._k[:, :, :m] = k
             self._v[:, :, :m] = v
             self._pos[:, :, :m] = pos
+            for name, a in aux.items():
+                self._aux[name][:, :, :m] = a
         self.n = m
 
     def keep_ends(self, head: int, tail: int) -> None:
@@ -150,6 +170,8 @@ class KVStore(CacheLayerMixin):
             self._k[:, :, dst] = self._k[:, :, src].clone()
             self._v[:, :, dst] = self._v[:, :, src].clone()
             self._pos[:, :, dst] = self._pos[:, :, src].clone()
+            for a in self._aux.values():
+                a[:, :, dst] = a[:, :, src].clone()
             self.n = head + tail
             return
         index = torch.cat([torch.arange(head, device=self.device),
@@ -168,7 +190,7 @@ class KVStore(CacheLayerMixin):
     def allocated_bytes(self) -> int:
         if self._k is None:
             return 0
-        return self._k.nbytes + self._v.nbytes + self._pos.nbytes
+        return self._k.nbytes + self._v.nbytes + self._pos.nbytes + sum(a.nbytes for a in self._aux.values())
 
     def full_bytes(self) -> int:
         """What plain full attention would hold for this layer at the same logical length."""
@@ -198,6 +220,7 @@ class KVStore(CacheLayerMixin):
 
     def reset(self) -> None:
         self._k = self._v = self._pos = None
+        self._aux = {}
         self.n = self.seen = 0
         self.is_initialized = False
 

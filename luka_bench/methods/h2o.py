@@ -1,0 +1,87 @@
+"""H2O: Heavy-Hitter Oracle (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
+Language Models", NeurIPS 2023). Also the LuKA paper's *lined* attention (``conf/method/luka_lined.yaml``).
+
+Every held token accumulates the attention mass it receives, over the prefill and every later step (no decay
+unless ``decay`` is set: then ``mass <- decay * mass + new`` at every forward). After the prefill and after every
+later step, a layer keeps its ``recent`` most recent tokens plus the ``capacity - recent`` older tokens with the
+highest accumulated mass (the heavy hitters) and physically evicts the rest.
+
+GQA: scores are per KV head, the mass summed over the query heads of its group; each KV head keeps its own set.
+Attention is computed explicitly (``base.attention_with_mass``: grouped matmul + fp32 softmax, query-chunked in
+the prefill) only on the layers this method runs on; the model's other layers keep SDPA.
+
+Budget: ``capacity = ceil(budget * max(seen, reference_length))`` tokens held per layer, recent window
+included; ``recent = max(min_recent, round(recent_fraction * capacity))``, at most ``capacity``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, attention_with_mass, top_indices
+
+MASS = "h2o_mass"
+
+
+class H2OPolicy(LayerPolicy):
+    def attend(self, store, query, scaling):
+        out, mass = attention_with_mass(store, query, scaling)
+        acc = store.aux(MASS)
+        if self.method.decay is not None:
+            acc.mul_(self.method.decay)
+        acc.add_(mass)
+        return out
+
+    def split(self, cap: int) -> tuple[int, int]:
+        """(heavy, recent) token counts for a capacity."""
+        m = self.method
+        recent = min(cap, max(m.min_recent, round(m.recent_fraction * cap)))
+        return cap - recent, recent
+
+    def evict(self, store) -> None:
+        cap = self.capacity(store)
+        n = store.n
+        if n <= cap:
+            return
+        heavy, recent = self.split(cap)
+        older = n - recent
+        b, h = store.keys.shape[:2]
+        tail = torch.arange(older, n, device=store.device).expand(b, h, recent)
+        if heavy > 0:
+            top = top_indices(store.aux(MASS)[:, :, :older], heavy)
+            index = torch.cat([top, tail], dim=-1)
+        else:
+            index = tail
+        store.keep(index)
+
+    def after_prefill(self, store) -> None:
+        self.evict(store)
+
+    def after_step(self, store) -> None:
+        self.evict(store)
+
+
+@dataclass
+class H2O(KVMethod):
+    """recent_fraction: share of the capacity given to the recent window (H2O paper: half heavy, half recent);
+    min_recent: the recent window is at least this many tokens; decay: None (accumulate without decay, as the
+    H2O and LuKA papers) or a factor in (0, 1] applied to the accumulated mass at every forward."""
+
+    budget: float = 0.125
+    recent_fraction: float = 0.5
+    min_recent: int = 0
+    decay: float | None = None
+
+    name: ClassVar[str] = "h2o"
+    policy_class: ClassVar[type[LayerPolicy]] = H2OPolicy
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (0.0 <= float(self.recent_fraction) <= 1.0):
+            raise MethodConfigError(f"method.recent_fraction={self.recent_fraction!r} must be in [0, 1]")
+        if not isinstance(self.min_recent, int) or self.min_recent < 0:
+            raise MethodConfigError(f"method.min_recent={self.min_recent!r} must be an integer >= 0")
+        if self.decay is not None and not (0.0 < float(self.decay) <= 1.0):
+            raise MethodConfigError(f"method.decay={self.decay!r} must be null or in (0, 1]")

@@ -1,0 +1,108 @@
+"""SnapKV (Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", 2024).
+
+Prefill-time selection, once, after the context prefill: the last ``window`` prompt queries (the observation
+window) attend over the whole prompt (causal, fp32 softmax); each earlier token's score is the attention it
+receives from those queries, summed over the window and over the query heads of its KV group (GQA: per KV
+head); scores are smoothed along the sequence by 1-D pooling (``kernel``, ``pooling`` = max | avg, stride 1,
+same length); each KV head keeps its top ``capacity - window`` tokens plus the window itself. Later tokens
+(question, answer) are appended and kept: SnapKV does not evict while decoding.
+
+Budget: ``capacity = ceil(budget * context length)`` tokens per layer after the prefill, window included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, exact_attention, top_indices
+
+
+def window_scores(q_window: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention mass each held token receives from the window queries. q_window [B, Hq, w, D] are the queries
+    of the last w held tokens; keys [B, Hkv, n, D]. Returns [B, Hkv, n] (summed over window and group)."""
+    b, hq, w, d = q_window.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    g = hq // hkv
+    q = q_window.reshape(b, hkv, g, w, d)
+    logits = (q @ keys.transpose(-1, -2).unsqueeze(2)).float() * scaling  # [B, Hkv, g, w, n]
+    qpos = n - w + torch.arange(w, device=keys.device)
+    visible = torch.arange(n, device=keys.device)[None, :] <= qpos[:, None]
+    weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    return weights.sum(dim=(2, 3))
+
+
+def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
+    """1-D pooling along the token axis, stride 1, output the same length. scores [B, H, m]."""
+    if kernel <= 1 or scores.shape[-1] == 0:
+        return scores
+    b, h, m = scores.shape
+    x = scores.reshape(b * h, 1, m)
+    pad = kernel // 2
+    if pooling == "max":
+        y = F.max_pool1d(F.pad(x, (pad, kernel - 1 - pad), value=float("-inf")), kernel, stride=1)
+    else:  # avg over the in-range neighbours
+        y = F.avg_pool1d(F.pad(x, (pad, kernel - 1 - pad)), kernel, stride=1) * kernel
+        cnt = F.avg_pool1d(F.pad(torch.ones_like(x), (pad, kernel - 1 - pad)), kernel, stride=1) * kernel
+        y = y / cnt
+    return y.reshape(b, h, m)
+
+
+class SnapKVPolicy(LayerPolicy):
+    def __init__(self, method, info):
+        super().__init__(method, info)
+        self.q_window: torch.Tensor | None = None
+
+    def attend(self, store, query, scaling):
+        if store.cache.phase == "prefill":
+            # keep the last `window` prompt queries (post-RoPE), across prefill chunks
+            w = self.method.window
+            q = query if self.q_window is None else torch.cat([self.q_window, query], dim=2)
+            self.q_window = q[:, :, -w:].detach()
+            self.scaling = scaling
+        return exact_attention(store, query, scaling)
+
+    def after_prefill(self, store) -> None:
+        cap = self.capacity(store)
+        n = store.n
+        q, self.q_window = self.q_window, None  # free it: not needed after compression
+        if n <= cap or q is None:
+            return
+        w = min(q.shape[2], cap)
+        prefix = n - w
+        keep = cap - w
+        b, h = store.keys.shape[:2]
+        window = torch.arange(prefix, n, device=store.device).expand(b, h, w)
+        if keep > 0:
+            scores = window_scores(q, store.keys, self.scaling)[:, :, :prefix]
+            scores = pool_scores(scores, self.method.kernel, self.method.pooling)
+            top = top_indices(scores, keep)
+            index = torch.cat([top, window], dim=-1)
+        else:
+            index = window
+        store.keep(index)
+
+
+@dataclass
+class SnapKV(KVMethod):
+    """window: observation window (last prompt queries; reference code 32-64); kernel: pooling kernel size
+    (reference 5-7); pooling: max | avg."""
+
+    budget: float = 0.125
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+
+    name: ClassVar[str] = "snapkv"
+    policy_class: ClassVar[type[LayerPolicy]] = SnapKVPolicy
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.window, int) or self.window < 1:
+            raise MethodConfigError(f"method.window={self.window!r} must be an integer >= 1 (reference: 32-64)")
+        if not isinstance(self.kernel, int) or self.kernel < 1:
+            raise MethodConfigError(f"method.kernel={self.kernel!r} must be an integer >= 1 (reference: 5-7)")
+        if self.pooling not in ("max", "avg"):
+            raise MethodConfigError(f"method.pooling={self.pooling!r} is unknown; allowed: max, avg")

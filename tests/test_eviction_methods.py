@@ -1,0 +1,323 @@
+"""H2O (= LuKA lined), SnapKV and per-layer assignment: the invariants from their papers, on tiny models."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from luka_bench.methods.base import MethodConfigError
+from luka_bench.methods.full import Full
+from luka_bench.methods.h2o import H2O, MASS, H2OPolicy
+from luka_bench.methods.hf import attach, layer_infos
+from luka_bench.methods.layered import Layered, select_layers
+from luka_bench.methods.snapkv import SnapKV, SnapKVPolicy
+
+from conftest import CONF, compose, tiny
+from test_methods_core import method_logits
+
+METHOD_CONFIGS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
+
+
+def with_budget_one(node):
+    """Every `budget` in a method config (nested ones too) set to 1.0."""
+    if OmegaConf.is_dict(node):
+        for k in node:
+            if k == "budget":
+                node[k] = 1.0
+            else:
+                with_budget_one(node[k])
+    elif OmegaConf.is_list(node):
+        for x in node:
+            with_budget_one(x)
+    return node
+
+
+@pytest.mark.parametrize("name", METHOD_CONFIGS)
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+def test_every_method_config_with_whole_budget_equals_full(name, arch, request):
+    """Any method given the whole context as budget must equal full attention (every conf/method/*.yaml)."""
+    lm = request.getfixturevalue(arch)
+    cfg = compose(f"method={name}", "model=tiny_llama")
+    method = instantiate(with_budget_one(cfg.method))
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(7))
+    ref, _ = method_logits(lm.model, Full(), ids, 36)
+    got, cache = method_logits(lm.model, method, ids, 36)
+    assert torch.allclose(got, ref, atol=1e-4, rtol=0), (name, (got - ref).abs().max())
+    assert all(s.n == 48 for s in cache.stores)
+
+
+# ---------------------------------------------------------------------------------------------------------- H2O
+
+def eager_weights(model, ids):
+    """Per-layer attention weights [Hq, L, L] of one eager forward (explicit softmax), the slow way."""
+    prev = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(ids, output_attentions=True, use_cache=False)
+    finally:
+        model.set_attn_implementation(prev)
+    return [a[0] for a in out.attentions]
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+def test_h2o_scores_are_attention_column_sums(arch, request):
+    """Accumulated mass after a prefill of 30 tokens and 6 decode steps = column sums of the attention weights of
+    those 36 queries (eager, explicit softmax), summed over the query heads of each KV group."""
+    lm = request.getfixturevalue(arch)
+    model = lm.model
+    ids = torch.randint(0, 256, (1, 36), generator=torch.Generator().manual_seed(8))
+    with attach(model, H2O(budget=1.0)) as a, torch.no_grad():
+        c = a.new_cache()
+        c.reference_length = 30
+        model(ids[:, :30], past_key_values=c)
+        c.end_prefill()
+        for t in range(30, 36):
+            model(ids[:, t: t + 1], past_key_values=c)
+    weights = eager_weights(model, ids)
+    g = model.config.num_attention_heads // model.config.num_key_value_heads
+    for store, w in zip(c.stores, weights):
+        hq, L, _ = w.shape
+        ref = w.sum(dim=1).view(hq // g, g, L).sum(dim=1)  # [Hkv, L]
+        assert torch.allclose(store.aux(MASS)[0], ref, atol=1e-4), (store.aux(MASS)[0] - ref).abs().max()
+
+
+def test_h2o_decay_applies_per_forward(tiny_llama):
+    model = tiny_llama.model
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(9))
+    with attach(model, H2O(budget=1.0, decay=0.5)) as a, torch.no_grad():
+        c = a.new_cache()
+        model(ids[:, :10], past_key_values=c)
+        c.end_prefill()
+        model(ids[:, 10:11], past_key_values=c)
+    w = eager_weights(model, ids[:, :11])[0]
+    g = 2
+    prefill = w[:, :10].sum(1).view(2, g, 11).sum(1)
+    step = w[:, 10].view(2, g, 11).sum(1)
+    assert torch.allclose(c.stores[0].aux(MASS)[0], 0.5 * prefill + step, atol=1e-4)
+
+
+def test_h2o_keeps_heavy_hitters_and_recent_per_kv_head_and_frees_memory():
+    lm = tiny("qwen3", num_hidden_layers=1)  # one layer: its kept set can be checked against a masked forward
+    model = lm.model
+    ids = torch.randint(0, 256, (1, 81), generator=torch.Generator().manual_seed(10))
+    method = H2O(budget=0.25, recent_fraction=0.5)
+    with attach(model, method) as a, torch.no_grad():
+        c = a.new_cache()
+        c.reference_length = 80
+        model(ids[:, :80], past_key_values=c)
+        store = c.stores[0]
+        mass = store.aux(MASS).clone()
+        alloc = c.allocated_bytes()
+        c.end_prefill()
+        assert store.n == 20 and c.allocated_bytes() < alloc / 2
+        pos = store.positions[0]  # [Hkv, 20]
+        for h in range(pos.shape[0]):
+            heavy = set(mass[0, h, :70].topk(10).indices.tolist())
+            assert set(pos[h, :10].tolist()) == heavy
+            assert pos[h, 10:].tolist() == list(range(70, 80))
+        kept = pos.clone()
+        got = model(ids[:, 80:81], past_key_values=c).logits[0, -1]
+    # reference: eager forward where the last query sees, per KV head, exactly the kept tokens and itself
+    hq, hkv = model.config.num_attention_heads, model.config.num_key_value_heads
+    allowed = torch.ones(hq, 81, 81, dtype=torch.bool).tril()
+    allowed[:, 80] = False
+    for qh in range(hq):
+        allowed[qh, 80, kept[qh // (hq // hkv)].tolist() + [80]] = True
+    mask = torch.zeros(1, hq, 81, 81).masked_fill(~allowed[None], torch.finfo(torch.float32).min)
+    prev = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            ref = model(ids, attention_mask=mask, use_cache=False).logits[0, -1]
+    finally:
+        model.set_attn_implementation(prev)
+    assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
+    assert c.stores[0].n == 21  # ceil(0.25 * 81)
+
+
+def test_h2o_evicts_at_every_decode_step(tiny_llama):
+    model = tiny_llama.model
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(11))
+    with attach(model, H2O(budget=0.5)) as a, torch.no_grad():
+        c = a.new_cache()
+        c.reference_length = 40
+        model(ids[:, :40], past_key_values=c)
+        c.end_prefill()
+        sizes = []
+        for t in range(40, 60):
+            model(ids[:, t: t + 1], past_key_values=c)
+            sizes.append(c.stores[0].n)
+    assert sizes == [-(-(t + 1) // 2) for t in range(40, 60)]
+    assert c.held_bytes() / c.full_bytes() == pytest.approx(0.5)
+
+
+def test_luka_lined_is_h2o_with_the_paper_settings():
+    cfg = compose("method=luka_lined")
+    m = instantiate(cfg.method)
+    assert isinstance(m, H2O) and m.decay is None and m.min_recent == 128 and m.budget == 0.125
+    heavy, recent = H2OPolicy(m, None).split(400)
+    assert (heavy, recent) == (272, 128)
+
+
+# -------------------------------------------------------------------------------------------------------- SnapKV
+
+def slow_snapkv_indices(q, k, scaling, cap, window, kernel, pooling):
+    """A readable reference: loops over heads and tokens."""
+    _, hq, w, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    g = hq // hkv
+    prefix = n - window
+    out = []
+    for h in range(hkv):
+        score = [0.0] * n
+        for qh in range(h * g, (h + 1) * g):
+            for i in range(window):
+                qpos = n - window + i
+                logits = [float(q[0, qh, i] @ k[0, h, j]) * scaling for j in range(qpos + 1)]
+                p = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0).tolist()
+                for j in range(qpos + 1):
+                    score[j] += p[j]
+        pooled = []
+        for j in range(prefix):
+            nb = [score[x] for x in range(j - kernel // 2, j - kernel // 2 + kernel) if 0 <= x < prefix]
+            pooled.append(max(nb) if pooling == "max" else sum(nb) / len(nb))
+        top = sorted(range(prefix), key=lambda j: -pooled[j])[: cap - window]
+        out.append(sorted(top) + list(range(prefix, n)))
+    return out
+
+
+class RecordingSnapKV(SnapKVPolicy):
+    seen: dict = {}
+
+    def after_prefill(self, store):
+        RecordingSnapKV.seen[self.info.layer_idx] = (self.q_window.clone(), store.keys.clone(), self.scaling)
+        super().after_prefill(store)
+
+
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+def test_snapkv_kept_indices_equal_slow_reference(arch, pooling, request):
+    lm = request.getfixturevalue(arch)
+    model = lm.model
+    method = SnapKV(budget=0.4, window=6, kernel=5, pooling=pooling)
+    method.policy_class = RecordingSnapKV  # instance attribute: records queries/keys before compressing
+    ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(12))
+    with attach(model, method) as a, torch.no_grad():
+        c = a.new_cache()
+        c.reference_length = 50
+        model(ids, past_key_values=c)
+        c.end_prefill()
+    for store in c.stores:
+        q, k, scaling = RecordingSnapKV.seen[store.policy.info.layer_idx]
+        ref = slow_snapkv_indices(q, k, scaling, 20, 6, 5, pooling)
+        assert store.positions[0].tolist() == ref
+        assert store.n == 20
+
+
+def test_snapkv_compresses_once_then_grows(tiny_llama):
+    model = tiny_llama.model
+    ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(13))
+    with attach(model, SnapKV(budget=0.25, window=8)) as a, torch.no_grad():
+        c = a.new_cache()
+        c.reference_length = 60
+        model(ids[:, :60], past_key_values=c)
+        c.end_prefill()
+        assert c.held_tokens() == [15] * 3
+        for t in range(60, 70):
+            model(ids[:, t: t + 1], past_key_values=c)
+        assert c.held_tokens() == [25] * 3 and c.get_seq_length() == 70
+        assert c.stores[0].positions[0, 0, -10:].tolist() == list(range(60, 70))
+
+
+def test_snapkv_chunked_prefill_keeps_the_last_window(tiny_llama):
+    model = tiny_llama.model
+    ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(14))
+    kept = []
+    for chunk in (50, 16):
+        with attach(model, SnapKV(budget=0.3, window=8)) as a, torch.no_grad():
+            c = a.new_cache()
+            c.reference_length = 50
+            for s in range(0, 50, chunk):
+                model(ids[:, s: s + chunk], past_key_values=c)
+            c.end_prefill()
+            kept.append(c.stores[1].positions.clone())
+    assert torch.equal(kept[0], kept[1])
+
+
+@pytest.mark.parametrize("kw", [dict(window=0), dict(kernel=0), dict(pooling="median"), dict(budget=2.0)])
+def test_snapkv_bad_settings(kw):
+    with pytest.raises(MethodConfigError):
+        SnapKV(**kw)
+
+
+# ---------------------------------------------------------------------------------------------- state isolation
+
+@pytest.mark.parametrize("method", [H2O(budget=0.3), SnapKV(budget=0.3, window=4)], ids=["h2o", "snapkv"])
+def test_no_state_leaks_between_prompts(method, tiny_llama):
+    model = tiny_llama.model
+    a_ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(15))
+    b_ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(16))
+
+    def run(ids, att):
+        c = att.new_cache()
+        c.reference_length = 32
+        with torch.no_grad():
+            model(ids[:, :32], past_key_values=c)
+            c.end_prefill()
+            out = [model(ids[:, t: t + 1], past_key_values=c).logits for t in range(32, 40)]
+        return torch.cat(out, 1), c.stores[0].positions.clone()
+
+    with attach(model, method) as att:
+        run(a_ids, att)
+        after_a = run(b_ids, att)
+    with attach(model, method) as att:
+        alone = run(b_ids, att)
+    assert torch.equal(after_a[0], alone[0]) and torch.equal(after_a[1], alone[1])
+
+
+# ------------------------------------------------------------------------------------------ per-layer assignment
+
+def test_layer_selectors():
+    assert select_layers("first:8", 36) == set(range(8))
+    assert select_layers("last:8", 36) == set(range(28, 36))
+    assert select_layers("first:8/36,last:8/36", 30) == set(range(7)) | set(range(23, 30))
+    assert select_layers("first:25%", 8) == {0, 1}
+    assert select_layers("2-4,7,-1", 10) == {2, 3, 4, 7, 9}
+    assert select_layers("type:sliding_attention", 4, ["sliding_attention", "full_attention"] * 2) == {0, 2}
+    assert select_layers("all", 3) == {0, 1, 2}
+    with pytest.raises(MethodConfigError, match="first:N"):
+        select_layers("middle", 4)
+
+
+def test_assignment_puts_each_method_on_exactly_its_layers():
+    lm = tiny("llama", num_hidden_layers=8)
+    cfg = compose("method=h2o_outer")
+    method = instantiate(cfg.method)
+    infos = layer_infos(lm.model)
+    assert method.assignment(infos) == ["h2o"] * 2 + ["full"] * 4 + ["h2o"] * 2
+    with attach(lm.model, method) as a:
+        c = a.new_cache()
+    kinds = [type(s.policy).__name__ for s in c.stores]
+    assert kinds == ["H2OPolicy"] * 2 + ["LayerPolicy"] * 4 + ["H2OPolicy"] * 2
+    # and the H2O layers evict while the full ones keep everything
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(17))
+    with attach(lm.model, method) as a, torch.no_grad():
+        c = a.new_cache()
+        c.reference_length = 40
+        lm.model(ids, past_key_values=c)
+        c.end_prefill()
+    assert c.held_tokens() == [5, 5, 40, 40, 40, 40, 5, 5]
+
+
+def test_type_selector_on_sliding_layers():
+    lm = tiny("gemma3")
+    method = Layered(rules=[{"layers": "type:full_attention", "method": H2O(budget=0.5)}])
+    infos = layer_infos(lm.model)
+    names = method.assignment(infos)
+    assert names == ["h2o" if i.layer_type == "full_attention" else "full" for i in infos]
+    assert "full" in names and "h2o" in names
