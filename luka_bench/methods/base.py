@@ -83,6 +83,10 @@ class LayerPolicy:
         """Called after ``attend`` on every forward that follows the prefill."""
 
     # -- helpers -------------------------------------------------------------------------------------------
+    def extra_bytes(self) -> int:
+        """Bytes of KV-like state the policy holds besides the store (e.g. summary keys/values)."""
+        return 0
+
     def capacity(self, store: "KVStore") -> int:
         return self.method.capacity(store.seen, store.reference_length)
 

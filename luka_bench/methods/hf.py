@@ -235,6 +235,7 @@ class MethodCache(Cache):
         self.reference_length = 0
         self.phase = "prefill"
         self.peak_bytes = 0  # bytes held at most during the decode phase (see _note)
+        self.timings: dict[str, float] = {}  # seconds per component, summed (methods add; see add_time)
         stores = [KVStore(method.policy_for_layer(info), self) for info in infos]
         super().__init__(layers=stores)
 
@@ -256,8 +257,12 @@ class MethodCache(Cache):
         if self.phase == "decode":
             self.peak_bytes = max(self.peak_bytes, self.held_bytes())
 
+    def add_time(self, key: str, seconds: float) -> None:
+        """Wall-clock time of a method component (attention, refinement, segment_compress, ...)."""
+        self.timings[key] = self.timings.get(key, 0.0) + seconds
+
     def held_bytes(self) -> int:
-        return sum(s.held_bytes() for s in self.stores)
+        return sum(s.held_bytes() + s.policy.extra_bytes() for s in self.stores)
 
     def allocated_bytes(self) -> int:
         return sum(s.allocated_bytes() for s in self.stores)

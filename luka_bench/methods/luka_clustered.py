@@ -1,0 +1,391 @@
+"""LuKA clustered attention (Fei, Rodríguez, Patel, Montemayor, "LuKA: Line and Cluster Key-Value
+Approximations", §3.2 and Algorithm 1): attention over a cover of summary pages and raw tokens, with
+mass-preserving top-down refinement.
+
+Per layer, the oldest raw tokens are grouped into pages of ``page_size`` tokens (from the oldest unsummarised
+token on, never touching the ``sink`` first tokens nor the ``tail`` most recent ones); a compressor turns each
+page into one summary key/value. With ``levels = 2`` every ``page_size`` consecutive pages are summarised again
+into a level-2 node (a tree: node -> pages -> tokens). The *cover* holds each raw token exactly once: itself (sink,
+tail) or one ancestor (the highest summary node above it).
+
+One query (Algorithm 1, eqs. 1-4), vectorised over KV heads, query heads and queries:
+1. logits over the cover, ``l_c = q.k_c * scale`` (+ ``log(page tokens)`` with ``summary_bias: log_size``);
+2. masses ``alpha_c`` = softmax over the cover;
+3. the refinement rule picks summary nodes to expand (per KV head, from the mass summed over the query heads of
+   its group; for a query chunk, per query). A refined node is replaced by its children: their logits are
+   softmaxed locally (``beta_i``) and each child gets ``alpha_c * beta_i`` (``refine.mass: parent``, eq. 3
+   literally), or its exact share of the page's partition function (``refine.mass: exact``, the reference code's
+   "corrected refinement": the page's mass becomes ``sum_i exp(l_i) / Z``, children still split it by ``beta_i``).
+   With ``exact`` refining every page is full attention; with ``parent`` the page masses stay those of the summary
+   keys. Level-2 refinement yields level-1 pages, which the rule may refine in turn (top-down);
+4. output = sum over resolved nodes of mass x value; unrefined summaries contribute ``alpha_c v_c``.
+
+Every ``compress_every`` decode steps (and once after the prefill) the segmenter turns the raw tokens between the
+last page and the tail into new pages. Compressors: ``mean``; ``attention_weighted`` (pi = softmax(w / tau), w =
+attention mass each token has received so far, accumulated over the prefill and every step while it was raw);
+``random`` (one token of the page, seeded); ``zero_value`` (attention-weighted keys, zero values: the paper's
+Fig. 6 ablation).
+
+Memory: every raw token is kept (refinement needs it) plus the summaries, so the measured kv_ratio is >= 1: the
+method cuts the attended span, not memory. ``budget`` is therefore not a knob here (must be 1.0).
+
+No Python loop over pages, heads or tokens on the per-step path: gathers, scatters and batched matmuls; the only
+loop is over tree levels (``levels`` <= 3).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, attention_with_mass, exact_attention
+
+MASS = "luka_mass"
+RULES = ("none", "threshold", "top_k", "top_frac")
+COMPRESSORS = ("mean", "attention_weighted", "random", "zero_value")
+NEG = float("-inf")
+
+
+@dataclass
+class Refine:
+    rule: str = "top_k"       # none | threshold | top_k | top_frac
+    k: int = 3                # top_k (paper: 3)
+    threshold: float = 0.05   # threshold: refine when the node's mass exceeds this
+    fraction: float = 0.1     # top_frac: share of the candidate summary nodes refined
+    mass: str = "exact"       # exact | parent (see module docstring)
+
+
+class _Timer:
+    __slots__ = ("cache", "key", "t0")
+
+    def __init__(self, cache, key):
+        self.cache, self.key = cache, key
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.cache.add_time(self.key, time.perf_counter() - self.t0)
+
+
+class LuKAPolicy(LayerPolicy):
+    def __init__(self, method: "LuKAClustered", info):
+        super().__init__(method, info)
+        self.sk: list[torch.Tensor | None] = [None] * (method.levels + 1)  # sk[l]: level-l summary keys
+        self.sv: list[torch.Tensor | None] = [None] * (method.levels + 1)
+        self.imp: list[torch.Tensor | None] = [None] * (method.levels + 1)  # accumulated mass per level-l node
+        self.P = [0] * (method.levels + 2)  # P[l]: number of level-l nodes; P[levels+1] = 0
+        self.steps = 0
+        self.last_masses: torch.Tensor | None = None  # for tests: sum of resolved masses per (head, query)
+
+    # -- bookkeeping ---------------------------------------------------------------------------------------
+    @property
+    def frontier(self) -> int:
+        """First raw token not covered by a page."""
+        return self.method.sink + self.P[1] * self.method.page_size
+
+    def extra_bytes(self) -> int:
+        m = self.method
+        total = 0
+        for lvl in range(1, m.levels + 1):
+            if self.sk[lvl] is not None:
+                per = self.sk[lvl][:, :, :1].nbytes + self.sv[lvl][:, :, :1].nbytes
+                total += per * self.P[lvl]
+        return total
+
+    def _needs_mass(self) -> bool:
+        return self.method.compressor in ("attention_weighted", "zero_value")
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def attend(self, store, query, scaling):
+        if self.P[1] == 0:
+            with _Timer(store.cache, "attention"):
+                if self._needs_mass():
+                    out, mass = attention_with_mass(store, query, scaling)
+                    store.aux(MASS).add_(mass)
+                else:
+                    out = exact_attention(store, query, scaling)
+            return out
+        return self.clustered(store, query, scaling)
+
+    def after_prefill(self, store) -> None:
+        with _Timer(store.cache, "segment_compress"):
+            self.compress(store)
+
+    def after_step(self, store) -> None:
+        self.steps += 1
+        if self.steps % self.method.compress_every == 0:
+            with _Timer(store.cache, "segment_compress"):
+                self.compress(store)
+
+    # -- segmentation and compression ----------------------------------------------------------------------
+    def _weights(self, w: torch.Tensor) -> torch.Tensor:
+        """Compressor weights over the last axis (the page's members). w: importance [..., S]."""
+        m = self.method
+        if m.compressor == "mean":
+            return torch.full_like(w, 1.0 / w.shape[-1])
+        if m.compressor == "random":
+            # seeded by (seed, layer, pages so far): reproducible, and nothing to carry across cache clones
+            gen = torch.Generator(device="cpu").manual_seed(
+                (m.seed * 1000003 + self.info.layer_idx * 7919 + self.P[1]) % (2**63))
+            pick = torch.randint(0, w.shape[-1], w.shape[:-1], generator=gen).to(w.device)
+            return torch.nn.functional.one_hot(pick, w.shape[-1]).to(w.dtype)
+        return torch.softmax(w / m.tau, dim=-1)  # attention_weighted, zero_value
+
+    def _append(self, lvl: int, k: torch.Tensor, v: torch.Tensor, imp: torch.Tensor) -> None:
+        cur = self.P[lvl]
+        new = k.shape[2]
+        buf = self.sk[lvl]
+        if buf is None or cur + new > buf.shape[2]:
+            cap = max(cur + new, int((0 if buf is None else buf.shape[2]) * 1.5) + 8)
+            b, h, _, d = k.shape
+            nk = k.new_empty(b, h, cap, d)
+            nv = v.new_empty(b, h, cap, v.shape[-1])
+            ni = imp.new_zeros(b, h, cap)
+            if buf is not None:
+                nk[:, :, :cur] = buf[:, :, :cur]
+                nv[:, :, :cur] = self.sv[lvl][:, :, :cur]
+                ni[:, :, :cur] = self.imp[lvl][:, :, :cur]
+            self.sk[lvl], self.sv[lvl], self.imp[lvl] = nk, nv, ni
+        self.sk[lvl][:, :, cur: cur + new] = k
+        self.sv[lvl][:, :, cur: cur + new] = v
+        self.imp[lvl][:, :, cur: cur + new] = imp
+        self.P[lvl] = cur + new
+
+    def compress(self, store) -> None:
+        """Turn raw tokens from the frontier up to the tail into new pages (and pages into level-2 nodes)."""
+        m = self.method
+        S = m.page_size
+        start = self.frontier
+        new = (store.n - m.tail - start) // S
+        if new <= 0:
+            return
+        b, h = store.keys.shape[:2]
+        end = start + new * S
+        k = store.keys[:, :, start:end].reshape(b, h, new, S, -1)
+        v = store.values[:, :, start:end].reshape(b, h, new, S, -1)
+        w = store.aux(MASS)[:, :, start:end].reshape(b, h, new, S) if self._needs_mass() else \
+            torch.zeros(b, h, new, S, device=k.device)
+        pi = self._weights(w)
+        self._append(1, self._combine(pi, k), self._combine(pi, v, value=True), w.sum(-1))
+        for lvl in range(2, m.levels + 1):
+            groups = self.P[lvl - 1] // S - self.P[lvl]
+            if groups <= 0:
+                break
+            lo, hi = self.P[lvl] * S, (self.P[lvl] + groups) * S
+            k = self.sk[lvl - 1][:, :, lo:hi].reshape(b, h, groups, S, -1)
+            v = self.sv[lvl - 1][:, :, lo:hi].reshape(b, h, groups, S, -1)
+            w = self.imp[lvl - 1][:, :, lo:hi].reshape(b, h, groups, S)
+            pi = self._weights(w)
+            # a level-2 value must summarise its pages' raw values; for zero_value they are all zero anyway
+            self._append(lvl, self._combine(pi, k), self._combine(pi, v), w.sum(-1))
+
+    def _combine(self, pi: torch.Tensor, x: torch.Tensor, value: bool = False) -> torch.Tensor:
+        if value and self.method.compressor == "zero_value":
+            return x.new_zeros(x.shape[:-2] + x.shape[-1:])
+        return (pi.unsqueeze(-1).to(x.dtype) * x).sum(-2)
+
+    # -- attention over the cover with refinement ----------------------------------------------------------
+    def _select(self, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Refinement rule over candidate nodes. score: mass per KV head [B, Hkv, Lq, C]. Returns (indices
+        [B, Hkv, Lq, K], valid [B, Hkv, Lq, K]) or None when nothing is refined."""
+        r = self.method.refine
+        C = score.shape[-1]
+        if r.rule == "none" or C == 0:
+            return None
+        if r.rule == "top_k":
+            K = min(r.k, C)
+        elif r.rule == "top_frac":
+            K = min(C, math.ceil(r.fraction * C - 1e-9))
+        else:  # threshold: as many as the most demanding (head, query) needs, the rest masked
+            K = int((score > r.threshold).sum(-1).max())
+        if K <= 0:
+            return None
+        top = torch.topk(score, K, dim=-1)
+        valid = top.values > r.threshold if r.rule == "threshold" else torch.ones_like(top.values, dtype=torch.bool)
+        return top.indices, valid
+
+    def clustered(self, store, query, scaling):
+        m = self.method
+        S, L, s0, fr = m.page_size, m.levels, m.sink, self.frontier
+        cache = store.cache
+        t0 = time.perf_counter()
+        b, hq, lq, d = query.shape
+        K_raw, V_raw = store.keys, store.values
+        hkv, n = K_raw.shape[1], K_raw.shape[2]
+        g = hq // hkv
+        q = query.reshape(b, hkv, g, lq, d)
+        dev = query.device
+
+        def logits(keys):  # shared keys [B, Hkv, m, D] -> [B, Hkv, g, Lq, m]
+            return torch.matmul(q, keys.transpose(-1, -2).unsqueeze(2)).float() * scaling
+
+        # The resolved set, as parts: logits [B, Hkv, g, Lq, m] (effective), values ([B, Hkv, m, Dv] shared or
+        # [B, Hkv, Lq, m, Dv] per query), level (0 = raw) and ids (raw index / node index, [B, Hkv, Lq, m]).
+        parts: list[_Part] = []
+        if s0:
+            parts.append(_Part(logits(K_raw[:, :, :s0]), V_raw[:, :, :s0], 0, lo=0))
+        tail = logits(K_raw[:, :, fr:n])
+        if lq > 1:  # the query chunk is the end of the tail: causal inside it
+            qi = torch.arange(lq, device=dev)
+            kj = torch.arange(n - fr, device=dev)
+            tail = tail.masked_fill(kj[None, :] > (n - fr - lq) + qi[:, None], NEG)
+        parts.append(_Part(tail, V_raw[:, :, fr:n], 0, lo=fr))
+        for lvl in range(L, 0, -1):  # free nodes: level-l nodes not under a level-(l+1) node
+            lo, hi = self.P[lvl + 1] * S, self.P[lvl]
+            if hi > lo:
+                parts.append(_Part(logits(self.sk[lvl][:, :, lo:hi]) + m.bias(lvl), self.sv[lvl][:, :, lo:hi],
+                                   lvl, lo=lo))
+        t1 = time.perf_counter()
+
+        # Top-down refinement: at level l the candidates are the free level-l nodes and the level-l children of
+        # the nodes refined at level l+1.
+        for lvl in range(L, 0, -1):
+            cands = [p for p in parts if p.level == lvl]
+            if not cands or m.refine.rule == "none":
+                continue
+            parts = [p for p in parts if p.level != lvl]
+            cand = _Part.merge(cands, b, hkv, lq, dev)
+            parts.append(cand)
+            z = torch.logsumexp(torch.cat([p.logit for p in parts], -1), -1, keepdim=True)
+            sel = self._select(torch.exp(cand.logit - z).sum(2))  # mass per KV head [B, Hkv, Lq, C]
+            if sel is None:
+                continue
+            idx, valid = sel
+            k_sel = idx.shape[-1]
+            node = cand.ids.gather(-1, idx)  # [B, Hkv, Lq, K] level-l node ids
+            child = (node.unsqueeze(-1) * S + torch.arange(S, device=dev)).reshape(b, hkv, lq * k_sel * S)
+            if lvl == 1:
+                src_k, src_v, child = K_raw, V_raw, child + s0
+            else:
+                src_k, src_v = self.sk[lvl - 1], self.sv[lvl - 1]
+            ck = src_k.gather(2, child.unsqueeze(-1).expand(-1, -1, -1, d)).view(b, hkv, lq, k_sel * S, d)
+            cv = src_v.gather(2, child.unsqueeze(-1).expand(-1, -1, -1, src_v.shape[-1])).view(
+                b, hkv, lq, k_sel * S, -1)
+            cl = (torch.einsum("bhgqd,bhqmd->bhgqm", q, ck).float() * scaling + m.bias(lvl - 1)).view(
+                b, hkv, g, lq, k_sel, S)
+            gidx = idx.unsqueeze(2).expand(-1, -1, g, -1, -1)
+            parent = cand.logit.gather(-1, gidx)  # [B, Hkv, g, Lq, K]
+            if m.refine.mass == "parent":  # eq. 3: child mass = parent mass x local softmax share
+                cl = cl + (parent - torch.logsumexp(cl, -1)).unsqueeze(-1)
+            vmask = valid.unsqueeze(2).expand(-1, -1, g, -1, -1)
+            cl = cl.masked_fill(~vmask.unsqueeze(-1), NEG).view(b, hkv, g, lq, k_sel * S)
+            cand.logit = cand.logit.scatter(-1, gidx, parent.masked_fill(vmask, NEG))
+            parts.append(_Part(cl, cv, lvl - 1, ids=child.view(b, hkv, lq, k_sel * S)))
+        t2 = time.perf_counter()
+
+        z = torch.logsumexp(torch.cat([p.logit for p in parts], -1), -1, keepdim=True)
+        out = None
+        total = None
+        acc = store.aux(MASS) if self._needs_mass() else None
+        for p in parts:
+            pr = torch.exp(p.logit - z)
+            if p.ids is None:
+                o = torch.matmul(pr.to(p.value.dtype), p.value.unsqueeze(2))
+            else:
+                o = torch.einsum("bhgqm,bhqmd->bhgqd", pr.to(p.value.dtype), p.value)
+            out = o if out is None else out + o
+            s = pr.sum(-1)
+            total = s if total is None else total + s
+            if acc is not None:  # importance: attention mass received, per KV head
+                mass = pr.sum(2)  # [B, Hkv, Lq, m]
+                if p.level == 0 and p.ids is None:
+                    acc[:, :, p.lo: p.lo + mass.shape[-1]] += mass.sum(2)
+                elif p.level == 0:
+                    acc.scatter_add_(2, p.ids.reshape(b, hkv, -1), mass.reshape(b, hkv, -1))
+                elif p.level == 1:
+                    ids = p.ids if p.ids is not None else \
+                        torch.arange(p.lo, p.lo + mass.shape[-1], device=dev).expand(b, hkv, lq, -1)
+                    self.imp[1].scatter_add_(2, ids.reshape(b, hkv, -1), mass.reshape(b, hkv, -1))
+        self.last_masses = total
+        t3 = time.perf_counter()
+        cache.add_time("attention", (t1 - t0) + (t3 - t2))
+        cache.add_time("refinement", t2 - t1)
+        return out.reshape(b, hq, lq, -1).to(query.dtype)
+
+
+class _Part:
+    """A piece of the resolved set (see LuKAPolicy.clustered)."""
+
+    __slots__ = ("logit", "value", "level", "ids", "lo")
+
+    def __init__(self, logit, value, level, ids=None, lo=0):
+        self.logit, self.value, self.level, self.ids, self.lo = logit, value, level, ids, lo
+
+    @staticmethod
+    def merge(parts: list["_Part"], b: int, hkv: int, lq: int, dev) -> "_Part":
+        """One per-query part from several (shared values are expanded, not copied, when alone)."""
+        def ids(p):
+            if p.ids is not None:
+                return p.ids
+            return torch.arange(p.lo, p.lo + p.logit.shape[-1], device=dev).expand(b, hkv, lq, -1)
+
+        def vals(p):
+            return p.value if p.ids is not None else p.value.unsqueeze(2).expand(-1, -1, lq, -1, -1)
+
+        if len(parts) == 1:
+            p = parts[0]
+            return _Part(p.logit, vals(p), p.level, ids=ids(p))
+        return _Part(torch.cat([p.logit for p in parts], -1), torch.cat([vals(p) for p in parts], -2),
+                     parts[0].level, ids=torch.cat([ids(p) for p in parts], -1))
+
+
+@dataclass
+class LuKAClustered(KVMethod):
+    """page_size: tokens per page (paper 16); tail: most recent tokens never summarised (paper >= 128);
+    sink: first tokens never summarised (paper 0); compress_every: decode steps between segmentation runs
+    (paper 16); compressor: mean | attention_weighted | random | zero_value; tau: temperature of the
+    attention-weighted compressor; refine: rule (none | threshold | top_k | top_frac), k, threshold, fraction,
+    mass (exact | parent); levels: summary levels (paper 1); summary_bias: none | log_size (add log of the
+    tokens a summary stands for to its logit, as an option of the reference code); seed: for ``random``."""
+
+    budget: float = 1.0
+    page_size: int = 16
+    tail: int = 128
+    sink: int = 0
+    compress_every: int = 16
+    compressor: str = "attention_weighted"
+    tau: float = 1.0
+    refine: Any = field(default_factory=Refine)
+    levels: int = 1
+    summary_bias: str = "none"
+    seed: int = 0
+
+    name: ClassVar[str] = "luka_clustered"
+    policy_class: ClassVar[type[LayerPolicy]] = LuKAPolicy
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.budget != 1.0:
+            raise MethodConfigError(
+                f"method.budget={self.budget:g} is not used by luka_clustered (allowed: 1.0): it keeps every raw "
+                "token; its attended span is set by method.page_size, method.tail and method.refine")
+        if isinstance(self.refine, dict) or hasattr(self.refine, "keys"):
+            self.refine = Refine(**dict(self.refine))
+        r = self.refine
+        checks = [
+            (isinstance(self.page_size, int) and self.page_size >= 2, f"method.page_size={self.page_size!r} must be an integer >= 2 (paper: 16)"),
+            (isinstance(self.tail, int) and self.tail >= 1, f"method.tail={self.tail!r} must be an integer >= 1 (paper: >= 128)"),
+            (isinstance(self.sink, int) and self.sink >= 0, f"method.sink={self.sink!r} must be an integer >= 0"),
+            (isinstance(self.compress_every, int) and self.compress_every >= 1, f"method.compress_every={self.compress_every!r} must be an integer >= 1 (paper: 16)"),
+            (self.compressor in COMPRESSORS, f"method.compressor={self.compressor!r} is unknown; allowed: {', '.join(COMPRESSORS)}"),
+            (self.tau > 0, f"method.tau={self.tau!r} must be > 0"),
+            (r.rule in RULES, f"method.refine.rule={r.rule!r} is unknown; allowed: {', '.join(RULES)}"),
+            (isinstance(r.k, int) and r.k >= 0, f"method.refine.k={r.k!r} must be an integer >= 0"),
+            (0.0 <= r.fraction <= 1.0, f"method.refine.fraction={r.fraction!r} must be in [0, 1]"),
+            (r.mass in ("exact", "parent"), f"method.refine.mass={r.mass!r} is unknown; allowed: exact, parent"),
+            (isinstance(self.levels, int) and 1 <= self.levels <= 3, f"method.levels={self.levels!r} must be 1, 2 or 3"),
+            (self.summary_bias in ("none", "log_size"), f"method.summary_bias={self.summary_bias!r} is unknown; allowed: none, log_size"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise MethodConfigError(msg)
+
+    def bias(self, level: int) -> float:
+        """Logit bias of a level-``level`` node (0 = raw token)."""
+        if level == 0 or self.summary_bias == "none":
+            return 0.0
+        return level * math.log(self.page_size)
