@@ -7,6 +7,7 @@ forcing token by token with the method active; NLLs summed in fp32.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import resource
@@ -17,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from luka_bench import metrics as M
 from luka_bench.methods.hf import MethodCache, attach
-from luka_bench.results import RunFolder, environment
+from luka_bench.results import RunFolder, config_difference, environment
 
 log = logging.getLogger("luka_bench")
 
@@ -81,6 +83,7 @@ class Generation:
     text: str
     question_s: float
     step_s: list[float]
+    step_timings: dict[str, float]  # method component seconds summed over the generated-token steps
 
 
 @torch.no_grad()
@@ -93,6 +96,7 @@ def greedy_answer(model, tokenizer, cache: MethodCache, question_ids: list[int],
     logits = forward(model, question_ids, cache)
     _sync(device)
     question_s = time.perf_counter() - t0
+    before = dict(cache.timings)
     out: list[int] = []
     steps: list[float] = []
     while True:
@@ -107,7 +111,8 @@ def greedy_answer(model, tokenizer, cache: MethodCache, question_ids: list[int],
         logits = forward(model, [tok], cache)
         _sync(device)
         steps.append(time.perf_counter() - t)
-    return Generation(out, tokenizer.decode(out, skip_special_tokens=True), question_s, steps)
+    after = {k: v - before.get(k, 0.0) for k, v in cache.timings.items()}
+    return Generation(out, tokenizer.decode(out, skip_special_tokens=True), question_s, steps, after)
 
 
 @torch.no_grad()
@@ -140,6 +145,17 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def breakdown(timings: dict[str, float], step_s: list[float]) -> dict[str, float] | None:
+    """Seconds per decode step by component: the method's own timed parts (attention, refinement,
+    segment_compress, ...) and ``rest`` (the model around them: projections, MLPs, norms, untimed attention)."""
+    if not step_s:
+        return None
+    n = len(step_s)
+    out = {k: v / n for k, v in sorted(timings.items())}
+    out["rest"] = max(0.0, sum(step_s) / n - sum(out.values()))
+    return out
+
+
 def _mem(cache: MethodCache) -> dict:
     return {"kv_bytes_peak": cache.peak_bytes, "kv_bytes_full": cache.full_bytes(),
             "kv_bytes_allocated": cache.allocated_bytes(), "kv_tokens": cache.held_tokens()}
@@ -155,7 +171,7 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
-def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig) -> list[dict]:
+def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=None) -> list[dict]:
     tok, model = lm.tokenizer, lm.model
     max_new = int(cfg.max_new_tokens or getattr(task, "max_new_tokens", 24))
     stop = tuple(getattr(task, "stop_strings", ("\n",)))
@@ -201,17 +217,20 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig) -> list[
                 "prediction": pred, "raw_output": gen.text, "scores": task.score(pred, q),
                 "context_tokens": len(ctx_ids), "question_tokens": len(qi), "new_tokens": len(gen.token_ids),
                 "prefill_s": prefill_s, "question_s": gen.question_s, "ttft_s": prefill_s + gen.question_s,
-                "tpot_s": M.mean(gen.step_s), "kv_bytes_prefill": kv_prefill, **_mem(c), "meta": q.meta,
+                "tpot_s": M.mean(gen.step_s), "latency_breakdown": breakdown(gen.step_timings, gen.step_s),
+                "kv_bytes_prefill": kv_prefill, **_mem(c), "meta": q.meta,
             }
             folder.append(rec)
             records.append(rec)
             bar.update(1)
             bar.set_postfix({k: f"{v:.2f}" for k, v in M.qa_summary(records).items() if v is not None})
+            if on_item is not None:
+                on_item(records)
     bar.close()
     return records
 
 
-def evaluate_ppl(lm, attached, task, folder: RunFolder, cfg: DictConfig) -> list[dict]:
+def evaluate_ppl(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=None) -> list[dict]:
     docs = task.documents(lm.tokenizer)
     for d in docs:
         n = len(d.meta["ids"])
@@ -230,19 +249,26 @@ def evaluate_ppl(lm, attached, task, folder: RunFolder, cfg: DictConfig) -> list
         nll, steps = teacher_forced_nll(lm.model, cache, ids)
         rec = {"item_id": d.id, "n_tokens": len(nll), "nll_sum": float(sum(nll)),
                "perplexity": math.exp(sum(nll) / len(nll)), "tpot_s": M.mean(steps), "ttft_s": None,
+               "latency_breakdown": breakdown(cache.timings, steps),
                "wall_s": time.perf_counter() - t0, "kv_bytes_prefill": None, **_mem(cache)}
         folder.append(rec)
         records.append(rec)
         bar.update(1)
         bar.set_postfix(ppl=f"{M.ppl_summary(records)['perplexity']:.3f}")
+        if on_item is not None:
+            on_item(records)
     bar.close()
     return records
 
 
-def aggregate(kind: str, records: list[dict]) -> dict:
-    out = M.qa_summary(records) if kind == "qa" else M.ppl_summary(records)
+def aggregate(task, records: list[dict]) -> dict:
+    if hasattr(task, "aggregate"):  # the dataset's own metrics (accuracy by task, difficulty, length, ...)
+        out = task.aggregate(records)
+    else:
+        out = M.qa_summary(records) if task.kind == "qa" else M.ppl_summary(records)
     out.update(M.latency_summary(records))
     out.update(M.kv_summary(records))
+    out["latency_breakdown"] = M.breakdown_summary(records)
     out["n_examples"] = len(records)
     return out
 
@@ -251,7 +277,65 @@ def aggregate(kind: str, records: list[dict]) -> dict:
 # The run
 # ---------------------------------------------------------------------------------------------------------
 
+class SweepJobFailed(RuntimeError):
+    """A sweep job stopped by bad input: raised instead of the one-line error (which exits the process) so
+    that the other jobs of the sweep still run."""
+
+
+def run_config(cfg: DictConfig) -> dict:
+    """The resolved config a run folder stores and compares. Where the run is logged (``logger``) and the
+    sweep it belongs to (``sweep_name``) are not part of the run."""
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.pop("logger", None)
+        cfg.pop("sweep_name", None)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def finished_metrics(run_dir: str | Path, resolved: dict) -> dict | None:
+    """The metrics of a complete run of this same config in ``run_dir`` (same items: ``data.limit`` too), else
+    None. Lets a re-run sweep skip its finished jobs without loading a model."""
+    path, cfg_path = Path(run_dir) / "metrics.json", Path(run_dir) / "config.yaml"
+    if not (path.exists() and cfg_path.exists()):
+        return None
+    try:
+        metrics = json.loads(path.read_text(encoding="utf-8"))
+        old = yaml.safe_load(cfg_path.read_text(encoding="utf-8")) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    same_items = (old.get("data") or {}).get("limit") == (resolved.get("data") or {}).get("limit")
+    if metrics.get("complete") is True and same_items and not config_difference(old, resolved):
+        return metrics
+    return None
+
+
 def run(cfg: DictConfig, run_dir: str | Path) -> dict:
+    """One run into ``run_dir``: skipped when it already holds a complete run of this config; tracked by
+    ``cfg.logger`` (finished also when the run crashes)."""
+    from luka_bench import tracking
+
+    done = finished_metrics(run_dir, run_config(cfg))
+    if done is not None:
+        print(f"{run_dir}: already complete (metrics.json); skipped")
+        return done
+    tracker = tracking.build(cfg, run_dir)
+    tracker.start(OmegaConf.to_container(cfg, resolve=True))
+    result, exit_code = None, 1
+    try:
+        result = _run(cfg, run_dir, tracker)
+        exit_code = 0
+        return result
+    except Exception as e:
+        from luka_bench.__main__ import _one_line_errors, _unwrap
+
+        if tracking.in_multirun() and isinstance(_unwrap(e), _one_line_errors()):
+            raise SweepJobFailed(f"error: {_unwrap(e)}") from _unwrap(e)
+        raise
+    finally:
+        tracker.finish(result, exit_code)
+
+
+def _run(cfg: DictConfig, run_dir: str | Path, tracker) -> dict:
     from hydra.utils import instantiate
 
     if cfg.get("threads"):
@@ -259,20 +343,24 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     torch.manual_seed(int(cfg.seed))
     method = instantiate(cfg.method)  # validates its settings first: cheap failures before the model loads
     task = instantiate(cfg.data)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved = run_config(cfg)
     folder = RunFolder(run_dir, resolved)
     loaded = instantiate(cfg.model).load()
     folder.write_env(environment(int(cfg.seed), loaded.info["device"], loaded.info["dtype"]))
     t0 = time.perf_counter()
+
+    def on_item(records: list[dict]) -> None:  # running metrics to the tracker after every item
+        tracker.log(len(records), aggregate(task, records))
+
     with attach(loaded.model, method) as attached:
         if task.kind == "qa":
-            records = evaluate_qa(loaded, attached, task, folder, cfg)
+            records = evaluate_qa(loaded, attached, task, folder, cfg, on_item)
         else:
-            records = evaluate_ppl(loaded, attached, task, folder, cfg)
+            records = evaluate_ppl(loaded, attached, task, folder, cfg, on_item)
     result = {
         "model": cfg.get("model_name"), "method": cfg.get("method_name"), "data": cfg.get("data_name"),
         "kind": task.kind, "headline": getattr(task, "headline", "em_lenient"),
-        **aggregate(task.kind, records),
+        **aggregate(task, records),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "wall_s": time.perf_counter() - t0, "complete": True,
     }
@@ -307,6 +395,8 @@ def summary_table(m: dict, path: Path) -> str:
     for k in ("em", "em_lenient", "f1", "perplexity", "n_tokens", "ttft_s", "tpot_s", "kv_ratio"):
         if k in m:
             rows.append((k, _fmt(m[k])))
+    if m.get("latency_breakdown") and len(m["latency_breakdown"]) > 1:
+        rows.append(("latency_breakdown (s/token)", _fmt(m["latency_breakdown"])))
     rows.append(("kv_bytes (peak / full)", f"{_bytes(m['kv_bytes']['peak'])} / {_bytes(m['kv_bytes_full']['peak'])}"))
     rows.append(("peak_rss_bytes", _bytes(m["peak_rss_bytes"])))
     rows.append(("wall_s", _fmt(m["wall_s"])))
