@@ -218,7 +218,8 @@ def test_memory_counts_raw_and_summaries(tiny_llama):
     _, c = run(tiny_llama.model, luka())
     pol = c.stores[0].policy
     assert c.held_bytes() > c.full_bytes()  # every raw token kept + the summaries: measured, not assumed
-    assert pol.extra_bytes() == pol.P[1] * 2 * 2 * 16 * 4
+    per_entry = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head_dim 16, fp32
+    assert pol.extra_bytes() == (pol.P[1] + pol.cov_n) * per_entry  # summaries + the fast path's cover copy
 
 
 def test_latency_components_recorded(tiny_llama):
@@ -241,3 +242,38 @@ def test_luka_mixed_assignment_scales_with_depth():
         lm = tiny("llama", num_hidden_layers=layers, hidden_size=32, intermediate_size=32)
         names = method.assignment(layer_infos(lm.model))
         assert names == ["h2o"] * lined + ["luka_clustered"] * (layers - 2 * lined) + ["h2o"] * lined
+
+
+@pytest.mark.parametrize("kw", [
+    dict(refine={"rule": "top_k", "k": 2}),
+    dict(refine={"rule": "top_k", "k": 2, "mass": "parent"}, sink=4),
+    dict(refine={"rule": "threshold", "threshold": 0.03}, summary_bias="log_size"),
+    dict(refine={"rule": "top_frac", "fraction": 0.4}, compressor="mean"),
+    dict(refine={"rule": "none"}, compressor="zero_value"),
+], ids=["topk", "parent_sink", "threshold_bias", "topfrac_mean", "none_zero"])
+def test_decode_fast_path_equals_general_path(kw, tiny_qwen3):
+    """The per-token fast path computes exactly what the general top-down path computes (logits and the
+    accumulated importance that later summaries are built from)."""
+    model = tiny_qwen3.model
+    fast, cf = run(model, luka(**kw))
+    general_method = luka(**kw)
+    with attach(model, general_method) as a, torch.no_grad():
+        pass
+    # same run with the fast path switched off in every layer
+    from luka_bench.methods import luka_clustered as LC
+
+    orig = LC.LuKAPolicy.__init__
+
+    def no_fast(self, *a, **k):
+        orig(self, *a, **k)
+        self.use_fast_path = False
+
+    LC.LuKAPolicy.__init__ = no_fast
+    try:
+        slow, cs = run(model, general_method)
+    finally:
+        LC.LuKAPolicy.__init__ = orig
+    assert not cs.stores[0].policy.use_fast_path and cf.stores[0].policy.cov_k is not None
+    assert torch.allclose(fast, slow, atol=1e-5), (fast - slow).abs().max()
+    for a, b in zip(cf.stores, cs.stores):
+        assert torch.allclose(a.aux(MASS), b.aux(MASS), atol=1e-4) if a.policy._needs_mass() else True

@@ -80,6 +80,15 @@ class LuKAPolicy(LayerPolicy):
         self.P = [0] * (method.levels + 2)  # P[l]: number of level-l nodes; P[levels+1] = 0
         self.steps = 0
         self.last_masses: torch.Tensor | None = None  # for tests: sum of resolved masses per (head, query)
+        # Decode fast path (one query, one level): the cover's keys/values [sink | page summaries | raw tail] in
+        # one buffer, rebuilt when pages are made and appended to as tokens arrive, so a step is one matmul over
+        # the cover instead of one per part.
+        self.cov_k: torch.Tensor | None = None
+        self.cov_v: torch.Tensor | None = None
+        self.cov_n = 0        # valid entries in the cover buffer
+        self.cov_pages = -1   # pages the buffer was built with
+        self.cov_raw = 0      # raw tokens mirrored into it (its tail ends at raw index cov_raw)
+        self.use_fast_path = True
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
     @property
@@ -94,6 +103,8 @@ class LuKAPolicy(LayerPolicy):
             if self.sk[lvl] is not None:
                 per = self.sk[lvl][:, :, :1].nbytes + self.sv[lvl][:, :, :1].nbytes
                 total += per * self.P[lvl]
+        if self.cov_k is not None:  # the fast path's cover buffer holds copies: counted too
+            total += (self.cov_k[:, :, :1].nbytes + self.cov_v[:, :, :1].nbytes) * self.cov_n
         return total
 
     def _needs_mass(self) -> bool:
@@ -101,6 +112,8 @@ class LuKAPolicy(LayerPolicy):
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def attend(self, store, query, scaling):
+        if self.P[1] > 0 and query.shape[2] == 1 and self.method.levels == 1 and self.use_fast_path:
+            return self.decode_step(store, query, scaling)
         if self.P[1] == 0:
             with _Timer(store.cache, "attention"):
                 if self._needs_mass():
@@ -207,6 +220,102 @@ class LuKAPolicy(LayerPolicy):
         top = torch.topk(score, K, dim=-1)
         valid = top.values > r.threshold if r.rule == "threshold" else torch.ones_like(top.values, dtype=torch.bool)
         return top.indices, valid
+
+    def _cover(self, store) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cover buffer [sink | level-1 summaries | raw tail] in sync with the store (see __init__)."""
+        m = self.method
+        s0, P, fr, n = m.sink, self.P[1], self.frontier, store.n
+        K, V = store.keys, store.values
+        if self.cov_pages != P or self.cov_k is None:
+            size = s0 + P + (n - fr)
+            b, h, _, d = K.shape
+            cap = size + max(64, size // 4)
+            self.cov_k = K.new_empty(b, h, cap, d)
+            self.cov_v = V.new_empty(b, h, cap, V.shape[-1])
+            for dst, src_k, src_v in ((slice(0, s0), K[:, :, :s0], V[:, :, :s0]),
+                                      (slice(s0, s0 + P), self.sk[1][:, :, :P], self.sv[1][:, :, :P]),
+                                      (slice(s0 + P, size), K[:, :, fr:n], V[:, :, fr:n])):
+                self.cov_k[:, :, dst] = src_k
+                self.cov_v[:, :, dst] = src_v
+            self.cov_n, self.cov_pages, self.cov_raw = size, P, n
+        elif self.cov_raw < n:
+            add = n - self.cov_raw
+            if self.cov_n + add > self.cov_k.shape[2]:
+                cap = int((self.cov_n + add) * 1.25) + 64
+                nk = self.cov_k.new_empty(self.cov_k.shape[0], self.cov_k.shape[1], cap, self.cov_k.shape[3])
+                nv = self.cov_v.new_empty(self.cov_v.shape[0], self.cov_v.shape[1], cap, self.cov_v.shape[3])
+                nk[:, :, : self.cov_n] = self.cov_k[:, :, : self.cov_n]
+                nv[:, :, : self.cov_n] = self.cov_v[:, :, : self.cov_n]
+                self.cov_k, self.cov_v = nk, nv
+            self.cov_k[:, :, self.cov_n: self.cov_n + add] = K[:, :, self.cov_raw: n]
+            self.cov_v[:, :, self.cov_n: self.cov_n + add] = V[:, :, self.cov_raw: n]
+            self.cov_n += add
+            self.cov_raw = n
+        return self.cov_k[:, :, : self.cov_n], self.cov_v[:, :, : self.cov_n]
+
+    def decode_step(self, store, query, scaling):
+        """The per-token path (one query, one summary level): the same computation as ``clustered``, in the
+        fewest tensor operations — logits over the whole cover in one matmul, one gather per K/V of the chosen
+        pages (whole pages through a [pages, page_size * D] view of the raw storage), one softmax, two output
+        matmuls. ``tests/test_luka_clustered.py`` checks it against ``clustered``."""
+        m = self.method
+        S, s0, P, fr = m.page_size, m.sink, self.P[1], self.frontier
+        cache = store.cache
+        t0 = time.perf_counter()
+        b, hq, _, d = query.shape
+        K, V = store.keys, store.values
+        hkv, n = K.shape[1], K.shape[2]
+        g = hq // hkv
+        q = query.reshape(b, hkv, g, d)
+        ck, cv = self._cover(store)
+        C = ck.shape[2]
+        logit = torch.matmul(q, ck.transpose(-1, -2)).float() * scaling  # [B, Hkv, g, C]
+        if m.summary_bias != "none":
+            logit[..., s0: s0 + P] += m.bias(1)
+        t1 = time.perf_counter()
+        sel = None
+        if m.refine.rule != "none":
+            lse = torch.logsumexp(logit, -1, keepdim=True)
+            sel = self._select(torch.exp(logit[..., s0: s0 + P] - lse).sum(2).unsqueeze(2))
+        if sel is not None:
+            idx, valid = sel[0][:, :, 0], sel[1][:, :, 0]  # [B, Hkv, K]
+            k_sel = idx.shape[-1]
+            dv = V.shape[-1]
+            gi = idx.unsqueeze(-1)
+            kk = K[:, :, s0: s0 + P * S].reshape(b, hkv, P, S * d).gather(2, gi.expand(-1, -1, -1, S * d))
+            vv = V[:, :, s0: s0 + P * S].reshape(b, hkv, P, S * dv).gather(2, gi.expand(-1, -1, -1, S * dv))
+            kk, vv = kk.view(b, hkv, k_sel * S, d), vv.view(b, hkv, k_sel * S, dv)
+            cl = torch.matmul(q, kk.transpose(-1, -2)).float() * scaling  # [B, Hkv, g, K*S]
+            pidx = (idx + s0).unsqueeze(2).expand(-1, -1, g, -1)
+            parent = logit.gather(-1, pidx)  # [B, Hkv, g, K]
+            cl5 = cl.view(b, hkv, g, k_sel, S)
+            if m.refine.mass == "parent":
+                cl5 = cl5 + (parent - torch.logsumexp(cl5, -1)).unsqueeze(-1)
+            vmask = valid.unsqueeze(2).expand(-1, -1, g, -1)
+            cl = cl5.masked_fill(~vmask.unsqueeze(-1), NEG).view(b, hkv, g, k_sel * S)
+            logit = logit.scatter(-1, pidx, parent.masked_fill(vmask, NEG))
+            t2 = time.perf_counter()
+            p = torch.softmax(torch.cat([logit, cl], -1), -1)
+            out = torch.matmul(p[..., :C].to(cv.dtype), cv) + torch.matmul(p[..., C:].to(vv.dtype), vv)
+        else:
+            t2 = time.perf_counter()
+            p = torch.softmax(logit, -1)
+            out = torch.matmul(p.to(cv.dtype), cv)
+        self.last_masses = p.sum(-1).unsqueeze(-1)  # [B, Hkv, g, 1]
+        if self._needs_mass():
+            pm = p.sum(2)  # per KV head [B, Hkv, C (+ K*S)]
+            acc = store.aux(MASS)
+            if s0:
+                acc[:, :, :s0] += pm[..., :s0]
+            acc[:, :, fr:n] += pm[..., s0 + P: C]
+            self.imp[1][:, :, :P] += pm[..., s0: s0 + P]
+            if sel is not None:
+                raw = ((idx * S + s0).unsqueeze(-1) + torch.arange(S, device=idx.device)).view(b, hkv, -1)
+                acc.scatter_add_(2, raw, pm[..., C:])
+        t3 = time.perf_counter()
+        cache.add_time("attention", (t1 - t0) + (t3 - t2))
+        cache.add_time("refinement", t2 - t1)
+        return out.reshape(b, hq, 1, -1).to(query.dtype)
 
     def clustered(self, store, query, scaling):
         m = self.method
