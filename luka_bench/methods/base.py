@@ -216,18 +216,18 @@ def attention_with_mass(store: "KVStore", query: torch.Tensor, scaling: float,
     past = n - lq
     out = query.new_empty(b, hkv, g, lq, v.shape[-1])
     mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=query.device)
-    kt = k.transpose(-1, -2).unsqueeze(2)  # [B, Hkv, 1, D, n]
-    vv = v.unsqueeze(2)
     for s in range(0, lq, chunk):
         qc = q[:, :, :, s: s + chunk]
-        logits = (qc @ kt).float() * scaling  # [B, Hkv, g, c, n]
-        if lq > 1:
-            qi = torch.arange(s, s + qc.shape[3], device=query.device)
-            visible = torch.arange(n, device=query.device)[None, :] <= (past + qi)[:, None]
+        c = qc.shape[3]
+        m = past + s + c  # keys visible to this chunk: the causal part only (halves a long prefill's work)
+        logits = (qc @ k[:, :, :m].transpose(-1, -2).unsqueeze(2)).float() * scaling  # [B, Hkv, g, c, m]
+        if c > 1:
+            qi = torch.arange(s, s + c, device=query.device)
+            visible = torch.arange(m, device=query.device)[None, :] <= (past + qi)[:, None]
             logits = logits.masked_fill(~visible, float("-inf"))
         w = torch.softmax(logits, dim=-1)
-        out[:, :, :, s: s + chunk] = (w.to(v.dtype) @ vv)
-        mass += w.sum(dim=(2, 3))
+        out[:, :, :, s: s + c] = (w.to(v.dtype) @ v[:, :, :m].unsqueeze(2))
+        mass[:, :, :m] += w.sum(dim=(2, 3))
     return out.view(b, hq, lq, v.shape[-1]), mass
 
 
