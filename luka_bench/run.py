@@ -176,6 +176,8 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
     max_new = int(cfg.max_new_tokens or getattr(task, "max_new_tokens", 24))
     stop = tuple(getattr(task, "stop_strings", ("\n",)))
     eos = eos_token_ids(model, tok)
+    if hasattr(task, "prepare"):  # tokenizer-measured lengths (BABILong), truncation to fit the model (LongBench v2)
+        task.prepare(tok, lm.max_context - max_new, chat_template=lm.chat_template)
     examples = task.examples()
     # Tokenise everything first: an over-long prompt fails the run before any work is done.
     plan = []
@@ -223,7 +225,8 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
             folder.append(rec)
             records.append(rec)
             bar.update(1)
-            bar.set_postfix({k: f"{v:.2f}" for k, v in M.qa_summary(records).items() if v is not None})
+            running = task.aggregate(records) if hasattr(task, "aggregate") else M.qa_summary(records)
+            bar.set_postfix({k: f"{v:.2f}" for k, v in running.items() if isinstance(v, float)})
             if on_item is not None:
                 on_item(records)
     bar.close()
@@ -294,7 +297,8 @@ def run_config(cfg: DictConfig) -> dict:
 
 def finished_metrics(run_dir: str | Path, resolved: dict) -> dict | None:
     """The metrics of a complete run of this same config in ``run_dir`` (same items: ``data.limit`` too), else
-    None. Lets a re-run sweep skip its finished jobs without loading a model."""
+    None. Lets a re-run sweep skip its finished jobs without loading a model. ``threads`` only says how the
+    finished run was executed, so a re-run with another thread count still finds it."""
     path, cfg_path = Path(run_dir) / "metrics.json", Path(run_dir) / "config.yaml"
     if not (path.exists() and cfg_path.exists()):
         return None
@@ -304,7 +308,8 @@ def finished_metrics(run_dir: str | Path, resolved: dict) -> dict | None:
     except (OSError, ValueError, yaml.YAMLError):
         return None
     same_items = (old.get("data") or {}).get("limit") == (resolved.get("data") or {}).get("limit")
-    if metrics.get("complete") is True and same_items and not config_difference(old, resolved):
+    diffs = [d for d in config_difference(old, resolved) if not d.startswith("threads:")]
+    if metrics.get("complete") is True and same_items and not diffs:
         return metrics
     return None
 
@@ -328,8 +333,15 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     except Exception as e:
         from luka_bench.__main__ import _one_line_errors, _unwrap
 
-        if tracking.in_multirun() and isinstance(_unwrap(e), _one_line_errors()):
-            raise SweepJobFailed(f"error: {_unwrap(e)}") from _unwrap(e)
+        if tracking.in_multirun():
+            cfg_path = Path(run_dir) / "config.yaml"
+            if not cfg_path.exists():  # failed before the folder was opened: leave its config for the report
+                try:
+                    cfg_path.write_text(yaml.safe_dump(run_config(cfg), sort_keys=False), encoding="utf-8")
+                except Exception:  # noqa: BLE001 - an unresolvable config: the job's own error says more
+                    pass
+            if isinstance(_unwrap(e), _one_line_errors()):
+                raise SweepJobFailed(f"error: {_unwrap(e)}") from _unwrap(e)
         raise
     finally:
         tracker.finish(result, exit_code)
@@ -392,7 +404,9 @@ def _bytes(n: int | float | None) -> str:
 def summary_table(m: dict, path: Path) -> str:
     rows = [("run", str(path)), ("model / method / data", f"{m['model']} / {m['method']} / {m['data']}"),
             ("n_examples", _fmt(m["n_examples"]))]
-    for k in ("em", "em_lenient", "f1", "perplexity", "n_tokens", "ttft_s", "tpot_s", "kv_ratio"):
+    keys = ["em", "em_lenient", "f1", "accuracy"] + sorted(k for k in m if k.startswith("accuracy_")) + \
+        ["perplexity", "n_tokens", "ttft_s", "tpot_s", "kv_ratio"]
+    for k in keys:
         if k in m:
             rows.append((k, _fmt(m[k])))
     if m.get("latency_breakdown") and len(m["latency_breakdown"]) > 1:

@@ -1,0 +1,261 @@
+"""luka_bench.report on hand-made run folders (no model): the runs table, pivots with a broken run, options,
+every plot (axes and legend entries, not pixels), determinism and the command line."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from luka_bench import report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make_run(root: Path, name: str, method: str, data: str, metrics: dict | None, budget: float = 0.125,
+             headline: str = "em_lenient", model: str = "tiny_llama", preds: int = 0) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    cfg = {"model": {"_target_": "x.Model", "name": model}, "method": {"_target_": f"x.{method}", "budget": budget},
+           "data": {"_target_": "x.Data", "limit": 2}, "seed": 42, "max_new_tokens": None, "prefill_chunk": 0,
+           "threads": 1, "progress": False, "model_name": model, "method_name": method, "data_name": data}
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    if preds:
+        (d / "predictions.jsonl").write_text("".join(json.dumps({"item_id": str(i)}) + "\n" for i in range(preds)))
+    if metrics is not None:
+        m = {"model": model, "method": method, "data": data, "kind": "qa", "headline": headline, **metrics}
+        (d / "metrics.json").write_text(json.dumps(m))
+    return d
+
+
+def qa(em: float, kv: float, lat: dict | None = None) -> dict:
+    m = {"em": em, "em_lenient": em + 0.1, "f1": em / 2, "ttft_s": 0.5, "tpot_s": 0.02, "kv_ratio": kv,
+         "kv_bytes": {"after_prefill": 100.0, "peak": 120}, "n_examples": 4, "complete": True}
+    if lat is not None:
+        m["latency_breakdown"] = lat
+    return m
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sweep")
+    make_run(root, "data=easy,method=full", "full", "wikisalad_easy", qa(0.6, 1.0, {"attention": 0.01, "rest": 0.02}),
+             budget=1.0)
+    make_run(root, "data=easy,method=streaming_llm", "streaming_llm", "wikisalad_easy",
+             qa(0.3, 0.13, {"attention": 0.004, "rest": 0.02}))
+    make_run(root, "data=easy,method=h2o", "h2o", "wikisalad_easy", qa(0.4, 0.14, {"attention": 0.005,
+                                                                                     "refinement": 0.001, "rest": 0.02}))
+    make_run(root, "data=hard,method=full", "full", "wikisalad_hard", qa(0.5, 1.0), budget=1.0)
+    make_run(root, "data=hard,method=streaming_llm", "streaming_llm", "wikisalad_hard", qa(0.1, 0.13))
+    # broken: killed before metrics.json (3 items done), and a metrics.json that is not complete
+    make_run(root, "data=hard,method=h2o", "h2o", "wikisalad_hard", None, preds=3)
+    make_run(root, "data=medium,method=full", "full", "wikisalad_medium", {**qa(0.9, 1.0), "complete": False},
+             budget=1.0)
+    # things that are not runs: W&B files (with their own config.yaml), the submitit folder
+    (root / "data=easy,method=full" / "wandb" / "run-1" / "files").mkdir(parents=True)
+    (root / "data=easy,method=full" / "wandb" / "run-1" / "files" / "config.yaml").write_text("a: 1\n")
+    (root / ".submitit").mkdir()
+    return root
+
+
+@pytest.fixture(scope="module")
+def built(sweep):
+    """The report of the sweep, built once (tables and plots)."""
+    import io
+    from contextlib import redirect_stdout
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        res = report.build(sweep)
+    return res, buf.getvalue()
+
+
+def test_runs_table_and_missing(sweep):
+    runs, missing = report.load_runs(sweep)
+    assert len(runs) == 7
+    assert list(runs["run"]) == sorted(runs["run"])
+    assert {"method.budget", "model_name", "em", "kv_bytes.peak", "latency_breakdown.attention", "headline_value",
+            "variant", "status"} <= set(runs.columns)
+    assert sorted(missing["run"]) == ["data=hard,method=h2o", "data=medium,method=full"]
+    row = missing.set_index("run").loc["data=hard,method=h2o"]
+    assert row["status"] == "no metrics.json" and row["items_done"] == 3
+    assert missing.set_index("run").loc["data=medium,method=full", "status"] == "incomplete metrics.json"
+
+
+def test_pivot_with_a_broken_run_lists_it_and_builds_tables(sweep, built):
+    res, printed = built
+    out = sweep / "report"
+    t = res["pivot"]
+    assert t.loc["wikisalad_easy", "full"] == pytest.approx(0.7)  # the headline: em_lenient = em + 0.1
+    assert t.loc["wikisalad_hard", "streaming_llm"] == pytest.approx(0.2)
+    md = (out / "pivot_headline.md").read_text()
+    assert "missing" in md  # the broken h2o / hard cell
+    strings = res["pivot_strings"]
+    assert strings.loc["wikisalad_hard", "h2o"] == "missing"
+    assert strings.loc["wikisalad_medium", "full"] == "missing"
+    assert strings.loc["wikisalad_easy", "h2o"] == "0.5"
+    assert "data=hard,method=h2o: no metrics.json (3 items done)" in printed
+    miss = (out / "missing.csv").read_text().splitlines()
+    assert miss[0].startswith("run,") and len(miss) == 3
+    assert len((out / "runs.csv").read_text().splitlines()) == 8
+    tex = (out / "pivot_headline.tex").read_text()
+    assert "\\begin{tabular}" in tex and "wikisalad\\_easy" in tex and "missing" in tex
+    csv = (out / "pivot_headline.csv").read_text()
+    assert csv.splitlines()[0].startswith("data_name,")
+
+
+def test_pivot_options(sweep):
+    runs, _ = report.load_runs(sweep)
+    t = report.pivot(runs, rows=["method_name"], cols=["data_name"], metric="f1")
+    assert t.loc["h2o", "wikisalad_easy"] == pytest.approx(0.2)
+    sel = report.apply_filters(runs, report.parse_filters(["method.budget=0.125"]))
+    assert set(sel["method_name"]) == {"streaming_llm", "h2o"}
+    with pytest.raises(report.ReportError, match="no column 'nope'.*available"):
+        report.pivot(runs, rows=["nope"])
+    with pytest.raises(report.ReportError, match="key=value"):
+        report.parse_filters(["method.budget"])
+
+
+def test_determinism(sweep, built, tmp_path):
+    first = {p.name: p.read_bytes() for p in sorted((sweep / "report").iterdir())}
+    report.build(sweep, out=tmp_path / "again", echo=False)
+    second = {p.name: p.read_bytes() for p in sorted((tmp_path / "again").iterdir())}
+    assert first == second
+    assert {"runs.csv", "missing.csv", "pivot_headline.md", "pivot_headline.csv", "pivot_headline.tex",
+            "headline_by_method.png", "latency_breakdown.png", "headline_vs_kv_ratio.png"} <= set(first)
+    assert "headline_vs_method.budget.png" not in first  # no method was run at two budgets: no line plot
+
+
+def legend_texts(ax) -> list[str]:
+    leg = ax.get_legend()
+    assert leg is not None
+    return [t.get_text() for t in leg.get_texts()]
+
+
+def test_plot_files_are_pngs(built):
+    res, _ = built
+    assert res["figures"]
+    for path in res["figures"].values():
+        data = Path(path).read_bytes()
+        assert data[:8] == PNG_MAGIC
+        from PIL import Image
+
+        with Image.open(path) as im:
+            im.verify()
+
+
+def test_headline_bars(sweep):
+    runs, _ = report.load_runs(sweep)
+    fig = report.plot_headline(runs)
+    (ax,) = fig.axes
+    assert legend_texts(ax) == ["full", "h2o", "streaming_llm"]
+    assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == ["wikisalad_easy", "wikisalad_hard"]
+    assert "em_lenient" in ax.get_ylabel()
+    assert len(ax.patches) == 3 * 2  # one bar per method and dataset (the h2o/hard bar is NaN: missing)
+    heights = {round(p.get_height(), 6) for p in ax.patches if p.get_height() == p.get_height()}
+    assert {0.7, 0.4, 0.5, 0.6, 0.2} <= heights
+
+
+def test_metric_vs_setting_lines(sweep):
+    runs, _ = report.load_runs(sweep)
+    assert report.default_x(runs) is None  # budgets differ only between methods: nothing to draw lines through
+    fig = report.plot_metric_vs(runs, x="method.budget", metric="em", hue="method_name")
+    assert [ax.get_title() for ax in fig.axes] == ["wikisalad_easy", "wikisalad_hard"]
+    easy = fig.axes[0]
+    assert easy.get_xlabel() == "method.budget" and easy.get_ylabel() == "em"
+    assert legend_texts(easy) == ["full", "h2o", "streaming_llm"]
+    line = {ln.get_label(): ln for ln in easy.get_lines()}["streaming_llm"]
+    assert list(line.get_xdata()) == [0.125] and list(line.get_ydata()) == [pytest.approx(0.3)]
+
+
+def test_latency_breakdown_stacked(sweep):
+    runs, _ = report.load_runs(sweep)
+    fig = report.plot_latency(runs)
+    (ax,) = fig.axes
+    assert legend_texts(ax) == ["attention", "refinement", "rest"]
+    assert ax.get_ylabel() == "seconds per token"
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert len(labels) == 3  # only the runs that have a breakdown
+    # stacked: the attention part of 'full' starts at 0 and 'rest' sits on top of it
+    assert len(ax.patches) == 3 * 3
+
+
+def test_latency_plot_skipped_without_breakdown(tmp_path):
+    make_run(tmp_path, "a", "full", "wikisalad_easy", qa(0.5, 1.0), budget=1.0)
+    runs, _ = report.load_runs(tmp_path)
+    assert report.plot_latency(runs) is None
+    res = report.build(tmp_path, echo=False)
+    assert "latency_breakdown.png" not in res["figures"]
+    assert not (tmp_path / "report" / "latency_breakdown.png").exists()
+
+
+def test_accuracy_vs_kv_with_pareto_front(sweep):
+    runs, _ = report.load_runs(sweep)
+    fig = report.plot_accuracy_vs_kv(runs)
+    easy = fig.axes[0]
+    assert easy.get_title() == "wikisalad_easy"
+    assert easy.get_xlabel().startswith("kv_ratio")
+    assert legend_texts(easy) == ["full", "h2o", "streaming_llm", "Pareto front"]
+    front = [ln for ln in easy.get_lines() if ln.get_label() == "Pareto front"][0]
+    # streaming (0.13, 0.4) -> h2o (0.14, 0.5) -> full (1.0, 0.7): all three are on the front
+    assert list(front.get_xdata()) == [0.13, 0.14, 1.0]
+    hard = fig.axes[1]
+    assert legend_texts(hard) == ["full", "streaming_llm", "Pareto front"]
+
+
+def test_pareto_front():
+    pts = [(1.0, 0.7), (0.13, 0.4), (0.14, 0.3), (0.5, 0.4), (0.14, 0.5)]
+    assert report.pareto_front(pts) == [1, 4, 0]
+    # perplexity: lower is better
+    assert report.pareto_front([(1.0, 10.0), (0.2, 12.0), (0.3, 15.0)], lower_y_better=True) == [1, 0]
+
+
+def test_budget_sweep_labels_and_lines(tmp_path):
+    make_run(tmp_path, "a", "streaming_llm", "wikisalad_easy", qa(0.3, 0.25), budget=0.25)
+    make_run(tmp_path, "b", "streaming_llm", "wikisalad_easy", qa(0.2, 0.13), budget=0.125)
+    make_run(tmp_path, "c", "full", "wikisalad_easy", qa(0.5, 1.0), budget=1.0)
+    runs, _ = report.load_runs(tmp_path)
+    assert list(runs["variant"]) == ["streaming_llm budget=0.25", "streaming_llm budget=0.125", "full"]
+    assert report.default_x(runs) == "method.budget"
+    res = report.build(tmp_path, echo=False)
+    assert "headline_vs_method.budget.png" in res["figures"]
+    fig = report.plot_metric_vs(runs, x="method.budget", metric="em")
+    line = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}["streaming_llm"]
+    assert list(line.get_xdata()) == [0.125, 0.25] and list(line.get_ydata()) == [pytest.approx(0.2), pytest.approx(0.3)]
+
+
+def test_command_line(sweep, tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert report.main([str(sweep), "--metric", "f1", "--rows", "method_name", "--cols", "data_name", "--no-plots",
+                        "--filter", "model_name=tiny_llama", "--out", str(out)]) == 0
+    assert (out / "pivot_f1.md").exists() and "| method_name \\ data_name" in capsys.readouterr().out
+    assert report.main([str(sweep), "--rows", "nope", "--no-plots", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "nope" in err and len(err.strip().splitlines()) == 1
+    assert report.main([str(tmp_path / "no-such-folder")]) == 2
+    assert "not a folder" in capsys.readouterr().err
+    # the module runs as a command
+    p = subprocess.run([sys.executable, "-m", "luka_bench.report", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and "--filter" in p.stdout
+
+
+def test_several_metrics_in_one_table(sweep, tmp_path):
+    runs, _ = report.load_runs(sweep)
+    t = report.pivot(runs, rows=["method_name"], cols=[], metric="kv_ratio,em")
+    assert list(t.columns) == ["kv_ratio", "em"]  # in the order asked for
+    assert t.loc["h2o", "em"] == pytest.approx(0.4)
+    assert t.loc["full", "em"] == pytest.approx(0.55)  # easy and hard averaged (the note says so)
+    t2 = report.pivot(runs, rows=["method_name"], cols=["data_name"], metric="em,f1")
+    assert t2.loc["streaming_llm", ("f1", "wikisalad_hard")] == pytest.approx(0.05)
+    strings = report.pivot_strings(runs, t2, ["method_name"], ["data_name"], "em,f1")
+    assert strings.loc["h2o", "em / wikisalad_hard"] == "missing"
+    assert list(strings.columns)[:2] == ["em / wikisalad_easy", "em / wikisalad_hard"]
+    res = report.build(sweep, rows=["method_name"], cols=[], metric="em,kv_ratio", out=tmp_path / "r", plots=False,
+                       echo=False)
+    md = (tmp_path / "r" / "pivot_em-kv_ratio.md").read_text()
+    assert md.splitlines()[0].replace(" ", "") == "|method_name\\metric|em|kv_ratio|"
+    assert "average up to 2 runs" in md and res["pivot"].shape == (3, 2)
