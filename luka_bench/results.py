@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-# Keys that may change between a run and its resumption (more items, other display settings).
-_VOLATILE = {("data", "limit"), ("progress",)}
+# Keys that may change between a run and its resumption (more items, display, how many CPU threads ran it).
+_VOLATILE = {("data", "limit"), ("progress",), ("threads",)}
 
 
 class RunFolderError(RuntimeError):

@@ -308,8 +308,7 @@ def finished_metrics(run_dir: str | Path, resolved: dict) -> dict | None:
     except (OSError, ValueError, yaml.YAMLError):
         return None
     same_items = (old.get("data") or {}).get("limit") == (resolved.get("data") or {}).get("limit")
-    diffs = [d for d in config_difference(old, resolved) if not d.startswith("threads:")]
-    if metrics.get("complete") is True and same_items and not diffs:
+    if metrics.get("complete") is True and same_items and not config_difference(old, resolved):
         return metrics
     return None
 
