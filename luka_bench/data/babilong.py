@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 from luka_bench.data.bab_world import TASKS as SYNTHETIC_TASKS
 from luka_bench.data.bab_world import generate_story
-from luka_bench.data.base import DataError, QAExample, Question
+from luka_bench.data.base import DataError, QAExample, Question, require_fields
 from luka_bench.data.scoring_babilong import TASK_LABELS, accuracy_summary, compare_answers
 
 __all__ = [
@@ -195,19 +195,7 @@ def format_prompt(task: str, context: str, question: str) -> str:
 
 def validate_rows(rows: Any, src: str) -> list[dict[str, str]]:
     """Rows in the hub schema, checked: every row a mapping with string fields input, question, target."""
-    if not isinstance(rows, Sequence) or isinstance(rows, (str, bytes)):
-        raise DataError(f"{src}: expected a list of rows with fields {', '.join(FIELDS)}, got {type(rows).__name__}")
-    out = []
-    for i, row in enumerate(rows):
-        if not isinstance(row, Mapping):
-            raise DataError(f"{src}: row {i} is a {type(row).__name__}, not an object with fields {', '.join(FIELDS)}")
-        for k in FIELDS:
-            if k not in row or row[k] is None:
-                raise DataError(f"{src}: row {i} is missing required field {k!r} (required: {', '.join(FIELDS)})")
-            if not isinstance(row[k], str):
-                raise DataError(f"{src}: row {i} field {k!r} must be a string, got {type(row[k]).__name__}")
-        out.append({k: row[k] for k in FIELDS})
-    return out
+    return require_fields(rows, FIELDS, src, "row")
 
 
 def load_rows_file(path: str, tasks: Sequence[str], length: str) -> dict[str, list[dict[str, str]]]:

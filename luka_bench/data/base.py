@@ -38,3 +38,25 @@ class Document:
     id: str
     text: str
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+def require_fields(rows, fields: tuple[str, ...], src: str, noun: str = "row") -> list[dict[str, str]]:
+    """Rows of a real-schema file or hub split, checked: a list of objects, each with every field present and a
+    string. Returns the rows reduced to those fields; anything else is a one-line DataError naming the source,
+    the row and the field."""
+    from collections.abc import Mapping, Sequence
+
+    names = ", ".join(fields)
+    if not isinstance(rows, Sequence) or isinstance(rows, (str, bytes)):
+        raise DataError(f"{src}: expected a list of {noun}s with fields {names}, got {type(rows).__name__}")
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise DataError(f"{src}: {noun} {i} is a {type(row).__name__}, not an object with fields {names}")
+        for k in fields:
+            if k not in row or row[k] is None:
+                raise DataError(f"{src}: {noun} {i} is missing required field {k!r} (required: {names})")
+            if not isinstance(row[k], str):
+                raise DataError(f"{src}: {noun} {i} field {k!r} must be a string, got {type(row[k]).__name__}")
+        out.append({k: row[k] for k in fields})
+    return out

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from luka_bench.data.base import DataError, QAExample, Question
+from luka_bench.data.base import DataError, QAExample, Question, require_fields
 from luka_bench.data.scoring_longbench import DIFFICULTIES, LENGTHS, accuracy_summary, is_correct
 from luka_bench.data.synthetic_articles import generate_squad
 
@@ -85,21 +85,11 @@ def middle_truncate(ids: Sequence[int], max_len: int) -> list[int]:
 
 def validate_items(rows: Any, src: str) -> list[dict[str, str]]:
     """Items in the hub schema; every field present and a string, with valid difficulty / length / answer."""
-    if not isinstance(rows, Sequence) or isinstance(rows, (str, bytes)):
-        raise DataError(f"{src}: expected a list of items with fields {', '.join(FIELDS)}, got {type(rows).__name__}")
-    out = []
-    for i, row in enumerate(rows):
-        if not isinstance(row, Mapping):
-            raise DataError(f"{src}: item {i} is a {type(row).__name__}, not an object")
-        for k in FIELDS:
-            if k not in row or row[k] is None:
-                raise DataError(f"{src}: item {i} is missing required field {k!r} (required: {', '.join(FIELDS)})")
-            if not isinstance(row[k], str):
-                raise DataError(f"{src}: item {i} field {k!r} must be a string, got {type(row[k]).__name__}")
+    out = require_fields(rows, FIELDS, src, "item")
+    for i, row in enumerate(out):
         for k, allowed in (("difficulty", DIFFICULTIES), ("length", LENGTHS), ("answer", LETTERS)):
             if row[k] not in allowed:
                 raise DataError(f"{src}: item {i} field {k!r} is {row[k]!r}; allowed: {', '.join(allowed)}")
-        out.append({k: row[k] for k in FIELDS})
     return out
 
 
