@@ -1,11 +1,8 @@
 """H2O (= LuKA lined), SnapKV and per-layer assignment: the invariants from their papers, on tiny models."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 

@@ -1,8 +1,6 @@
 """LuKA clustered attention (§3.2, Algorithm 1): invariants on tiny models (CPU, fp32)."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hydra.utils import instantiate
@@ -53,7 +51,6 @@ def test_refining_every_page_equals_full(arch, kw, request):
 def manual_cover_attention(q, store, pol, scaling):
     """Slow reference for refine.rule=none: softmax over [summary keys of every page] + [raw tail], per query
     head, for a single query."""
-    m = pol.method
     k_raw, v_raw = store.keys[0], store.values[0]  # [Hkv, n, D]
     P = pol.P[1]
     hq = q.shape[1]
@@ -206,10 +203,8 @@ def test_no_leak_between_examples(tiny_llama):
     model = tiny_llama.model
     method = luka(refine={"rule": "top_k", "k": 2})
     other = torch.randint(0, 256, (1, 140), generator=torch.Generator().manual_seed(99))
-    first, _ = run(model, method, other)
+    run(model, method, other)
     after, _ = run(model, method)
-    with attach(model, method):
-        pass
     alone, _ = run(model, luka(refine={"rule": "top_k", "k": 2}))
     assert torch.equal(after, alone)
 
@@ -257,8 +252,6 @@ def test_decode_fast_path_equals_general_path(kw, tiny_qwen3):
     model = tiny_qwen3.model
     fast, cf = run(model, luka(**kw))
     general_method = luka(**kw)
-    with attach(model, general_method) as a, torch.no_grad():
-        pass
     # same run with the fast path switched off in every layer
     from luka_bench.methods import luka_clustered as LC
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONF, ROOT
+from conftest import CONF
 
 TINY = ["model=tiny_llama", "data.limit=1", "max_new_tokens=2", "progress=false", "threads=1"]
 SWEEP = ["-m", "method=full,streaming_llm", "data=wikisalad_easy,wikisalad_medium", "sweep_name=grid", *TINY]
