@@ -14,7 +14,6 @@ post-prompt texts written for this project; the official scoring rule is in
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -25,7 +24,7 @@ from typing import Any, ClassVar
 
 from luka_bench.data.bab_world import TASKS as SYNTHETIC_TASKS
 from luka_bench.data.bab_world import generate_story
-from luka_bench.data.base import DataError, QAExample, Question, require_fields
+from luka_bench.data.base import DataError, QAExample, Question, read_json_or_jsonl, require_fields
 from luka_bench.data.scoring_babilong import TASK_LABELS, accuracy_summary, compare_answers
 
 __all__ = [
@@ -204,20 +203,7 @@ def load_rows_file(path: str, tasks: Sequence[str], length: str) -> dict[str, li
     Accepted layouts: a JSON list or JSON lines of rows (one task: used for the single requested task); a JSON
     object ``{task: [rows]}``; or ``{length: {task: [rows]}}``.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"babilong: data file not found: {path}")
-    try:
-        raw = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"babilong: cannot read {path}: {e}") from None
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        try:
-            obj = [json.loads(line) for line in raw.splitlines() if line.strip()]
-        except json.JSONDecodeError:
-            raise DataError(f"babilong: {path} is neither JSON nor JSON lines ({e.msg} at line {e.lineno})") from None
+    obj = read_json_or_jsonl(path, "babilong")
     if isinstance(obj, Mapping) and length in obj and isinstance(obj[length], Mapping):
         obj = obj[length]
     if isinstance(obj, Mapping):

@@ -60,3 +60,25 @@ def require_fields(rows, fields: tuple[str, ...], src: str, noun: str = "row") -
                 raise DataError(f"{src}: {noun} {i} field {k!r} must be a string, got {type(row[k]).__name__}")
         out.append({k: row[k] for k in fields})
     return out
+
+
+def read_json_or_jsonl(path: str, dataset: str):
+    """A local data file: JSON, or JSON lines (one object per line). One-line DataError naming the dataset and
+    the file when it is missing, unreadable or neither."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{dataset}: data file not found: {path}")
+    try:
+        raw = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{dataset}: cannot read {path}: {e}") from None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        try:
+            return [json.loads(line) for line in raw.splitlines() if line.strip()]
+        except json.JSONDecodeError:
+            raise DataError(f"{dataset}: {path} is neither JSON nor JSON lines ({e.msg} at line {e.lineno})") from None

@@ -15,15 +15,13 @@ tokenizer, which the runner passes through :meth:`LongBenchV2.prepare`. Scoring:
 """
 from __future__ import annotations
 
-import json
 import random
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
-from luka_bench.data.base import DataError, QAExample, Question, require_fields
+from luka_bench.data.base import DataError, QAExample, Question, read_json_or_jsonl, require_fields
 from luka_bench.data.scoring_longbench import DIFFICULTIES, LENGTHS, accuracy_summary, is_correct
 from luka_bench.data.synthetic_articles import generate_squad
 
@@ -94,21 +92,7 @@ def validate_items(rows: Any, src: str) -> list[dict[str, str]]:
 
 
 def load_items_file(path: str) -> list[dict[str, str]]:
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"longbench_v2: data file not found: {path}")
-    try:
-        raw = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"longbench_v2: cannot read {path}: {e}") from None
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        try:
-            obj = [json.loads(line) for line in raw.splitlines() if line.strip()]
-        except json.JSONDecodeError:
-            raise DataError(f"longbench_v2: {path} is neither JSON nor JSON lines "
-                            f"({e.msg} at line {e.lineno})") from None
+    obj = read_json_or_jsonl(path, "longbench_v2")
     return validate_items(obj, path)
 
 
