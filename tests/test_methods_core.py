@@ -10,22 +10,19 @@ from luka_bench.methods.full import Full
 from luka_bench.methods.hf import attach
 from luka_bench.methods.streaming_llm import StreamingLLM
 
+from conftest import attn_impl, masked_eager_logits
+
 ARCHS = ["tiny_llama", "tiny_qwen3", "tiny_gemma3"]
 
 
 def plain_logits(model, ids, split):
     """Plain transformers (SDPA + DynamicCache): prefill ids[:split], then one token at a time."""
-    prev = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
-        with torch.no_grad():
-            c = DynamicCache(config=model.config)
-            out = [model(ids[:, :split], past_key_values=c).logits]
-            for t in range(split, ids.shape[1]):
-                out.append(model(ids[:, t: t + 1], past_key_values=c).logits)
-        return torch.cat(out, 1)
-    finally:
-        model.set_attn_implementation(prev)
+    with attn_impl(model, "sdpa"):
+        c = DynamicCache(config=model.config)
+        out = [model(ids[:, :split], past_key_values=c).logits]
+        for t in range(split, ids.shape[1]):
+            out.append(model(ids[:, t: t + 1], past_key_values=c).logits)
+    return torch.cat(out, 1)
 
 
 def method_logits(model, method, ids, split, question=5, reference_length=None):
@@ -113,16 +110,9 @@ def test_streaming_positions_match_a_manual_reference(tiny_llama):
     allowed = torch.ones(64, 64, dtype=torch.bool).tril()
     allowed[63] = False
     allowed[63, kept + [63]] = True
-    prev = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            mask = torch.zeros(1, 1, 64, 64).masked_fill(~allowed, torch.finfo(torch.float32).min)
-            ref = model(ids, attention_mask=mask, use_cache=False).logits[0, -1]
-    finally:
-        model.set_attn_implementation(prev)
-    # the first 63 rows differ (the reference keeps everything while building the cache), but layer inputs of
-    # row 63 depend only on earlier rows' keys/values, which are the same: so the last row must match
+    ref = masked_eager_logits(model, ids, allowed)
+    # rows 0-62 are plain causal in both (the prefill is exact), so every layer's keys/values agree and the
+    # last row must match
     assert torch.allclose(got, ref, atol=1e-4, rtol=0), (got - ref).abs().max()
 
 
