@@ -66,7 +66,7 @@ def main() -> None:
     from omegaconf import DictConfig, open_dict
 
     @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
-    def _app(cfg: DictConfig) -> None:
+    def _app(cfg: DictConfig) -> dict:
         from luka_bench.run import run
 
         hc = HydraConfig.get()
@@ -74,7 +74,7 @@ def main() -> None:
             for g in GROUPS:
                 cfg[f"{g}_name"] = hc.runtime.choices.get(g)
         try:
-            run(cfg, hc.runtime.output_dir)
+            return run(cfg, hc.runtime.output_dir)
         except Exception as e:  # noqa: BLE001 - turn known bad input into one line, re-raise the rest
             inner = _unwrap(e)
             if isinstance(inner, _one_line_errors()):

@@ -94,7 +94,10 @@ def _count_lines(path: Path) -> int:
 def _read_metrics(run: Path) -> tuple[dict | None, str]:
     path = run / "metrics.json"
     if not path.exists():
-        return None, "no metrics.json"
+        try:  # a sweep job stopped by bad input left its one-line error (run.JOB_ERROR_FILE)
+            return None, "failed: " + (run / "error.txt").read_text(encoding="utf-8").strip()
+        except OSError:
+            return None, "no metrics.json"
     try:
         m = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):

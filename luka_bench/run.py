@@ -280,9 +280,10 @@ def aggregate(task, records: list[dict]) -> dict:
 # The run
 # ---------------------------------------------------------------------------------------------------------
 
-class SweepJobFailed(RuntimeError):
-    """A sweep job stopped by bad input: raised instead of the one-line error (which exits the process) so
-    that the other jobs of the sweep still run."""
+# A sweep job stopped by bad input does not raise: it returns ``{"failed": message}`` and leaves the message
+# in its folder's error.txt, so the other jobs still run and the sweep ends with one line per failed job (not
+# Hydra's traceback of the first failure) and a non-zero exit (tracking.SweepProgress.on_multirun_end).
+JOB_ERROR_FILE = "error.txt"
 
 
 def run_config(cfg: DictConfig) -> dict:
@@ -322,6 +323,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     if done is not None:
         print(f"{run_dir}: already complete (metrics.json); skipped")
         return done
+    error_file = Path(run_dir) / JOB_ERROR_FILE
+    error_file.unlink(missing_ok=True)  # this attempt's outcome replaces an earlier failure's
     tracker = tracking.build(cfg, run_dir)
     tracker.start(OmegaConf.to_container(cfg, resolve=True))
     result, exit_code = None, 1
@@ -340,7 +343,10 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
                 except Exception:  # noqa: BLE001 - an unresolvable config: the job's own error says more
                     pass
             if isinstance(_unwrap(e), _one_line_errors()):
-                raise SweepJobFailed(f"error: {_unwrap(e)}") from _unwrap(e)
+                message = f"{type(_unwrap(e)).__name__}: {_unwrap(e)}"
+                error_file.parent.mkdir(parents=True, exist_ok=True)
+                error_file.write_text(message + "\n", encoding="utf-8")
+                return {"failed": message}
         raise
     finally:
         tracker.finish(result, exit_code)

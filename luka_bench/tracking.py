@@ -18,6 +18,7 @@ import math
 import netrc
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -230,8 +231,10 @@ class SweepProgress(Callback):
         self.total: int | None = None
         self.name: str | None = None
         self.sweep_dir: str | None = None
+        self.started: float | None = None
 
     def on_multirun_start(self, config, **kwargs: Any) -> None:
+        self.started = time.time()
         self.total = count_jobs(config)
         self.sweep_dir = os.path.abspath(str(config.hydra.sweep.dir))
         self.name = Path(self.sweep_dir).name
@@ -256,11 +259,15 @@ class SweepProgress(Callback):
             return
         from hydra.core.utils import JobStatus
 
-        if job_return.status == JobStatus.FAILED:
-            err = job_return._return_value
-            cause = getattr(err, "__cause__", None) or err
-            _say(f"{self._job(config)} FAILED: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
-                 f" ({config.hydra.runtime.output_dir}); re-run the sweep to retry it")
+        value = job_return._return_value
+        if job_return.status == JobStatus.FAILED or (isinstance(value, dict) and "failed" in value):
+            if isinstance(value, dict):
+                message = value["failed"]
+            else:
+                cause = getattr(value, "__cause__", None) or value
+                message = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+            _say(f"{self._job(config)} FAILED: {message} ({config.hydra.runtime.output_dir}); "
+                 "re-run the sweep to retry it")
         else:
             _say(f"{self._job(config)} done: {config.hydra.runtime.output_dir}")
 
@@ -268,10 +275,18 @@ class SweepProgress(Callback):
         sweep_dir = self.sweep_dir or os.path.abspath(str(config.hydra.sweep.dir))
         from luka_bench.report import find_runs, _read_metrics
 
+        from luka_bench.run import JOB_ERROR_FILE
+
         runs = find_runs(sweep_dir)
         done = sum(1 for r in runs if _read_metrics(r)[0] is not None)
+        failed = sorted(p for p in Path(sweep_dir).glob(f"*/{JOB_ERROR_FILE}")
+                        if self.started is None or p.stat().st_mtime >= self.started - 1)
         _say(f"sweep {Path(sweep_dir).name}: {done}/{len(runs)} run folders complete in {sweep_dir}\n"
              f"  tables and plots: python -m luka_bench.report {os.path.relpath(sweep_dir)}")
+        if failed:  # bad input in some jobs (real crashes have raised already, with their traceback)
+            lines = "\n".join(f"  {p.parent.name}: {p.read_text(encoding='utf-8').strip()}" for p in failed)
+            _say(f"error: {len(failed)} job(s) of sweep {Path(sweep_dir).name} failed:\n{lines}")
+            raise SystemExit(2)
 
 
 def _is_multirun(config) -> bool:

@@ -89,19 +89,25 @@ def test_rerun_runs_only_the_missing_job(grid):
 def test_a_failing_job_does_not_sink_the_sweep(tmp_path):
     # `full` refuses budget 0.5: that job fails, the other still runs (basic launcher: one process, in order)
     proc = cli("-m", "method=full,streaming_llm", "method.budget=0.5", "sweep_name=fails", *TINY, cwd=tmp_path)
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     out = proc.stdout + proc.stderr
     assert "[fails] job 1/2 FAILED" in out and "not allowed for 'full'" in out
+    # the sweep ends with one line per failed job, not with Hydra's traceback of the first failure
+    assert "Traceback" not in out and "HYDRA_FULL_ERROR" not in out
+    assert "error: 1 job(s) of sweep fails failed" in out
+    assert "job 2/2 done" in out
     sweep = tmp_path / "results" / "sweeps" / "fails"
     ok = sweep / "max_new_tokens=2,method.budget=0.5,method=streaming_llm,model=tiny_llama"
     bad = sweep / "max_new_tokens=2,method.budget=0.5,method=full,model=tiny_llama"
     assert json.loads((ok / "metrics.json").read_text())["complete"] is True
     assert (bad / "config.yaml").exists() and not (bad / "metrics.json").exists()
+    assert "not allowed for 'full'" in (bad / "error.txt").read_text()
 
     from luka_bench import report
 
     res = report.build(sweep, plots=False, echo=False)
     assert list(res["missing"]["run"]) == [bad.name]
+    assert res["missing"]["status"].iloc[0].startswith("failed: MethodConfigError")
     assert res["pivot"].loc["wikisalad_easy", "streaming_llm"] == pytest.approx(
         json.loads((ok / "metrics.json").read_text())["em_lenient"])
 
