@@ -260,15 +260,29 @@ def metric_list(metric: str | Sequence[str]) -> list[str]:
 
 
 def _column_levels(metrics: list[str], cols: list[str]) -> list[str]:
-    """Column levels of the pivot: the metric is a level of its own when there are several (or no --cols)."""
-    return (["metric"] if len(metrics) > 1 or not cols else []) + cols
+    """Column levels of the pivot: the metric is a level of its own when there are several (or no --cols),
+    the last one, so that the metrics of one setting sit side by side (``full / em_lenient``, ``full /
+    kv_ratio``, ``h2o / em_lenient``, ...)."""
+    return cols + (["metric"] if len(metrics) > 1 or not cols else [])
+
+
+def _column_order(metrics: list[str], levels: list[str], order: dict[str, list[str]] | None):
+    """Sort key of pivot columns: settings in order, then (when the metric is the last level) the metrics in
+    the order asked for."""
+    def key(k: Any) -> tuple:
+        k = k if isinstance(k, tuple) else (k,)
+        if levels and levels[-1] == "metric":
+            return _sort_key(k[:-1], levels[:-1], order), metrics.index(k[-1])
+        return _sort_key(k, levels, order), 0
+    return key
 
 
 def pivot(df: pd.DataFrame, rows: Sequence[str] = ("data_name",), cols: Sequence[str] = ("method_name",),
-          metric: str | Sequence[str] = HEADLINE) -> pd.DataFrame:
+          metric: str | Sequence[str] = HEADLINE, order: dict[str, list[str]] | None = None) -> pd.DataFrame:
     """rows x cols table of ``metric`` over the complete runs (``headline``: each run's own headline metric).
-    Several metrics (``"em_lenient,f1,kv_ratio"``) become the first column level, in the order given. Cells
-    holding several runs (a setting not on either axis differs) show their mean."""
+    Several metrics (``"em_lenient,f1,kv_ratio"``) become the last column level, in the order given. Cells
+    holding several runs (a setting not on either axis differs) show their mean. Rows and columns follow
+    ``order`` (see ``sweep_order``) where it lists their values."""
     rows, cols, metrics = list(rows), list(cols), metric_list(metric)
     _need_columns(df, rows + cols, "--rows/--cols")
     value_cols = [_value_column(df, m) for m in metrics]
@@ -284,11 +298,8 @@ def pivot(df: pd.DataFrame, rows: Sequence[str] = ("data_name",), cols: Sequence
     long = pd.concat(parts, ignore_index=True)
     levels = _column_levels(metrics, cols)
     table = long.pivot_table(index=rows, columns=levels, values="value", aggfunc="mean", dropna=False, sort=True)
-    if "metric" in levels:  # metrics in the order asked for, not alphabetical
-        keys = sorted(table.columns, key=lambda k: (metrics.index(k[0] if isinstance(k, tuple) else k),
-                                                   _sort_key(k[1:] if isinstance(k, tuple) else ())))
-        table = table[keys]
-    return table
+    table = table.loc[sorted(table.index, key=lambda k: _sort_key(k, rows, order))]
+    return table[sorted(table.columns, key=_column_order(metrics, levels, order))]
 
 
 def cell_counts(df: pd.DataFrame, rows: Sequence[str], cols: Sequence[str]) -> pd.DataFrame:
@@ -298,16 +309,45 @@ def cell_counts(df: pd.DataFrame, rows: Sequence[str], cols: Sequence[str]) -> p
     return done.groupby(list(rows) + list(cols)).size()
 
 
-def _sort_key(key: Any) -> tuple:
-    """Numbers in numeric order, before strings in text order (budgets 0.0625 < 0.125 < 1)."""
+def _sort_key(key: Any, names: Sequence[str] = (), order: dict[str, list[str]] | None = None) -> tuple:
+    """Values a sweep listed (``order``: level name -> its values in the order of the sweep command) in that
+    order; then numbers in numeric order (budgets 0.0625 < 0.125 < 1); then strings in text order."""
     parts = key if isinstance(key, tuple) else (key,)
     out = []
-    for p in parts:
+    for i, p in enumerate(parts):
+        listed = (order or {}).get(names[i] if i < len(names) else "", [])
+        if str(p) in listed:
+            out.append((-1, float(listed.index(str(p))), ""))
+            continue
         try:
             out.append((0, float(p), ""))
         except (TypeError, ValueError):
             out.append((1, 0.0, str(p)))
     return tuple(out)
+
+
+_GROUP_COLUMNS = {"model": "model_name", "method": "method_name", "data": "data_name"}
+
+
+def sweep_order(folder: str | Path) -> dict[str, list[str]]:
+    """The order in which the sweep in ``folder`` listed its values (``multirun.yaml``: the sweeper's params
+    and the command's ``key=a,b,c`` overrides), keyed by runs.csv column: ``data=wikisalad_easy,...,
+    wikisalad_very_hard`` puts the rows in difficulty order instead of alphabetical. Empty when there is none."""
+    try:
+        cfg = yaml.safe_load((Path(folder) / "multirun.yaml").read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    hydra_cfg = cfg.get("hydra") or {}
+    listed = [f"{k}={v}" for k, v in ((hydra_cfg.get("sweeper") or {}).get("params") or {}).items()]
+    listed += list((hydra_cfg.get("overrides") or {}).get("task") or [])
+    order: dict[str, list[str]] = {}
+    for item in listed:
+        key, sep, values = str(item).partition("=")
+        if not sep or "," not in values or "(" in values:
+            continue
+        key = key.lstrip("+~")
+        order[_GROUP_COLUMNS.get(key, key)] = [v.strip() for v in values.split(",")]
+    return order
 
 
 def _fmt(v: Any) -> str:
@@ -323,7 +363,7 @@ def _label(key: Any) -> str:
 
 
 def pivot_strings(df: pd.DataFrame, table: pd.DataFrame, rows: Sequence[str], cols: Sequence[str],
-                  metric: str | Sequence[str] = HEADLINE) -> pd.DataFrame:
+                  metric: str | Sequence[str] = HEADLINE, order: dict[str, list[str]] | None = None) -> pd.DataFrame:
     """The pivot as display strings (4 significant digits); the empty cells of broken runs read ``missing``."""
     rows, cols, metrics = list(rows), list(cols), metric_list(metric)
     levels = _column_levels(metrics, cols)
@@ -349,12 +389,8 @@ def pivot_strings(df: pd.DataFrame, table: pd.DataFrame, rows: Sequence[str], co
                 r_keys.append(rk)
             if ck not in c_keys:
                 c_keys.append(ck)
-    r_keys = sorted(r_keys, key=_sort_key)
-    if "metric" in levels:
-        c_keys = sorted(c_keys, key=lambda k: (metrics.index(k[0] if isinstance(k, tuple) else k),
-                                                _sort_key(k[1:] if isinstance(k, tuple) else ())))
-    else:
-        c_keys = sorted(c_keys, key=_sort_key)
+    r_keys = sorted(r_keys, key=lambda k: _sort_key(k, rows, order))
+    c_keys = sorted(c_keys, key=_column_order(metrics, levels, order))
     out = pd.DataFrame("", index=[_label(k) for k in r_keys], columns=[_label(k) for k in c_keys], dtype=object)
     for rk in r_keys:
         for ck in c_keys:
@@ -660,8 +696,9 @@ def build(folder: str | Path, rows: Sequence[str] = ("data_name",), cols: Sequen
     sel = apply_filters(runs, filters or {})
     metrics = metric_list(metric)
     tag = "-".join(metrics).replace("/", "_")
-    table = pivot(sel, rows, cols, metrics)
-    strings = pivot_strings(sel, table, rows, cols, metrics)
+    order = sweep_order(folder)
+    table = pivot(sel, rows, cols, metrics, order)
+    strings = pivot_strings(sel, table, rows, cols, metrics, order)
     note = headline_note(sel, metrics)
     n_done = int((sel["status"] == "complete").sum())
     counts = cell_counts(sel, rows, cols) if rows else []

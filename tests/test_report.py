@@ -250,12 +250,38 @@ def test_several_metrics_in_one_table(sweep, tmp_path):
     assert t.loc["h2o", "em"] == pytest.approx(0.4)
     assert t.loc["full", "em"] == pytest.approx(0.55)  # easy and hard averaged (the note says so)
     t2 = report.pivot(runs, rows=["method_name"], cols=["data_name"], metric="em,f1")
-    assert t2.loc["streaming_llm", ("f1", "wikisalad_hard")] == pytest.approx(0.05)
+    assert t2.loc["streaming_llm", ("wikisalad_hard", "f1")] == pytest.approx(0.05)
     strings = report.pivot_strings(runs, t2, ["method_name"], ["data_name"], "em,f1")
-    assert strings.loc["h2o", "em / wikisalad_hard"] == "missing"
-    assert list(strings.columns)[:2] == ["em / wikisalad_easy", "em / wikisalad_hard"]
+    assert strings.loc["h2o", "wikisalad_hard / em"] == "missing"
+    # the metrics of one setting side by side (em_lenient with its kv_ratio), settings in order
+    assert list(strings.columns)[:4] == ["wikisalad_easy / em", "wikisalad_easy / f1", "wikisalad_hard / em",
+                                         "wikisalad_hard / f1"]
     res = report.build(sweep, rows=["method_name"], cols=[], metric="em,kv_ratio", out=tmp_path / "r", plots=False,
                        echo=False)
     md = (tmp_path / "r" / "pivot_em-kv_ratio.md").read_text()
     assert md.splitlines()[0].replace(" ", "") == "|method_name\\metric|em|kv_ratio|"
     assert "average up to 2 runs" in md and res["pivot"].shape == (3, 2)
+
+
+def test_rows_and_columns_follow_the_sweep_command(tmp_path):
+    # the sweep listed data hard before easy and methods h2o before full: the tables keep that order
+    root = tmp_path / "s"
+    for data in ("wikisalad_easy", "wikisalad_hard"):
+        for method, kv in (("full", 1.0), ("h2o", 0.13)):
+            make_run(root, f"data={data},method={method}", method, data, qa(0.5, kv))
+    (root / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {
+        "sweeper": {"params": {"method": "h2o,full"}},
+        "overrides": {"task": ["data=wikisalad_hard,wikisalad_easy", "threads=1"]}}}))
+    assert report.sweep_order(root) == {"method_name": ["h2o", "full"],
+                                        "data_name": ["wikisalad_hard", "wikisalad_easy"]}
+    res = report.build(root, metric="em_lenient,kv_ratio", plots=False, echo=False)
+    assert list(res["pivot_strings"].index) == ["wikisalad_hard", "wikisalad_easy"]
+    assert list(res["pivot_strings"].columns) == ["h2o / em_lenient", "h2o / kv_ratio", "full / em_lenient",
+                                                  "full / kv_ratio"]
+    assert list(res["pivot"].index) == ["wikisalad_hard", "wikisalad_easy"]
+    assert res["pivot"].loc["wikisalad_hard", ("h2o", "kv_ratio")] == pytest.approx(0.13)
+    # without multirun.yaml: alphabetical
+    (root / "multirun.yaml").unlink()
+    res = report.build(root, metric="em_lenient", plots=False, echo=False)
+    assert list(res["pivot_strings"].index) == ["wikisalad_easy", "wikisalad_hard"]
+    assert list(res["pivot_strings"].columns) == ["full", "h2o"]
