@@ -37,10 +37,14 @@ def _flatten(d: Any, prefix: tuple = ()) -> dict[tuple, Any]:
 
 
 def config_difference(old: dict, new: dict) -> list[str]:
+    """The settings that differ, one line each. A setting missing on one side and null on the other is the
+    same run: a setting added to the configs later, null by default, keeps earlier runs resumable."""
     a, b = _flatten(old), _flatten(new)
     diffs = []
     for key in sorted(set(a) | set(b), key=str):
         if key in _VOLATILE or key[:2] in _VOLATILE:
+            continue
+        if a.get(key) is None and b.get(key) is None:
             continue
         if a.get(key, "<unset>") != b.get(key, "<unset>"):
             diffs.append(f"{'.'.join(map(str, key))}: {a.get(key, '<unset>')!r} -> {b.get(key, '<unset>')!r}")

@@ -116,3 +116,18 @@ def test_kv_summary_and_latency():
     assert kv["kv_ratio"] == pytest.approx(0.2)
     assert kv["kv_bytes"] == {"after_prefill": 15, "peak": 30}
     assert M.latency_summary(recs) == {"ttft_s": 2.0, "tpot_s": 0.1}
+
+
+def test_a_new_null_setting_keeps_old_runs_resumable(tmp_path):
+    from luka_bench.results import RunFolder, RunFolderError, config_difference
+
+    old = {"method": {"budget": 0.25}, "data": {"limit": 5, "repeat": 1}, "threads": 1}
+    # a setting added to the configs later (null by default) is the same run; a real value is not
+    assert config_difference(old, {**old, "data": {"limit": 20, "repeat": 1, "target_chars": None}}) == []
+    assert config_difference(old, {**old, "data": {"limit": 5, "repeat": 1, "target_chars": 5300}}) == [
+        "data.target_chars: '<unset>' -> 5300"]
+    assert config_difference(old, {**old, "method": {"budget": 0.5}}) == ["method.budget: 0.25 -> 0.5"]
+    RunFolder(tmp_path / "r", old)
+    RunFolder(tmp_path / "r", {**old, "data": {"limit": 5, "repeat": 1, "target_chars": None}})
+    with pytest.raises(RunFolderError, match="method.budget: 0.25 -> 0.5"):
+        RunFolder(tmp_path / "r", {**old, "method": {"budget": 0.5}})
