@@ -477,13 +477,24 @@ def _lower_is_better(df: pd.DataFrame, metric: str) -> bool:
     return metric in LOWER_IS_BETTER
 
 
-def plot_headline(df: pd.DataFrame, metric: str = HEADLINE):
+def _datasets(done: pd.DataFrame, order: dict[str, list[str]] | None) -> list[str]:
+    """The datasets of these runs, in the sweep's order (``sweep_order``), else alphabetical."""
+    return sorted(done["data_name"].dropna().astype(str).unique(), key=lambda d: _sort_key(d, ["data_name"], order))
+
+
+def _variants(done: pd.DataFrame, order: dict[str, list[str]] | None) -> list[str]:
+    """The variants (legend labels) of these runs: by method in the sweep's order, then by label."""
+    method = dict(zip(done["variant"].astype(str), done.get("method_name", done["variant"]).astype(str)))
+    return sorted(method, key=lambda v: (_sort_key(method[v], ["method_name"], order), v))
+
+
+def plot_headline(df: pd.DataFrame, metric: str = HEADLINE, order: dict[str, list[str]] | None = None):
     """Grouped bars: one group per dataset, one bar per variant (method + its differing settings)."""
     plt = _plt()
     done = complete(df)
     col = _value_column(df, metric)
-    datasets = sorted(done["data_name"].dropna().astype(str).unique())
-    variants = sorted(done["variant"].astype(str).unique())
+    datasets = _datasets(done, order)
+    variants = _variants(done, order)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.2 + 0.45 * len(datasets) * max(len(variants), 1)), 3.6))
     width = 0.8 / max(len(variants), 1)
     for i, v in enumerate(variants):
@@ -528,17 +539,18 @@ def default_x(df: pd.DataFrame, hue: str = "method_name") -> str | None:
     return numeric[0] if numeric else None
 
 
-def plot_metric_vs(df: pd.DataFrame, x: str, metric: str = HEADLINE, hue: str = "method_name"):
+def plot_metric_vs(df: pd.DataFrame, x: str, metric: str = HEADLINE, hue: str = "method_name",
+                   order: dict[str, list[str]] | None = None):
     """Lines: ``metric`` against the setting ``x``, one line per value of ``hue``, one panel per dataset."""
     plt = _plt()
     _need_columns(df, [x, hue], "--x/--hue")
     done = complete(df)
     col = _value_column(df, metric)
-    datasets = sorted(done["data_name"].dropna().astype(str).unique()) or ["-"]
+    datasets = _datasets(done, order) or ["-"]
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.2 * len(datasets) + 1.2, 3.4), squeeze=False)
     for ax, d in zip(axes[0], datasets):
         sub = done[done["data_name"] == d] if d != "-" else done
-        for h in sorted(sub[hue].dropna().unique(), key=str):
+        for h in sorted(sub[hue].dropna().unique(), key=lambda h: (_sort_key(str(h), [hue], order), str(h))):
             part = sub[sub[hue] == h][[x, col]].copy()
             part[x] = pd.to_numeric(part[x], errors="coerce")
             part[col] = pd.to_numeric(part[col], errors="coerce")
@@ -561,7 +573,7 @@ def latency_columns(df: pd.DataFrame) -> list[str]:
     return sorted(c for c in df.columns if c.startswith("latency_breakdown."))
 
 
-def plot_latency(df: pd.DataFrame):
+def plot_latency(df: pd.DataFrame, order: dict[str, list[str]] | None = None):
     """Stacked bars: seconds per token by component (``latency_breakdown``), one bar per run. None when no run
     has a breakdown."""
     done = complete(df)
@@ -572,7 +584,10 @@ def plot_latency(df: pd.DataFrame):
     done = done[done[comps].notna().any(axis=1)]
     multi_data = done["data_name"].nunique() > 1
     labels = [f"{v}\n{d}" if multi_data else str(v) for v, d in zip(done["variant"], done["data_name"])]
-    order = sorted(range(len(labels)), key=lambda i: labels[i])
+    rank_v = {v: i for i, v in enumerate(_variants(done, order))}
+    rank_d = {d: i for i, d in enumerate(_datasets(done, order))}
+    order = sorted(range(len(labels)), key=lambda i: (rank_v[str(done["variant"].iloc[i])],
+                                                      rank_d.get(str(done["data_name"].iloc[i]), -1), labels[i]))
     fig, ax = plt.subplots(figsize=(max(5.0, 1.0 + 0.9 * len(labels)), 3.8))
     bottom = [0.0] * len(order)
     for c in comps:
@@ -602,15 +617,15 @@ def pareto_front(points: Sequence[tuple[float, float]], lower_y_better: bool = F
     return front
 
 
-def plot_accuracy_vs_kv(df: pd.DataFrame, metric: str = HEADLINE):
+def plot_accuracy_vs_kv(df: pd.DataFrame, metric: str = HEADLINE, order: dict[str, list[str]] | None = None):
     """One point per run: ``metric`` against the measured ``kv_ratio``, one panel per dataset, the Pareto front
     (less memory, better metric) drawn as a dashed step line."""
     plt = _plt()
     _need_columns(df, ["kv_ratio"], "kv_ratio")
     done = complete(df)
     col = _value_column(df, metric)
-    datasets = sorted(done["data_name"].dropna().astype(str).unique()) or ["-"]
-    variants = sorted(done["variant"].astype(str).unique())
+    datasets = _datasets(done, order) or ["-"]
+    variants = _variants(done, order)
     colors = {v: f"C{i % 10}" for i, v in enumerate(variants)}
     # shapes and shrinking sizes keep runs that land on the same point (same kv_ratio and score) visible
     markers = {v: "osD^vPX*<>"[i % 10] for i, v in enumerate(variants)}
@@ -644,22 +659,24 @@ def plot_accuracy_vs_kv(df: pd.DataFrame, metric: str = HEADLINE):
     return fig
 
 
-def figures(df: pd.DataFrame, metric: str = HEADLINE, x: str | None = None, hue: str = "method_name") -> dict:
-    """All plots that apply to these runs: {file name: Figure}."""
+def figures(df: pd.DataFrame, metric: str = HEADLINE, x: str | None = None, hue: str = "method_name",
+            order: dict[str, list[str]] | None = None) -> dict:
+    """All plots that apply to these runs: {file name: Figure}; panels, bars and legends in ``order`` (the
+    sweep's, see ``sweep_order``) where it lists their values."""
     out: dict[str, Any] = {}
     done = complete(df)
     if done.empty:
         return out
     tag = metric.replace("/", "_")
-    out[f"{tag}_by_method.png"] = plot_headline(df, metric)
+    out[f"{tag}_by_method.png"] = plot_headline(df, metric, order)
     x = x or default_x(df, hue)
     if x is not None:
-        out[f"{tag}_vs_{x}.png"] = plot_metric_vs(df, x, metric, hue)
-    lat = plot_latency(df)
+        out[f"{tag}_vs_{x}.png"] = plot_metric_vs(df, x, metric, hue, order)
+    lat = plot_latency(df, order)
     if lat is not None:
         out["latency_breakdown.png"] = lat
     if "kv_ratio" in done.columns and pd.to_numeric(done["kv_ratio"], errors="coerce").notna().any():
-        out[f"{tag}_vs_kv_ratio.png"] = plot_accuracy_vs_kv(df, metric)
+        out[f"{tag}_vs_kv_ratio.png"] = plot_accuracy_vs_kv(df, metric, order)
     return out
 
 
@@ -715,7 +732,7 @@ def build(folder: str | Path, rows: Sequence[str] = ("data_name",), cols: Sequen
     written += [out / f"pivot_{tag}.{e}" for e in ("md", "csv", "tex")]
     figs = {}
     if plots:
-        for name, fig in figures(sel, metrics[0], x, hue).items():
+        for name, fig in figures(sel, metrics[0], x, hue, order).items():
             save_figure(fig, out / name)
             figs[name] = out / name
             written.append(out / name)

@@ -280,6 +280,11 @@ def test_rows_and_columns_follow_the_sweep_command(tmp_path):
                                                   "full / kv_ratio"]
     assert list(res["pivot"].index) == ["wikisalad_hard", "wikisalad_easy"]
     assert res["pivot"].loc["wikisalad_hard", ("h2o", "kv_ratio")] == pytest.approx(0.13)
+    # plots too: panels in the sweep's data order, legend in its method order
+    runs, _ = report.load_runs(root)
+    fig = report.plot_accuracy_vs_kv(runs, "em_lenient", report.sweep_order(root))
+    assert [ax.get_title() for ax in fig.axes] == ["wikisalad_hard", "wikisalad_easy"]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()][:2] == ["h2o", "full"]
     # without multirun.yaml: alphabetical
     (root / "multirun.yaml").unlink()
     res = report.build(root, metric="em_lenient", plots=False, echo=False)
