@@ -146,8 +146,8 @@ def eos_token_ids(model, tokenizer) -> set[int]:
 
 
 def breakdown(timings: dict[str, float], step_s: list[float]) -> dict[str, float] | None:
-    """Seconds per decode step by component: the method's own timed parts (attention, refinement,
-    segment_compress, ...) and ``rest`` (the model around them: projections, MLPs, norms, untimed attention)."""
+    """Seconds per decode step by component: the timed parts (attention, eviction; LuKA's refinement and
+    segment_compress; see ``LayerPolicy``) and ``rest`` (the model around them: projections, MLPs, norms)."""
     if not step_s:
         return None
     n = len(step_s)

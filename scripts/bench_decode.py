@@ -51,7 +51,7 @@ def main() -> None:
     from luka_bench.data.pg19 import essays_text
     from luka_bench.methods.full import Full
     from luka_bench.methods.hf import attach
-    from luka_bench.run import forward, prefill
+    from luka_bench.run import breakdown, forward, prefill
 
     luka, model_cfg = compose_method("luka_clustered", args.set)
     lm = instantiate(model_cfg).load()
@@ -89,19 +89,20 @@ def main() -> None:
                         times[name].append(time.perf_counter() - s)
             pos += args.round
         med = {k: statistics.median(v) for k, v in times.items()}
+        comp = {name: breakdown(caches[name][0].timings, times[name]) for name in times}
         lc = caches["luka_clustered"][0]
-        steps = len(times["luka_clustered"])
-        comp = {k: v / steps for k, v in sorted(lc.timings.items())}
-        comp["rest"] = statistics.mean(times["luka_clustered"]) - sum(comp.values())
         row = {"N": n, "full_s_per_token": med["full"], "luka_s_per_token": med["luka_clustered"],
                "ratio_luka_over_full": med["luka_clustered"] / med["full"],
-               "prefill_s": prefill_s, "luka_breakdown_s_per_token": comp,
+               "prefill_s": prefill_s, "full_breakdown_s_per_token": comp["full"],
+               "luka_breakdown_s_per_token": comp["luka_clustered"],
                "luka_pages_layer0": lc.stores[0].policy.P[1]}
         rows.append(row)
         print(f"N={n:6d}  full {med['full'] * 1e3:7.1f} ms/token   luka_clustered "
               f"{med['luka_clustered'] * 1e3:7.1f} ms/token   ratio luka/full {row['ratio_luka_over_full']:.3f}   "
               f"(prefill s: full {prefill_s['full']:.1f}, luka {prefill_s['luka_clustered']:.1f})")
-        print("          luka breakdown ms/token: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in comp.items()))
+        for name in times:
+            print(f"          {name} breakdown ms/token: "
+                  + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in comp[name].items()))
         del caches
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -306,3 +306,12 @@ def test_type_selector_on_sliding_layers():
     names = method.assignment(infos)
     assert names == ["h2o" if i.layer_type == "full_attention" else "full" for i in infos]
     assert "full" in names and "h2o" in names
+
+
+@pytest.mark.parametrize("method", [H2O(budget=0.5), SnapKV(budget=0.5, window=4)], ids=["h2o", "snapkv"])
+def test_latency_components(method, tiny_llama):
+    """H2O's explicit attention and its per-step eviction are timed; SnapKV evicts once, after the prefill."""
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(3))
+    _, c = method_logits(tiny_llama.model, method, ids, 36)
+    want = {"attention", "eviction"} if isinstance(method, H2O) else {"attention"}
+    assert set(c.timings) == want and all(v > 0 for v in c.timings.values())

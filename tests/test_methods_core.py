@@ -161,3 +161,45 @@ def test_sliding_window_layers_left_to_windowed_attention(tiny_gemma3):
             assert s.n == 15 and s.positions[0, 0].tolist() == list(range(45, 60))
         else:
             assert s.n == 30
+
+
+@pytest.mark.parametrize("method, components", [
+    (Full(), {"attention"}),
+    (StreamingLLM(budget=0.5), {"attention", "eviction"}),
+])
+def test_latency_components_of_every_method(method, components, tiny_llama):
+    """The attention function times each method's attention (and its per-step eviction, where it has one)."""
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(3))
+    _, c = method_logits(tiny_llama.model, method, ids, 36)
+    assert set(c.timings) == components and all(v > 0 for v in c.timings.values())
+
+
+class FakeEvent:
+    """Stands in for torch.cuda.Event: a recorded time in ms, and whether it was waited on."""
+
+    def __init__(self, ms):
+        self.ms, self.waited = ms, False
+
+    def synchronize(self):
+        self.waited = True
+
+    def elapsed_time(self, end):
+        return end.ms - self.ms
+
+
+def test_device_spans_resolve_when_read(tiny_llama):
+    """On CUDA a span is a pair of events, resolved (one wait, on the last event) only when timings are read;
+    clone() resolves them first (events cannot be copied)."""
+    from luka_bench.methods.hf import new_cache
+
+    c = new_cache(tiny_llama.model, Full())
+    c.add_span("attention", 0.5, 0.75)  # host clock (CPU): added at once
+    ends = [FakeEvent(30.0), FakeEvent(70.0)]
+    c.add_span("attention", FakeEvent(10.0), ends[0])
+    c.add_span("eviction", FakeEvent(60.0), ends[1])
+    assert len(c._pending) == 2 and not ends[1].waited
+    assert c.timings == pytest.approx({"attention": 0.25 + 0.020, "eviction": 0.010})
+    assert ends[1].waited and c._pending == []
+    c.add_span("eviction", FakeEvent(0.0), FakeEvent(5.0))
+    d = c.clone()
+    assert d.timings == pytest.approx({"attention": 0.27, "eviction": 0.015}) and c._pending == []

@@ -64,7 +64,13 @@ class LayerInfo:
 
 
 class LayerPolicy:
-    """Per-layer, per-prompt state and behaviour of a method. The default is exact attention (= ``full``)."""
+    """Per-layer, per-prompt state and behaviour of a method. The default is exact attention (= ``full``).
+
+    Timing (``latency_breakdown``): the attention function times ``attend`` as component ``attention`` and an
+    overridden ``after_step`` as ``eviction``. A policy with finer components of its own sets
+    ``times_itself = True`` and records them with ``store.cache.span`` / ``mark`` + ``add_span``."""
+
+    times_itself: bool = False
 
     def __init__(self, method: "KVMethod", info: LayerInfo):
         self.method = method

@@ -18,6 +18,7 @@ function therefore returns None; it refuses padded batches, which the harness ne
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -235,7 +236,8 @@ class MethodCache(Cache):
         self.reference_length = 0
         self.phase = "prefill"
         self.peak_bytes = 0  # bytes held at most during the decode phase (see _note)
-        self.timings: dict[str, float] = {}  # seconds per component, summed (methods add; see add_time)
+        self._timings: dict[str, float] = {}  # seconds per component, summed (methods add: span / add_span)
+        self._pending: list = []  # (key, start event, end event) of CUDA spans not yet resolved
         stores = [KVStore(method.policy_for_layer(info), self) for info in infos]
         super().__init__(layers=stores)
 
@@ -257,9 +259,44 @@ class MethodCache(Cache):
         if self.phase == "decode":
             self.peak_bytes = max(self.peak_bytes, self.held_bytes())
 
-    def add_time(self, key: str, seconds: float) -> None:
-        """Wall-clock time of a method component (attention, refinement, segment_compress, ...)."""
-        self.timings[key] = self.timings.get(key, 0.0) + seconds
+    # -- component timings (latency_breakdown) ------------------------------------------------------------
+    # CUDA runs kernels asynchronously: a host clock around a component measures its launch, not its work. On
+    # CUDA a span is a pair of recorded events, resolved (one synchronisation) only when ``timings`` is read —
+    # between decode steps — so timing adds no synchronisation inside the forward. Elsewhere: perf_counter.
+    @staticmethod
+    def mark(device: torch.device):
+        """A point in time on ``device``'s clock (pair two with ``add_span``)."""
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add_span(self, key: str, start, end) -> None:
+        """Add the time from mark ``start`` to mark ``end`` to component ``key`` (attention, refinement, ...)."""
+        if isinstance(start, float):
+            self._timings[key] = self._timings.get(key, 0.0) + (end - start)
+        else:
+            self._pending.append((key, start, end))
+
+    @contextlib.contextmanager
+    def span(self, key: str, device: torch.device):
+        """``with cache.span("eviction", store.device): ...`` times the block as component ``key``."""
+        start = self.mark(device)
+        try:
+            yield
+        finally:
+            self.add_span(key, start, self.mark(device))
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds per component, summed since the cache was made (or cleared)."""
+        if self._pending:
+            self._pending[-1][2].synchronize()
+            for key, start, end in self._pending:
+                self._timings[key] = self._timings.get(key, 0.0) + start.elapsed_time(end) / 1000.0
+            self._pending.clear()
+        return self._timings
 
     def held_bytes(self) -> int:
         return sum(s.held_bytes() + s.policy.extra_bytes() for s in self.stores)
@@ -276,6 +313,7 @@ class MethodCache(Cache):
     def clone(self) -> "MethodCache":
         import copy
 
+        self.timings  # resolve pending CUDA events (events cannot be copied)
         # deepcopy copies tensors and policy state; the method config is shared (it is immutable).
         return copy.deepcopy(self, memo={id(self.method): self.method})
 
@@ -322,10 +360,19 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
         out = sdpa(query, key, value, scaling, mask)
         return out.transpose(1, 2).contiguous(), None
-    out = store.policy.attend(store, query, scaling)
-    if store.cache.phase == "decode":
-        store.policy.after_step(store)
-        if store.policy.info.layer_idx == store.policy.info.num_layers - 1:
+    policy, cache = store.policy, store.cache
+    if policy.times_itself:
+        out = policy.attend(store, query, scaling)
+    else:
+        with cache.span("attention", query.device):
+            out = policy.attend(store, query, scaling)
+    if cache.phase == "decode":
+        if policy.times_itself or type(policy).after_step is LayerPolicy.after_step:
+            policy.after_step(store)
+        else:
+            with cache.span("eviction", query.device):
+                policy.after_step(store)
+        if policy.info.layer_idx == policy.info.num_layers - 1:
             store.cache._note()  # once per forward, after the last layer
     return out.transpose(1, 2).contiguous(), None
 

@@ -35,7 +35,6 @@ loop is over tree levels (``levels`` <= 3).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -58,20 +57,9 @@ class Refine:
     mass: str = "exact"       # exact | parent (see module docstring)
 
 
-class _Timer:
-    __slots__ = ("cache", "key", "t0")
-
-    def __init__(self, cache, key):
-        self.cache, self.key = cache, key
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.cache.add_time(self.key, time.perf_counter() - self.t0)
-
-
 class LuKAPolicy(LayerPolicy):
+    times_itself = True  # attention / refinement / segment_compress, timed inside
+
     def __init__(self, method: "LuKAClustered", info):
         super().__init__(method, info)
         self.sk: list[torch.Tensor | None] = [None] * (method.levels + 1)  # sk[l]: level-l summary keys
@@ -115,7 +103,7 @@ class LuKAPolicy(LayerPolicy):
         if self.P[1] > 0 and query.shape[2] == 1 and self.method.levels == 1 and self.use_fast_path:
             return self.decode_step(store, query, scaling)
         if self.P[1] == 0:
-            with _Timer(store.cache, "attention"):
+            with store.cache.span("attention", store.device):
                 if self._needs_mass():
                     out, mass = attention_with_mass(store, query, scaling)
                     store.aux(MASS).add_(mass)
@@ -125,13 +113,13 @@ class LuKAPolicy(LayerPolicy):
         return self.clustered(store, query, scaling)
 
     def after_prefill(self, store) -> None:
-        with _Timer(store.cache, "segment_compress"):
+        with store.cache.span("segment_compress", store.device):
             self.compress(store)
 
     def after_step(self, store) -> None:
         self.steps += 1
         if self.steps % self.method.compress_every == 0:
-            with _Timer(store.cache, "segment_compress"):
+            with store.cache.span("segment_compress", store.device):
                 self.compress(store)
 
     # -- segmentation and compression ----------------------------------------------------------------------
@@ -260,8 +248,8 @@ class LuKAPolicy(LayerPolicy):
         matmuls. ``tests/test_luka_clustered.py`` checks it against ``clustered``."""
         m = self.method
         S, s0, P, fr = m.page_size, m.sink, self.P[1], self.frontier
-        cache = store.cache
-        t0 = time.perf_counter()
+        cache, dev = store.cache, query.device
+        t0 = cache.mark(dev)
         b, hq, _, d = query.shape
         K, V = store.keys, store.values
         hkv, n = K.shape[1], K.shape[2]
@@ -272,7 +260,7 @@ class LuKAPolicy(LayerPolicy):
         logit = torch.matmul(q, ck.transpose(-1, -2)).float() * scaling  # [B, Hkv, g, C]
         if m.summary_bias != "none":
             logit[..., s0: s0 + P] += m.bias(1)
-        t1 = time.perf_counter()
+        t1 = cache.mark(dev)
         sel = None
         if m.refine.rule != "none":
             lse = torch.logsumexp(logit, -1, keepdim=True)
@@ -294,11 +282,11 @@ class LuKAPolicy(LayerPolicy):
             vmask = valid.unsqueeze(2).expand(-1, -1, g, -1)
             cl = cl5.masked_fill(~vmask.unsqueeze(-1), NEG).view(b, hkv, g, k_sel * S)
             logit = logit.scatter(-1, pidx, parent.masked_fill(vmask, NEG))
-            t2 = time.perf_counter()
+            t2 = cache.mark(dev)
             p = torch.softmax(torch.cat([logit, cl], -1), -1)
             out = torch.matmul(p[..., :C].to(cv.dtype), cv) + torch.matmul(p[..., C:].to(vv.dtype), vv)
         else:
-            t2 = time.perf_counter()
+            t2 = cache.mark(dev)
             p = torch.softmax(logit, -1)
             out = torch.matmul(p.to(cv.dtype), cv)
         self.last_masses = p.sum(-1).unsqueeze(-1)  # [B, Hkv, g, 1]
@@ -312,22 +300,22 @@ class LuKAPolicy(LayerPolicy):
             if sel is not None:
                 raw = ((idx * S + s0).unsqueeze(-1) + torch.arange(S, device=idx.device)).view(b, hkv, -1)
                 acc.scatter_add_(2, raw, pm[..., C:])
-        t3 = time.perf_counter()
-        cache.add_time("attention", (t1 - t0) + (t3 - t2))
-        cache.add_time("refinement", t2 - t1)
+        t3 = cache.mark(dev)
+        cache.add_span("attention", t0, t1)
+        cache.add_span("attention", t2, t3)
+        cache.add_span("refinement", t1, t2)
         return out.reshape(b, hq, 1, -1).to(query.dtype)
 
     def clustered(self, store, query, scaling):
         m = self.method
         S, L, s0, fr = m.page_size, m.levels, m.sink, self.frontier
-        cache = store.cache
-        t0 = time.perf_counter()
+        cache, dev = store.cache, query.device
+        t0 = cache.mark(dev)
         b, hq, lq, d = query.shape
         K_raw, V_raw = store.keys, store.values
         hkv, n = K_raw.shape[1], K_raw.shape[2]
         g = hq // hkv
         q = query.reshape(b, hkv, g, lq, d)
-        dev = query.device
 
         def logits(keys):  # shared keys [B, Hkv, m, D] -> [B, Hkv, g, Lq, m]
             return torch.matmul(q, keys.transpose(-1, -2).unsqueeze(2)).float() * scaling
@@ -348,7 +336,7 @@ class LuKAPolicy(LayerPolicy):
             if hi > lo:
                 parts.append(_Part(logits(self.sk[lvl][:, :, lo:hi]) + m.bias(lvl), self.sv[lvl][:, :, lo:hi],
                                    lvl, lo=lo))
-        t1 = time.perf_counter()
+        t1 = cache.mark(dev)
 
         # Top-down refinement: at level l the candidates are the free level-l nodes and the level-l children of
         # the nodes refined at level l+1.
@@ -384,7 +372,7 @@ class LuKAPolicy(LayerPolicy):
             cl = cl.masked_fill(~vmask.unsqueeze(-1), NEG).view(b, hkv, g, lq, k_sel * S)
             cand.logit = cand.logit.scatter(-1, gidx, parent.masked_fill(vmask, NEG))
             parts.append(_Part(cl, cv, lvl - 1, ids=child.view(b, hkv, lq, k_sel * S)))
-        t2 = time.perf_counter()
+        t2 = cache.mark(dev)
 
         z = torch.logsumexp(torch.cat([p.logit for p in parts], -1), -1, keepdim=True)
         out = None
@@ -410,9 +398,10 @@ class LuKAPolicy(LayerPolicy):
                         torch.arange(p.lo, p.lo + mass.shape[-1], device=dev).expand(b, hkv, lq, -1)
                     self.imp[1].scatter_add_(2, ids.reshape(b, hkv, -1), mass.reshape(b, hkv, -1))
         self.last_masses = total
-        t3 = time.perf_counter()
-        cache.add_time("attention", (t1 - t0) + (t3 - t2))
-        cache.add_time("refinement", t2 - t1)
+        t3 = cache.mark(dev)
+        cache.add_span("attention", t0, t1)
+        cache.add_span("attention", t2, t3)
+        cache.add_span("refinement", t1, t2)
         return out.reshape(b, hq, lq, -1).to(query.dtype)
 
 
