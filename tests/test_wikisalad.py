@@ -159,6 +159,18 @@ def test_repeat_and_target_chars():
         assert len(_segments(ex)) % 4 == 0  # whole pattern cycles
 
 
+@pytest.mark.parametrize("difficulty", ["easy", "very_hard"])
+def test_paper_length_contexts(difficulty):
+    """target_chars: paper = the LuKA paper's context length for the level (1.5K / 4K tokens for these)."""
+    from luka_bench.data.wikisalad import PAPER_TARGET_CHARS, PATTERNS
+
+    short = WikiSalad(difficulty=difficulty, limit=1).examples()[0]
+    ex = WikiSalad(difficulty=difficulty, limit=1, target_chars="paper").examples()[0]
+    assert len(short.context) < PAPER_TARGET_CHARS[difficulty] <= len(ex.context)
+    assert len(_segments(ex)) % len(PATTERNS[difficulty]) == 0
+    assert ex.context.startswith(short.context) and len(ex.questions) > len(short.questions)
+
+
 def test_limit_none_uses_pool():
     ws = WikiSalad(difficulty="hard", limit=None, n_articles=10)
     assert len(ws.examples()) == 3  # 10 articles // 3 topics
@@ -398,7 +410,8 @@ def test_too_few_articles(tmp_path):
     assert "'ABCABC'" in _one_line(e)
 
 
-@pytest.mark.parametrize("kw", [{"repeat": 0}, {"limit": -1}, {"n_articles": 0}, {"target_chars": -5}])
+@pytest.mark.parametrize("kw", [{"repeat": 0}, {"limit": -1}, {"n_articles": 0}, {"target_chars": -5},
+                                {"target_chars": "long"}])
 def test_bad_numbers(kw):
     (name, value), = kw.items()
     with pytest.raises(DataError) as e:

@@ -35,6 +35,9 @@ PATTERNS: dict[str, str] = {
     "hard": "ABCABC",
     "very_hard": "AAABBBCCCAAABBBCCC",
 }
+# ``target_chars: paper``: context lengths of the LuKA paper (1.5K / 2.5K / 2K / 4K tokens) in characters, at
+# the ~3.5 characters per token of SmolLM2's tokenizer on this text (datasets/wikisalad.md).
+PAPER_TARGET_CHARS: dict[str, int] = {"easy": 5300, "medium": 8800, "hard": 7000, "very_hard": 14000}
 SOURCES = ("synthetic", "squad_v2", "file")
 HUB_ID = "rajpurkar/squad_v2"
 HUB_SPLITS = ("train", "validation")
@@ -339,7 +342,8 @@ class WikiSalad:
         pool is generated with the same seed.
     limit: number of examples (None: one example per ``len(pattern letters)`` articles of the pool).
     repeat / target_chars: cycle the pattern ``repeat`` times and further until the context has ``target_chars``
-        characters (default: the plain pattern once).
+        characters (default: the plain pattern once); ``target_chars: paper`` = the paper's length for this
+        difficulty (``PAPER_TARGET_CHARS``).
     """
 
     difficulty: str = "easy"
@@ -350,7 +354,7 @@ class WikiSalad:
     limit: int | None = 20
     n_articles: int = 200
     repeat: int = 1
-    target_chars: int | None = None
+    target_chars: int | str | None = None
     n_sentences: int = 3
     kind: ClassVar[str] = "qa"
     _cache: list[QAExample] | None = field(default=None, init=False, repr=False, compare=False)
@@ -365,8 +369,9 @@ class WikiSalad:
                 raise DataError(f"WikiSalad: {name} must be an integer >= 1, got {v!r}")
         if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 0):
             raise DataError(f"WikiSalad: limit must be an integer >= 0 or null, got {self.limit!r}")
-        if self.target_chars is not None and (not isinstance(self.target_chars, int) or self.target_chars < 0):
-            raise DataError(f"WikiSalad: target_chars must be an integer >= 0 or null, got {self.target_chars!r}")
+        t = self.target_chars
+        if t is not None and t != "paper" and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
+            raise DataError(f"WikiSalad: target_chars must be an integer >= 0, 'paper' or null, got {t!r}")
 
     # -- data -----------------------------------------------------------------------------------------------
     @property
@@ -376,6 +381,11 @@ class WikiSalad:
     @property
     def pattern(self) -> str:
         return PATTERNS[self.difficulty]
+
+    @property
+    def context_chars(self) -> int | None:
+        """The context length aimed at, in characters (``target_chars`` with ``paper`` resolved), or None."""
+        return PAPER_TARGET_CHARS[self.difficulty] if self.target_chars == "paper" else self.target_chars
 
     def _resolve_source(self) -> tuple[str, str | None]:
         """(kind, path) with kind in SOURCES; raises DataError for an unknown source."""
@@ -419,7 +429,7 @@ class WikiSalad:
             self._cache = [
                 build_example(arts, self.pattern, random.Random(f"wikisalad:{self.seed}:{k}"),
                               ex_id=f"wikisalad-{self.difficulty}-{self.seed}-{k}", repeat=self.repeat,
-                              target_chars=self.target_chars,
+                              target_chars=self.context_chars,
                               meta={"difficulty": self.difficulty, "source": src, "seed": self.seed, "index": k})
                 for k in range(n)
             ]
