@@ -29,6 +29,8 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from luka_bench.results import read_job_error
+
 HEADLINE = "headline"
 # Metrics where lower is better (everything else, e.g. em / f1 / accuracy, is higher-is-better).
 LOWER_IS_BETTER = {"perplexity", "ttft_s", "tpot_s", "wall_s", "kv_ratio", "peak_rss_bytes", "nll"}
@@ -94,10 +96,8 @@ def _count_lines(path: Path) -> int:
 def _read_metrics(run: Path) -> tuple[dict | None, str]:
     path = run / "metrics.json"
     if not path.exists():
-        try:  # a sweep job stopped by bad input left its one-line error (run.JOB_ERROR_FILE)
-            return None, "failed: " + (run / "error.txt").read_text(encoding="utf-8").strip()
-        except OSError:
-            return None, "no metrics.json"
+        error = read_job_error(run)  # a sweep job stopped by bad input left its one-line error
+        return None, f"failed: {error}" if error is not None else "no metrics.json"
     try:
         m = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -586,16 +586,16 @@ def plot_latency(df: pd.DataFrame, order: dict[str, list[str]] | None = None):
     labels = [f"{v}\n{d}" if multi_data else str(v) for v, d in zip(done["variant"], done["data_name"])]
     rank_v = {v: i for i, v in enumerate(_variants(done, order))}
     rank_d = {d: i for i, d in enumerate(_datasets(done, order))}
-    order = sorted(range(len(labels)), key=lambda i: (rank_v[str(done["variant"].iloc[i])],
+    bars = sorted(range(len(labels)), key=lambda i: (rank_v[str(done["variant"].iloc[i])],
                                                       rank_d.get(str(done["data_name"].iloc[i]), -1), labels[i]))
     fig, ax = plt.subplots(figsize=(max(5.0, 1.0 + 0.9 * len(labels)), 3.8))
-    bottom = [0.0] * len(order)
+    bottom = [0.0] * len(bars)
     for c in comps:
-        vals = [float(pd.to_numeric(pd.Series([done[c].iloc[i]]), errors="coerce").fillna(0.0).iloc[0]) for i in order]
-        ax.bar(range(len(order)), vals, bottom=bottom, label=c[len("latency_breakdown."):])
+        vals = [float(pd.to_numeric(pd.Series([done[c].iloc[i]]), errors="coerce").fillna(0.0).iloc[0]) for i in bars]
+        ax.bar(range(len(bars)), vals, bottom=bottom, label=c[len("latency_breakdown."):])
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks(range(len(order)))
-    ax.set_xticklabels([labels[i] for i in order], rotation=30, ha="right", fontsize=8)
+    ax.set_xticks(range(len(bars)))
+    ax.set_xticklabels([labels[i] for i in bars], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("seconds per token")
     ax.set_title("latency breakdown")
     ax.legend(title="component", fontsize=8, title_fontsize=8)

@@ -23,6 +23,30 @@ import yaml
 _VOLATILE = {("data", "limit"), ("progress",), ("threads",)}
 
 
+# A sweep job stopped by bad input does not raise: it leaves its one-line error in its folder's error.txt and
+# returns ``{"failed": message}`` (run.run), so the other jobs still run; the sweep ends with one line per failed
+# job and exit 2 (tracking.SweepProgress), and the report lists the run as ``failed: <error>``.
+JOB_ERROR_FILE = "error.txt"
+
+
+def write_job_error(run_dir: str | Path, message: str | None) -> None:
+    """Leave ``message`` in the run folder's error file; None clears an earlier failure's."""
+    path = Path(run_dir) / JOB_ERROR_FILE
+    if message is None:
+        path.unlink(missing_ok=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(message + "\n", encoding="utf-8")
+
+
+def read_job_error(run_dir: str | Path) -> str | None:
+    """The one-line error a failed sweep job left in its folder, or None."""
+    try:
+        return (Path(run_dir) / JOB_ERROR_FILE).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+
+
 class RunFolderError(RuntimeError):
     """The folder cannot take this run. One line."""
 

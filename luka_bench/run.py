@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from luka_bench import metrics as M
 from luka_bench.methods.hf import MethodCache, attach
-from luka_bench.results import RunFolder, config_difference, environment
+from luka_bench.results import RunFolder, config_difference, environment, write_job_error
 
 log = logging.getLogger("luka_bench")
 
@@ -280,12 +280,6 @@ def aggregate(task, records: list[dict]) -> dict:
 # The run
 # ---------------------------------------------------------------------------------------------------------
 
-# A sweep job stopped by bad input does not raise: it returns ``{"failed": message}`` and leaves the message
-# in its folder's error.txt, so the other jobs still run and the sweep ends with one line per failed job (not
-# Hydra's traceback of the first failure) and a non-zero exit (tracking.SweepProgress.on_multirun_end).
-JOB_ERROR_FILE = "error.txt"
-
-
 def run_config(cfg: DictConfig) -> dict:
     """The resolved config a run folder stores and compares. Where the run is logged (``logger``) and the
     sweep it belongs to (``sweep_name``) are not part of the run."""
@@ -323,8 +317,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     if done is not None:
         print(f"{run_dir}: already complete (metrics.json); skipped")
         return done
-    error_file = Path(run_dir) / JOB_ERROR_FILE
-    error_file.unlink(missing_ok=True)  # this attempt's outcome replaces an earlier failure's
+    write_job_error(run_dir, None)  # this attempt's outcome replaces an earlier failure's
     tracker = tracking.build(cfg, run_dir)
     tracker.start(OmegaConf.to_container(cfg, resolve=True))
     result, exit_code = None, 1
@@ -342,10 +335,10 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
                     cfg_path.write_text(yaml.safe_dump(run_config(cfg), sort_keys=False), encoding="utf-8")
                 except Exception:  # noqa: BLE001 - an unresolvable config: the job's own error says more
                     pass
-            if isinstance(_unwrap(e), _one_line_errors()):
-                message = f"{type(_unwrap(e)).__name__}: {_unwrap(e)}"
-                error_file.parent.mkdir(parents=True, exist_ok=True)
-                error_file.write_text(message + "\n", encoding="utf-8")
+            inner = _unwrap(e)
+            if isinstance(inner, _one_line_errors()):  # bad input: the other jobs go on (results.JOB_ERROR_FILE)
+                message = f"{type(inner).__name__}: {inner}"
+                write_job_error(run_dir, message)
                 return {"failed": message}
         raise
     finally:

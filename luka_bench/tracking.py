@@ -273,9 +273,8 @@ class SweepProgress(Callback):
 
     def on_multirun_end(self, config, **kwargs: Any) -> None:
         sweep_dir = self.sweep_dir or os.path.abspath(str(config.hydra.sweep.dir))
-        from luka_bench.report import find_runs, _read_metrics
-
-        from luka_bench.run import JOB_ERROR_FILE
+        from luka_bench.report import _read_metrics, find_runs
+        from luka_bench.results import JOB_ERROR_FILE, read_job_error
 
         runs = find_runs(sweep_dir)
         done = sum(1 for r in runs if _read_metrics(r)[0] is not None)
@@ -284,7 +283,7 @@ class SweepProgress(Callback):
         _say(f"sweep {Path(sweep_dir).name}: {done}/{len(runs)} run folders complete in {sweep_dir}\n"
              f"  tables and plots: python -m luka_bench.report {os.path.relpath(sweep_dir)}")
         if failed:  # bad input in some jobs (real crashes have raised already, with their traceback)
-            lines = "\n".join(f"  {p.parent.name}: {p.read_text(encoding='utf-8').strip()}" for p in failed)
+            lines = "\n".join(f"  {p.parent.name}: {read_job_error(p.parent)}" for p in failed)
             _say(f"error: {len(failed)} job(s) of sweep {Path(sweep_dir).name} failed:\n{lines}")
             raise SystemExit(2)
 

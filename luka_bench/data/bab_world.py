@@ -366,22 +366,25 @@ def _holding_support(w: _World, p: str) -> list[int]:
 _COUNT_WEIGHTS = {"move": 0.35, "take": 0.35, "drop": 0.15, "give": 0.25}
 
 
-def _gen_qa7(rng: random.Random) -> Story | None:
-    w = _simulate(rng, "qa7", PEOPLE, ROOMS[:4], OBJECTS, _COUNT_WEIGHTS, _n_facts("qa7", rng), first_moves=True)
+def _holding_world(rng: random.Random, task: str) -> tuple[_World, str] | None:
+    """A story world of take/drop/give facts and a person who held something in it (None: nobody did)."""
+    w = _simulate(rng, task, PEOPLE, ROOMS[:4], OBJECTS, _COUNT_WEIGHTS, _n_facts(task, rng), first_moves=True)
     involved = [p for p in PEOPLE if _holding_support(w, p)]
-    if not involved:
+    return (w, rng.choice(involved)) if involved else None
+
+
+def _gen_qa7(rng: random.Random) -> Story | None:
+    if (picked := _holding_world(rng, "qa7")) is None:
         return None
-    p = rng.choice(involved)
+    w, p = picked
     n = len(w.held_by(p))
     return _story("qa7", w, f"How many objects is {p} carrying?", COUNT_WORDS[n], _holding_support(w, p))
 
 
 def _gen_qa8(rng: random.Random) -> Story | None:
-    w = _simulate(rng, "qa8", PEOPLE, ROOMS[:4], OBJECTS, _COUNT_WEIGHTS, _n_facts("qa8", rng), first_moves=True)
-    involved = [p for p in PEOPLE if _holding_support(w, p)]
-    if not involved:
+    if (picked := _holding_world(rng, "qa8")) is None:
         return None
-    p = rng.choice(involved)
+    w, p = picked
     held = w.held_by(p)
     # order of acquisition (the most recent take/give that gave p each object)
     got = {o: w.last(lambda e, o=o: e.arg == o and ((e.kind == "take" and e.person == p)

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from luka_bench.data.bab_world import TASKS as SYNTHETIC_TASKS
 from luka_bench.data.bab_world import generate_story
-from luka_bench.data.base import DataError, QAExample, Question, read_json_or_jsonl, require_fields
+from luka_bench.data.base import DataError, QAExample, Question, check_source, read_json_or_jsonl, require_fields
 from luka_bench.data.scoring_babilong import TASK_LABELS, accuracy_summary, compare_answers
 
 __all__ = [
@@ -418,14 +418,8 @@ class BABILong:
             raise DataError(f"data.task={bad[0]!r} is unknown for babilong source={self.source}; "
                             f"allowed: {', '.join(allowed)}")
         self.task = tasks[0] if len(tasks) == 1 else ",".join(tasks)
-        if self.source not in SOURCES:
-            raise DataError(f"data.source={self.source!r} is unknown for babilong; allowed: {', '.join(SOURCES)}")
-        if self.source == "file" and not self.path:
-            raise DataError("data.source=file needs data.path=<a JSON/JSONL file with fields input, question, target>")
-        if self.source != "file" and self.path:
-            raise DataError(f"data.path={self.path!r} given with data.source={self.source}; set data.source=file")
-        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 0):
-            raise DataError(f"data.limit={self.limit!r} must be an integer >= 0 or null")
+        check_source("babilong", self.source, SOURCES, self.path,
+                     "a JSON/JSONL file with fields input, question, target", self.limit)
 
     @property
     def tasks(self) -> list[str]:

@@ -40,6 +40,21 @@ class Document:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+def check_source(dataset: str, source: str, sources: tuple[str, ...], path: str | None, file_hint: str,
+                 limit: Any = None) -> None:
+    """One-line errors for a dataset's ``source`` / ``path`` / ``limit`` settings: an unknown source, a file
+    source without a path (``file_hint`` says what the file holds), a path without the file source, a limit
+    that is not an integer >= 0 or null."""
+    if source not in sources:
+        raise DataError(f"data.source={source!r} is unknown for {dataset}; allowed: {', '.join(sources)}")
+    if source == "file" and not path:
+        raise DataError(f"data.source=file needs data.path=<{file_hint}>")
+    if source != "file" and path:
+        raise DataError(f"data.path={path!r} given with data.source={source}; set data.source=file")
+    if limit is not None and (not isinstance(limit, int) or limit < 0):
+        raise DataError(f"data.limit={limit!r} must be an integer >= 0 or null")
+
+
 def require_fields(rows, fields: tuple[str, ...], src: str, noun: str = "row") -> list[dict[str, str]]:
     """Rows of a real-schema file or hub split, checked: a list of objects, each with every field present and a
     string. Returns the rows reduced to those fields; anything else is a one-line DataError naming the source,

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from luka_bench.data.base import DataError, QAExample, Question, read_json_or_jsonl, require_fields
+from luka_bench.data.base import DataError, QAExample, Question, check_source, read_json_or_jsonl, require_fields
 from luka_bench.data.scoring_longbench import DIFFICULTIES, LENGTHS, accuracy_summary, is_correct
 from luka_bench.data.synthetic_articles import generate_squad
 
@@ -288,14 +288,8 @@ class LongBenchV2:
     _chat: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise DataError(f"data.source={self.source!r} is unknown for longbench_v2; allowed: {', '.join(SOURCES)}")
-        if self.source == "file" and not self.path:
-            raise DataError("data.source=file needs data.path=<a JSON list or JSON lines of LongBench v2 items>")
-        if self.source != "file" and self.path:
-            raise DataError(f"data.path={self.path!r} given with data.source={self.source}; set data.source=file")
-        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 0):
-            raise DataError(f"data.limit={self.limit!r} must be an integer >= 0 or null")
+        check_source("longbench_v2", self.source, SOURCES, self.path,
+                     "a JSON list or JSON lines of LongBench v2 items", self.limit)
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 64):
             raise DataError(f"data.max_tokens={self.max_tokens!r} must be an integer >= 64 or null")
         if self.difficulty is not None and self.difficulty not in DIFFICULTIES:
