@@ -88,6 +88,19 @@ class LayerPolicy:
     def after_step(self, store: "KVStore") -> None:
         """Called after ``attend`` on every forward that follows the prefill."""
 
+    # -- what the last ``attend`` read (fidelity probe, attended-tokens metric) --------------------------------
+    def attended(self, store: "KVStore") -> torch.Tensor | None:
+        """Which held tokens the last ``attend`` call read: a boolean mask [B, Hkv, n] over the store's held
+        tokens (per KV head; for a query chunk, the union over its queries), or None when it read every held
+        token (exact attention). Methods that attend to a subset (LuKA clustered's refined pages + raw tail,
+        LycheeCluster's retrieved chunks) override it; positions are ``store.positions[mask]``."""
+        return None
+
+    def attended_extra(self) -> int:
+        """Entries held outside the store that the last ``attend`` call read, per KV head (LuKA's unrefined
+        summaries, synthetic key/value pairs): counted as attended entries, but they have no position."""
+        return 0
+
     # -- helpers -------------------------------------------------------------------------------------------
     def extra_bytes(self) -> int:
         """Bytes of KV-like state the policy holds besides the store (e.g. summary keys/values)."""
