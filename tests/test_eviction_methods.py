@@ -6,7 +6,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from luka_bench.methods.base import MethodConfigError
+from luka_bench.methods.base import MethodConfigError, top_indices
 from luka_bench.methods.full import Full
 from luka_bench.methods.h2o import H2O, MASS, H2OPolicy
 from luka_bench.methods.hf import attach, layer_infos
@@ -170,7 +170,8 @@ def slow_snapkv_indices(q, k, scaling, cap, window, kernel, pooling):
         pooled = []
         for j in range(prefix):
             nb = [score[x] for x in range(j - kernel // 2, j - kernel // 2 + kernel) if 0 <= x < prefix]
-            pooled.append(max(nb) if pooling == "max" else sum(nb) / len(nb))
+            # avg: out-of-range neighbours count as zeros (reference avg_pool1d, padding=kernel//2)
+            pooled.append(max(nb) if pooling == "max" else sum(nb) / (kernel if pooling == "avg" else len(nb)))
         top = sorted(range(prefix), key=lambda j: -pooled[j])[: cap - window]
         out.append(sorted(top) + list(range(prefix, n)))
     return out
@@ -184,7 +185,7 @@ class RecordingSnapKV(SnapKVPolicy):
         super().after_prefill(store)
 
 
-@pytest.mark.parametrize("pooling", ["max", "avg"])
+@pytest.mark.parametrize("pooling", ["max", "avg", "avg_inrange"])
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
 def test_snapkv_kept_indices_equal_slow_reference(arch, pooling, request):
     lm = request.getfixturevalue(arch)
@@ -202,6 +203,28 @@ def test_snapkv_kept_indices_equal_slow_reference(arch, pooling, request):
         ref = slow_snapkv_indices(q, k, scaling, 20, 6, 5, pooling)
         assert store.positions[0].tolist() == ref
         assert store.n == 20
+
+
+def test_snapkv_avg_pooling_follows_the_reference_edge_rule():
+    """A row where the edge rules disagree: the reference (SnapKV code, kvpress: avg_pool1d with padding
+    kernel//2, zeros counted) averages the spike at position 0 with two padded zeros (3/3 = 1.0 < 1.1 at the
+    plateau's centre), while averaging the in-range neighbours only would give it 3/2 = 1.5 and keep it."""
+    import torch.nn.functional as F
+
+    from luka_bench.methods.snapkv import pool_scores
+
+    row = torch.tensor([[[3.0, 0, 0, 1.1, 1.1, 1.1, 0, 0, 0, 0]]])
+    ref = F.avg_pool1d(row, kernel_size=3, padding=1, stride=1)  # the reference implementations' call
+    assert torch.allclose(pool_scores(row, 3, "avg"), ref)
+    assert top_indices(pool_scores(row, 3, "avg"), 1).tolist() == [[[4]]]
+    assert top_indices(pool_scores(row, 3, "avg_inrange"), 1).tolist() == [[[0]]]
+    wide = torch.rand(2, 3, 40, generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(pool_scores(wide, 5, "avg"), F.avg_pool1d(wide, 5, padding=2, stride=1))
+
+
+def test_snapkv_defaults_are_the_reference_defaults():
+    m = SnapKV()
+    assert (m.window, m.kernel, m.pooling) == (64, 5, "avg")
 
 
 def test_snapkv_compresses_once_then_grows(tiny_llama):

@@ -3,8 +3,14 @@
 Prefill-time selection, once, after the context prefill: the last ``window`` prompt queries (the observation
 window) attend over the whole prompt (causal, fp32 softmax); each earlier token's score is the attention it
 receives from those queries, summed over the window and over the query heads of its KV group (GQA: per KV
-head); scores are smoothed along the sequence by 1-D pooling (``kernel``, ``pooling`` = max | avg, stride 1,
-same length); each KV head keeps its top ``capacity - window`` tokens plus the window itself. Later tokens
+head); scores are smoothed along the sequence by 1-D pooling (``kernel``, stride 1, same length); each KV head
+keeps its top ``capacity - window`` tokens plus the window itself.
+
+Pooling, as the SnapKV reference code and NVIDIA kvpress do it (``avg_pool1d(kernel, padding=kernel // 2,
+stride=1)``, its default ``count_include_pad``): ``avg`` pads the sequence with zeros and divides by ``kernel``
+everywhere, so a token near either edge of the scored span is averaged with zeros. ``max`` pads with -inf.
+``avg_inrange`` divides by the in-range neighbours only (this project's earlier rule; kept for comparison).
+Defaults are the reference ones: window 64, kernel 5, avg (kvpress ``SnapKVPress``). Later tokens
 (question, answer) are appended and kept: SnapKV does not evict while decoding.
 
 Budget: ``capacity = ceil(budget * context length)`` tokens per layer after the prefill, window included.
@@ -18,6 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, exact_attention, top_indices
+
+
+POOLINGS = ("avg", "max", "avg_inrange")
 
 
 def window_scores(q_window: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -43,7 +52,9 @@ def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor
     pad = kernel // 2
     if pooling == "max":
         y = F.max_pool1d(F.pad(x, (pad, kernel - 1 - pad), value=float("-inf")), kernel, stride=1)
-    else:  # avg over the in-range neighbours
+    elif pooling == "avg":  # reference rule: zero padding counts (the first m outputs of avg_pool1d, pad k//2)
+        y = F.avg_pool1d(F.pad(x, (pad, kernel - 1 - pad)), kernel, stride=1)
+    else:  # avg_inrange: average over the in-range neighbours only
         y = F.avg_pool1d(F.pad(x, (pad, kernel - 1 - pad)), kernel, stride=1) * kernel
         cnt = F.avg_pool1d(F.pad(torch.ones_like(x), (pad, kernel - 1 - pad)), kernel, stride=1) * kernel
         y = y / cnt
@@ -87,13 +98,13 @@ class SnapKVPolicy(LayerPolicy):
 
 @dataclass
 class SnapKV(KVMethod):
-    """window: observation window (last prompt queries; reference code 32-64); kernel: pooling kernel size
-    (reference 5-7); pooling: max | avg."""
+    """window: observation window (last prompt queries); kernel: pooling kernel size; pooling: avg (reference:
+    zero-padded) | max | avg_inrange. Defaults are kvpress's SnapKVPress / the SnapKV reference code's."""
 
     budget: float = 0.125
-    window: int = 32
-    kernel: int = 7
-    pooling: str = "max"
+    window: int = 64
+    kernel: int = 5
+    pooling: str = "avg"
 
     name: ClassVar[str] = "snapkv"
     policy_class: ClassVar[type[LayerPolicy]] = SnapKVPolicy
@@ -104,5 +115,5 @@ class SnapKV(KVMethod):
             raise MethodConfigError(f"method.window={self.window!r} must be an integer >= 1 (reference: 32-64)")
         if not isinstance(self.kernel, int) or self.kernel < 1:
             raise MethodConfigError(f"method.kernel={self.kernel!r} must be an integer >= 1 (reference: 5-7)")
-        if self.pooling not in ("max", "avg"):
-            raise MethodConfigError(f"method.pooling={self.pooling!r} is unknown; allowed: max, avg")
+        if self.pooling not in POOLINGS:
+            raise MethodConfigError(f"method.pooling={self.pooling!r} is unknown; allowed: {', '.join(POOLINGS)}")
