@@ -37,24 +37,6 @@ def check_group_overrides(argv: list[str]) -> str | None:
     return None
 
 
-def _one_line_errors():
-    from luka_bench.data.base import DataError
-    from luka_bench.methods.base import MethodConfigError
-    from luka_bench.models import ModelUnavailable
-    from luka_bench.results import RunFolderError
-    from luka_bench.run import PromptTooLong
-
-    return (DataError, MethodConfigError, ModelUnavailable, RunFolderError, PromptTooLong)
-
-
-def _unwrap(e: BaseException) -> BaseException:
-    from hydra.errors import InstantiationException
-
-    while isinstance(e, InstantiationException) and e.__cause__ is not None:
-        e = e.__cause__
-    return e
-
-
 def main() -> None:
     msg = check_group_overrides(sys.argv[1:])
     if msg:
@@ -67,6 +49,7 @@ def main() -> None:
 
     @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
     def _app(cfg: DictConfig) -> dict:
+        from luka_bench.errors import one_line_errors, unwrap
         from luka_bench.run import run
 
         hc = HydraConfig.get()
@@ -76,8 +59,8 @@ def main() -> None:
         try:
             return run(cfg, hc.runtime.output_dir)
         except Exception as e:  # noqa: BLE001 - turn known bad input into one line, re-raise the rest
-            inner = _unwrap(e)
-            if isinstance(inner, _one_line_errors()):
+            inner = unwrap(e)
+            if isinstance(inner, one_line_errors()):
                 print(f"error: {inner}", file=sys.stderr)
                 sys.exit(2)
             raise

@@ -182,3 +182,60 @@ def environment(seed: int, device: str, dtype: str) -> dict:
     env["versions"]["transformers"] = transformers.__version__
     env.update(git_sha(Path(__file__).resolve().parent.parent))
     return env
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading run folders (the report, the sweep's closing line)
+# ---------------------------------------------------------------------------------------------------------
+
+# Folders below a sweep that are never run folders.
+SKIP_DIRS = {"wandb", "report", "__pycache__"}
+
+
+def read_run_config(path: Path) -> dict | None:
+    """A run folder's ``config.yaml`` if it is ours (a dict with model, method and data), else None."""
+    try:
+        cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+    if isinstance(cfg, dict) and all(k in cfg for k in ("model", "method", "data")):
+        return cfg
+    return None
+
+
+def find_runs(folder: str | Path) -> list[Path]:
+    """Run folders below ``folder`` (itself included), sorted. Skips hidden folders (``.submitit``), W&B's
+    ``wandb/`` and report outputs."""
+    folder = Path(folder)
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIP_DIRS)
+        if "config.yaml" in files and read_run_config(Path(root) / "config.yaml") is not None:
+            found.append(Path(root))
+    return sorted(found)
+
+
+def count_lines(path: Path) -> int:
+    """Complete lines in a file (items done in a predictions.jsonl); 0 if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.endswith(b"\n"))
+    except OSError:
+        return 0
+
+
+def read_metrics(run: Path) -> tuple[dict | None, str]:
+    """(metrics, "complete") for a finished run folder, else (None, why: failed / no / unreadable / incomplete)."""
+    path = run / "metrics.json"
+    if not path.exists():
+        error = read_job_error(run)  # a sweep job stopped by bad input left its one-line error
+        return None, f"failed: {error}" if error is not None else "no metrics.json"
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, "unreadable metrics.json"
+    if not isinstance(m, dict):
+        return None, "unreadable metrics.json"
+    if m.get("complete") is not True:
+        return None, "incomplete metrics.json"
+    return m, "complete"

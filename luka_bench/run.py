@@ -22,34 +22,17 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from luka_bench import metrics as M
+from luka_bench.data.base import qa_prompt_ids
+from luka_bench.errors import PromptTooLong, one_line_errors, unwrap
 from luka_bench.methods.hf import MethodCache, attach
 from luka_bench.results import RunFolder, config_difference, environment, write_job_error
 
 log = logging.getLogger("luka_bench")
 
 
-class PromptTooLong(ValueError):
-    """A prompt does not fit the model's context. One line."""
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Building blocks (used by the tests too)
 # ---------------------------------------------------------------------------------------------------------
-
-def qa_prompt_ids(tokenizer, use_chat: bool, context_block: str, question_block: str) -> tuple[list[int], list[int]]:
-    """Token ids of the context part and the question part of one prompt. With a chat template the user
-    message is ``context_block + question_block``; the rendered text is split where the question starts, so
-    the context part can be prefilled (and compressed) once and shared by all questions of an example."""
-    if use_chat:
-        marker = "\u2063LUKASPLIT\u2063"
-        text = tokenizer.apply_chat_template([{"role": "user", "content": context_block + marker + question_block}],
-                                             add_generation_prompt=True, tokenize=False)
-        pre, post = text.split(marker)
-        return (tokenizer(pre, add_special_tokens=False).input_ids,
-                tokenizer(post, add_special_tokens=False).input_ids)
-    return (tokenizer(context_block, add_special_tokens=True).input_ids,
-            tokenizer(question_block, add_special_tokens=False).input_ids)
-
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -326,8 +309,6 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
         exit_code = 0
         return result
     except Exception as e:
-        from luka_bench.__main__ import _one_line_errors, _unwrap
-
         if tracking.in_multirun():
             cfg_path = Path(run_dir) / "config.yaml"
             if not cfg_path.exists():  # failed before the folder was opened: leave its config for the report
@@ -335,8 +316,8 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
                     cfg_path.write_text(yaml.safe_dump(run_config(cfg), sort_keys=False), encoding="utf-8")
                 except Exception:  # noqa: BLE001 - an unresolvable config: the job's own error says more
                     pass
-            inner = _unwrap(e)
-            if isinstance(inner, _one_line_errors()):  # bad input: the other jobs go on (results.JOB_ERROR_FILE)
+            inner = unwrap(e)
+            if isinstance(inner, one_line_errors()):  # bad input: the other jobs go on (results.JOB_ERROR_FILE)
                 message = f"{type(inner).__name__}: {inner}"
                 write_job_error(run_dir, message)
                 return {"failed": message}

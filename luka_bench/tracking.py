@@ -161,14 +161,15 @@ class WandbTracker:
         import wandb
         from PIL import Image
 
-        from luka_bench import report
+        from luka_bench.plots import figures, pyplot
+        from luka_bench.tables import load_runs
 
-        runs, _ = report.load_runs(self.run_dir)
+        runs, _ = load_runs(self.run_dir)
         images = {}
-        for name, fig in report.figures(runs).items():
+        for name, fig in figures(runs).items():
             buf = io.BytesIO()
             fig.savefig(buf, format="png", dpi=100)
-            report._plt().close(fig)
+            pyplot().close(fig)
             buf.seek(0)
             images[f"plots/{name.removesuffix('.png')}"] = wandb.Image(Image.open(buf).convert("RGB"))
         if images:
@@ -273,11 +274,10 @@ class SweepProgress(Callback):
 
     def on_multirun_end(self, config, **kwargs: Any) -> None:
         sweep_dir = self.sweep_dir or os.path.abspath(str(config.hydra.sweep.dir))
-        from luka_bench.report import _read_metrics, find_runs
-        from luka_bench.results import JOB_ERROR_FILE, read_job_error
+        from luka_bench.results import JOB_ERROR_FILE, find_runs, read_job_error, read_metrics
 
         runs = find_runs(sweep_dir)
-        done = sum(1 for r in runs if _read_metrics(r)[0] is not None)
+        done = sum(1 for r in runs if read_metrics(r)[0] is not None)
         failed = sorted(p for p in Path(sweep_dir).glob(f"*/{JOB_ERROR_FILE}")
                         if self.started is None or p.stat().st_mtime >= self.started - 1)
         _say(f"sweep {Path(sweep_dir).name}: {done}/{len(runs)} run folders complete in {sweep_dir}\n"

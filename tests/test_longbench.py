@@ -126,7 +126,7 @@ def test_prompt_truncation_is_the_official_one():
 
 
 def test_prompt_is_truncated_to_fit_the_model_context():
-    from luka_bench.run import qa_prompt_ids
+    from luka_bench.data.base import qa_prompt_ids
 
     tok = CharTokenizer()
     task = LongBenchV2(limit=4, seed=3)
@@ -144,7 +144,7 @@ def test_prompt_is_truncated_to_fit_the_model_context():
 
 def test_truncation_with_the_smollm2_tokenizer():
     from luka_bench.models import cache_root
-    from luka_bench.run import qa_prompt_ids
+    from luka_bench.data.base import qa_prompt_ids
 
     folder = cache_root() / "models" / "smollm2_135m"
     if not (folder / "tokenizer.json").exists():

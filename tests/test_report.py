@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from luka_bench import report
+from luka_bench import plots, report, tables
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -74,7 +74,7 @@ def built(sweep):
 
 
 def test_runs_table_and_missing(sweep):
-    runs, missing = report.load_runs(sweep)
+    runs, missing = tables.load_runs(sweep)
     assert len(runs) == 7
     assert list(runs["run"]) == sorted(runs["run"])
     assert {"method.budget", "model_name", "em", "kv_bytes.peak", "latency_breakdown.attention", "headline_value",
@@ -108,15 +108,15 @@ def test_pivot_with_a_broken_run_lists_it_and_builds_tables(sweep, built):
 
 
 def test_pivot_options(sweep):
-    runs, _ = report.load_runs(sweep)
-    t = report.pivot(runs, rows=["method_name"], cols=["data_name"], metric="f1")
+    runs, _ = tables.load_runs(sweep)
+    t = tables.pivot(runs, rows=["method_name"], cols=["data_name"], metric="f1")
     assert t.loc["h2o", "wikisalad_easy"] == pytest.approx(0.2)
-    sel = report.apply_filters(runs, report.parse_filters(["method.budget=0.125"]))
+    sel = tables.apply_filters(runs, tables.parse_filters(["method.budget=0.125"]))
     assert set(sel["method_name"]) == {"streaming_llm", "h2o"}
-    with pytest.raises(report.ReportError, match="no column 'nope'.*available"):
-        report.pivot(runs, rows=["nope"])
-    with pytest.raises(report.ReportError, match="key=value"):
-        report.parse_filters(["method.budget"])
+    with pytest.raises(tables.ReportError, match="no column 'nope'.*available"):
+        tables.pivot(runs, rows=["nope"])
+    with pytest.raises(tables.ReportError, match="key=value"):
+        tables.parse_filters(["method.budget"])
 
 
 def test_determinism(sweep, built, tmp_path):
@@ -148,8 +148,8 @@ def test_plot_files_are_pngs(built):
 
 
 def test_headline_bars(sweep):
-    runs, _ = report.load_runs(sweep)
-    fig = report.plot_headline(runs)
+    runs, _ = tables.load_runs(sweep)
+    fig = plots.plot_headline(runs)
     (ax,) = fig.axes
     assert legend_texts(ax) == ["full", "h2o", "streaming_llm"]
     assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == ["wikisalad_easy", "wikisalad_hard"]
@@ -160,9 +160,9 @@ def test_headline_bars(sweep):
 
 
 def test_metric_vs_setting_lines(sweep):
-    runs, _ = report.load_runs(sweep)
-    assert report.default_x(runs) is None  # budgets differ only between methods: nothing to draw lines through
-    fig = report.plot_metric_vs(runs, x="method.budget", metric="em", hue="method_name")
+    runs, _ = tables.load_runs(sweep)
+    assert plots.default_x(runs) is None  # budgets differ only between methods: nothing to draw lines through
+    fig = plots.plot_metric_vs(runs, x="method.budget", metric="em", hue="method_name")
     assert [ax.get_title() for ax in fig.axes] == ["wikisalad_easy", "wikisalad_hard"]
     easy = fig.axes[0]
     assert easy.get_xlabel() == "method.budget" and easy.get_ylabel() == "em"
@@ -172,8 +172,8 @@ def test_metric_vs_setting_lines(sweep):
 
 
 def test_latency_breakdown_stacked(sweep):
-    runs, _ = report.load_runs(sweep)
-    fig = report.plot_latency(runs)
+    runs, _ = tables.load_runs(sweep)
+    fig = plots.plot_latency(runs)
     (ax,) = fig.axes
     assert legend_texts(ax) == ["attention", "refinement", "rest"]
     assert ax.get_ylabel() == "seconds per token"
@@ -185,16 +185,16 @@ def test_latency_breakdown_stacked(sweep):
 
 def test_latency_plot_skipped_without_breakdown(tmp_path):
     make_run(tmp_path, "a", "full", "wikisalad_easy", qa(0.5, 1.0), budget=1.0)
-    runs, _ = report.load_runs(tmp_path)
-    assert report.plot_latency(runs) is None
+    runs, _ = tables.load_runs(tmp_path)
+    assert plots.plot_latency(runs) is None
     res = report.build(tmp_path, echo=False)
     assert "latency_breakdown.png" not in res["figures"]
     assert not (tmp_path / "report" / "latency_breakdown.png").exists()
 
 
 def test_accuracy_vs_kv_with_pareto_front(sweep):
-    runs, _ = report.load_runs(sweep)
-    fig = report.plot_accuracy_vs_kv(runs)
+    runs, _ = tables.load_runs(sweep)
+    fig = plots.plot_accuracy_vs_kv(runs)
     easy = fig.axes[0]
     assert easy.get_title() == "wikisalad_easy"
     assert easy.get_xlabel().startswith("kv_ratio")
@@ -208,21 +208,21 @@ def test_accuracy_vs_kv_with_pareto_front(sweep):
 
 def test_pareto_front():
     pts = [(1.0, 0.7), (0.13, 0.4), (0.14, 0.3), (0.5, 0.4), (0.14, 0.5)]
-    assert report.pareto_front(pts) == [1, 4, 0]
+    assert plots.pareto_front(pts) == [1, 4, 0]
     # perplexity: lower is better
-    assert report.pareto_front([(1.0, 10.0), (0.2, 12.0), (0.3, 15.0)], lower_y_better=True) == [1, 0]
+    assert plots.pareto_front([(1.0, 10.0), (0.2, 12.0), (0.3, 15.0)], lower_y_better=True) == [1, 0]
 
 
 def test_budget_sweep_labels_and_lines(tmp_path):
     make_run(tmp_path, "a", "streaming_llm", "wikisalad_easy", qa(0.3, 0.25), budget=0.25)
     make_run(tmp_path, "b", "streaming_llm", "wikisalad_easy", qa(0.2, 0.13), budget=0.125)
     make_run(tmp_path, "c", "full", "wikisalad_easy", qa(0.5, 1.0), budget=1.0)
-    runs, _ = report.load_runs(tmp_path)
+    runs, _ = tables.load_runs(tmp_path)
     assert list(runs["variant"]) == ["streaming_llm budget=0.25", "streaming_llm budget=0.125", "full"]
-    assert report.default_x(runs) == "method.budget"
+    assert plots.default_x(runs) == "method.budget"
     res = report.build(tmp_path, echo=False)
     assert "headline_vs_method.budget.png" in res["figures"]
-    fig = report.plot_metric_vs(runs, x="method.budget", metric="em")
+    fig = plots.plot_metric_vs(runs, x="method.budget", metric="em")
     line = {ln.get_label(): ln for ln in fig.axes[0].get_lines()}["streaming_llm"]
     assert list(line.get_xdata()) == [0.125, 0.25] and list(line.get_ydata()) == [pytest.approx(0.2), pytest.approx(0.3)]
 
@@ -244,14 +244,14 @@ def test_command_line(sweep, tmp_path, capsys):
 
 
 def test_several_metrics_in_one_table(sweep, tmp_path):
-    runs, _ = report.load_runs(sweep)
-    t = report.pivot(runs, rows=["method_name"], cols=[], metric="kv_ratio,em")
+    runs, _ = tables.load_runs(sweep)
+    t = tables.pivot(runs, rows=["method_name"], cols=[], metric="kv_ratio,em")
     assert list(t.columns) == ["kv_ratio", "em"]  # in the order asked for
     assert t.loc["h2o", "em"] == pytest.approx(0.4)
     assert t.loc["full", "em"] == pytest.approx(0.55)  # easy and hard averaged (the note says so)
-    t2 = report.pivot(runs, rows=["method_name"], cols=["data_name"], metric="em,f1")
+    t2 = tables.pivot(runs, rows=["method_name"], cols=["data_name"], metric="em,f1")
     assert t2.loc["streaming_llm", ("wikisalad_hard", "f1")] == pytest.approx(0.05)
-    strings = report.pivot_strings(runs, t2, ["method_name"], ["data_name"], "em,f1")
+    strings = tables.pivot_strings(runs, t2, ["method_name"], ["data_name"], "em,f1")
     assert strings.loc["h2o", "wikisalad_hard / em"] == "missing"
     # the metrics of one setting side by side (em_lenient with its kv_ratio), settings in order
     assert list(strings.columns)[:4] == ["wikisalad_easy / em", "wikisalad_easy / f1", "wikisalad_hard / em",
@@ -272,7 +272,7 @@ def test_rows_and_columns_follow_the_sweep_command(tmp_path):
     (root / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {
         "sweeper": {"params": {"method": "h2o,full"}},
         "overrides": {"task": ["data=wikisalad_hard,wikisalad_easy", "threads=1"]}}}))
-    assert report.sweep_order(root) == {"method_name": ["h2o", "full"],
+    assert tables.sweep_order(root) == {"method_name": ["h2o", "full"],
                                         "data_name": ["wikisalad_hard", "wikisalad_easy"]}
     res = report.build(root, metric="em_lenient,kv_ratio", plots=False, echo=False)
     assert list(res["pivot_strings"].index) == ["wikisalad_hard", "wikisalad_easy"]
@@ -281,8 +281,8 @@ def test_rows_and_columns_follow_the_sweep_command(tmp_path):
     assert list(res["pivot"].index) == ["wikisalad_hard", "wikisalad_easy"]
     assert res["pivot"].loc["wikisalad_hard", ("h2o", "kv_ratio")] == pytest.approx(0.13)
     # plots too: panels in the sweep's data order, legend in its method order
-    runs, _ = report.load_runs(root)
-    fig = report.plot_accuracy_vs_kv(runs, "em_lenient", report.sweep_order(root))
+    runs, _ = tables.load_runs(root)
+    fig = plots.plot_accuracy_vs_kv(runs, "em_lenient", tables.sweep_order(root))
     assert [ax.get_title() for ax in fig.axes] == ["wikisalad_hard", "wikisalad_easy"]
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()][:2] == ["h2o", "full"]
     # without multirun.yaml: alphabetical

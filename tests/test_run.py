@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import luka_bench.run as R
+from luka_bench.data.base import qa_prompt_ids
 from luka_bench import metrics as M
 from luka_bench.methods.full import Full
 from luka_bench.methods.hf import attach
@@ -48,8 +49,8 @@ def test_question_after_another_equals_alone(tiny_llama):
     """Isolation: the answer to question 2 must not depend on question 1 having been asked first."""
     lm = tiny_llama
     tok = lm.tokenizer
-    ctx, q1 = R.qa_prompt_ids(tok, False, "some context text " * 8, "\nQuestion one?\nAnswer:")
-    _, q2 = R.qa_prompt_ids(tok, False, "some context text " * 8, "\nAnother question?\nAnswer:")
+    ctx, q1 = qa_prompt_ids(tok, False, "some context text " * 8, "\nQuestion one?\nAnswer:")
+    _, q2 = qa_prompt_ids(tok, False, "some context text " * 8, "\nAnother question?\nAnswer:")
     for method in (Full(), StreamingLLM(budget=0.3)):
         with attach(lm.model, method) as a:
             cache = a.new_cache()

@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from luka_bench.data.base import DataError, QAExample, Question, check_source, read_json_or_jsonl, require_fields
+from luka_bench.data.base import (DataError, QAExample, Question, check_source, qa_prompt_ids, read_json_or_jsonl,
+                                  require_fields)
 from luka_bench.data.scoring_longbench import DIFFICULTIES, LENGTHS, accuracy_summary, is_correct
 from luka_bench.data.synthetic_articles import generate_squad
 
@@ -377,8 +378,6 @@ class LongBenchV2:
         """Tokens by which the prompt as the runner builds it exceeds the model bound (<= 0: fits)."""
         if self._max_prompt is None:
             return 0
-        from luka_bench.run import qa_prompt_ids  # the runner's own measurement, so both agree exactly
-
         c, q = qa_prompt_ids(self._tokenizer, self._chat, _head(doc), question)
         return len(c) + len(q) - self._max_prompt
 

@@ -1,0 +1,397 @@
+"""Run folders -> pandas tables: one row per run (``load_runs``), pivots (``pivot`` / ``pivot_strings``) and their
+Markdown / LaTeX text. Used by ``luka_bench.report`` (the command) and ``luka_bench.plots``.
+
+A run folder is a folder holding our ``config.yaml`` (a dict with ``model``, ``method`` and ``data``). With a
+``metrics.json`` that says ``"complete": true`` it is a finished run; without one (or with a partial or
+unreadable one) it is a broken or unfinished run: it is listed (``missing``, and shown as ``missing`` in the
+pivot tables), never silently dropped.
+
+Columns of ``runs.csv``: ``run`` (path below the folder), ``status``, the config flattened with dots
+(``method.budget``, ``data.difficulty``, ``model_name`` ...), ``variant`` (method name plus the settings that
+differ between runs: the label used in legends), ``headline_value`` (the value of the run's headline metric,
+named in ``headline``) and every metric (nested ones flattened: ``kv_bytes.peak``,
+``latency_breakdown.attention``). Rows are sorted by run path.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from luka_bench.results import count_lines, find_runs, read_metrics, read_run_config
+
+HEADLINE = "headline"
+# Metrics where lower is better (everything else, e.g. em / f1 / accuracy, is higher-is-better).
+LOWER_IS_BETTER = {"perplexity", "ttft_s", "tpot_s", "wall_s", "kv_ratio", "peak_rss_bytes", "nll"}
+# Config keys that say how a run was executed, not what it measured: never used to tell runs apart.
+NOT_IDENTITY = {"progress", "threads", "sweep_name", "data.limit"}
+NOT_IDENTITY_PREFIXES = ("logger.",)
+# Metrics keys that repeat config names (the config's *_name columns hold them).
+_DUPLICATE_METRICS = {"model", "method", "data"}
+
+
+class ReportError(ValueError):
+    """Bad report arguments (unknown column, malformed filter). One line."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading runs
+# ---------------------------------------------------------------------------------------------------------
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        elif isinstance(v, (list, tuple, dict)):
+            out[key] = json.dumps(v, sort_keys=True)
+        else:
+            out[key] = v
+    return out
+
+
+def load_runs(folder: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """All runs below ``folder``: (runs, missing). ``runs`` has one row per run folder (broken ones included,
+    with ``status`` saying why); ``missing`` lists the broken ones: run, method, data, status, items done."""
+    folder = Path(folder)
+    rows, missing = [], []
+    for run in find_runs(folder):
+        cfg = read_run_config(run / "config.yaml") or {}
+        rel = run.relative_to(folder).as_posix() if run != folder else "."
+        row: dict[str, Any] = {"run": rel}
+        row.update(_flatten(cfg))
+        metrics, status = read_metrics(run)
+        row["status"] = status
+        if metrics is not None:
+            for g in ("model", "method", "data"):
+                if row.get(f"{g}_name") is None and isinstance(metrics.get(g), str):
+                    row[f"{g}_name"] = metrics[g]
+            flat = _flatten({k: v for k, v in metrics.items() if k not in _DUPLICATE_METRICS})
+            row.update(flat)
+            headline = metrics.get("headline")
+            row["headline_value"] = metrics.get(headline) if isinstance(headline, str) else None
+        else:
+            missing.append({"run": rel, "model_name": row.get("model_name"), "method_name": row.get("method_name"),
+                            "data_name": row.get("data_name"), "status": status,
+                            "items_done": count_lines(run / "predictions.jsonl")})
+        rows.append(row)
+    runs = pd.DataFrame(rows)
+    if runs.empty:
+        runs = pd.DataFrame(columns=["run", "status"])
+    runs = _order_columns(runs)
+    runs.insert(runs.columns.get_loc("status") + 1, "variant", variant_labels(runs))
+    miss = pd.DataFrame(missing, columns=["run", "model_name", "method_name", "data_name", "status", "items_done"])
+    return runs.reset_index(drop=True), miss
+
+
+def _order_columns(df: pd.DataFrame) -> pd.DataFrame:
+    first = [c for c in ("run", "status", "model_name", "method_name", "data_name", "headline", "headline_value")
+             if c in df.columns]
+    config_cols = sorted(c for c in df.columns if c.split(".")[0] in ("model", "method", "data") and "." in c)
+    rest = [c for c in df.columns if c not in first and c not in config_cols]
+    return df[first + config_cols + rest]
+
+
+def is_identity(col: str) -> bool:
+    return col not in NOT_IDENTITY and not col.startswith(NOT_IDENTITY_PREFIXES)
+
+
+def config_columns(df: pd.DataFrame) -> list[str]:
+    """Columns that come from the config (not metrics, not bookkeeping)."""
+    metric_like = {"run", "status", "variant", "headline", "headline_value", "kind", "complete"}
+    cols = []
+    for c in df.columns:
+        if c in metric_like:
+            continue
+        if c.endswith("_name") or c.split(".")[0] in ("model", "method", "data") and "." in c:
+            cols.append(c)
+        elif c in ("seed", "max_new_tokens", "prefill_chunk", "threads", "progress", "sweep_name"):
+            cols.append(c)
+    return cols
+
+
+def distinct(values: Iterable[Any]) -> set:
+    return {json.dumps(v, sort_keys=True, default=str) for v in values if not isnull(v)}
+
+
+def isnull(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def variant_labels(df: pd.DataFrame) -> list[str]:
+    """Legend label of each run: the method's name plus the method settings that differ between the runs of
+    that method (``streaming_llm budget=0.25``), plus other identity settings that differ between all runs
+    (``model_name=...``). Dataset settings are left out: they are the other axis of every table."""
+    if df.empty or "method_name" not in df.columns:
+        return [str(r) for r in df.get("run", [])]
+    cfg_cols = [c for c in config_columns(df) if is_identity(c)]
+    global_cols = [c for c in cfg_cols if not c.startswith(("method.", "data.")) and c not in ("method_name", "data_name")
+                   and len(distinct(df[c])) > 1]
+    labels = []
+    for _, row in df.iterrows():
+        same = df[df["method_name"] == row["method_name"]]
+        parts = [str(row["method_name"])]
+        for c in cfg_cols:
+            if c.startswith("method.") and not c.endswith("_target_") and len(distinct(same[c])) > 1:
+                parts.append(f"{c[len('method.'):]}={_short(row[c])}")
+        parts += [f"{c}={_short(row[c])}" for c in global_cols]
+        labels.append(" ".join(parts))
+    return labels
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    return "-" if isnull(v) else str(v)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------------------------
+
+def parse_filters(items: Sequence[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or ():
+        if "=" not in item:
+            raise ReportError(f"--filter {item!r} is not key=value (e.g. --filter method.budget=0.25)")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def _matches(value: Any, wanted: str) -> bool:
+    if isnull(value):
+        return wanted.lower() in ("null", "none", "")
+    if str(value) == wanted or _short(value) == wanted:
+        return True
+    if isinstance(value, bool):
+        return str(value).lower() == wanted.lower()
+    try:
+        return float(value) == float(wanted)
+    except (TypeError, ValueError):
+        return False
+
+
+def apply_filters(df: pd.DataFrame, filters: dict[str, str]) -> pd.DataFrame:
+    for k, v in filters.items():
+        need_columns(df, [k], "--filter")
+        df = df[[_matches(x, v) for x in df[k]]]
+    return df
+
+
+def need_columns(df: pd.DataFrame, cols: Iterable[str], what: str) -> None:
+    for c in cols:
+        if c not in df.columns:
+            allowed = ", ".join(sorted(map(str, df.columns)))
+            raise ReportError(f"{what}: no column {c!r} in the runs table; available: {allowed}")
+
+
+def value_column(df: pd.DataFrame, metric: str) -> str:
+    col = "headline_value" if metric == HEADLINE else metric
+    need_columns(df, [col], "--metric")
+    return col
+
+
+def complete(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["status"] == "complete"] if "status" in df.columns else df
+
+
+def metric_list(metric: str | Sequence[str]) -> list[str]:
+    return [m.strip() for m in metric.split(",") if m.strip()] if isinstance(metric, str) else list(metric)
+
+
+def _column_levels(metrics: list[str], cols: list[str]) -> list[str]:
+    """Column levels of the pivot: the metric is a level of its own when there are several (or no --cols),
+    the last one, so that the metrics of one setting sit side by side (``full / em_lenient``, ``full /
+    kv_ratio``, ``h2o / em_lenient``, ...)."""
+    return cols + (["metric"] if len(metrics) > 1 or not cols else [])
+
+
+def _column_order(metrics: list[str], levels: list[str], order: dict[str, list[str]] | None):
+    """Sort key of pivot columns: settings in order, then (when the metric is the last level) the metrics in
+    the order asked for."""
+    def key(k: Any) -> tuple:
+        k = k if isinstance(k, tuple) else (k,)
+        if levels and levels[-1] == "metric":
+            return sort_key(k[:-1], levels[:-1], order), metrics.index(k[-1])
+        return sort_key(k, levels, order), 0
+    return key
+
+
+def pivot(df: pd.DataFrame, rows: Sequence[str] = ("data_name",), cols: Sequence[str] = ("method_name",),
+          metric: str | Sequence[str] = HEADLINE, order: dict[str, list[str]] | None = None) -> pd.DataFrame:
+    """rows x cols table of ``metric`` over the complete runs (``headline``: each run's own headline metric).
+    Several metrics (``"em_lenient,f1,kv_ratio"``) become the last column level, in the order given. Cells
+    holding several runs (a setting not on either axis differs) show their mean. Rows and columns follow
+    ``order`` (see ``sweep_order``) where it lists their values."""
+    rows, cols, metrics = list(rows), list(cols), metric_list(metric)
+    need_columns(df, rows + cols, "--rows/--cols")
+    value_cols = [value_column(df, m) for m in metrics]
+    done = complete(df)
+    if done.empty or not rows:
+        return pd.DataFrame()
+    parts = []
+    for m, col in zip(metrics, value_cols):
+        part = done[rows + cols].copy()
+        part["metric"] = m
+        part["value"] = pd.to_numeric(done[col], errors="coerce")
+        parts.append(part)
+    long = pd.concat(parts, ignore_index=True)
+    levels = _column_levels(metrics, cols)
+    table = long.pivot_table(index=rows, columns=levels, values="value", aggfunc="mean", dropna=False, sort=True)
+    table = table.loc[sorted(table.index, key=lambda k: sort_key(k, rows, order))]
+    return table[sorted(table.columns, key=_column_order(metrics, levels, order))]
+
+
+def cell_counts(df: pd.DataFrame, rows: Sequence[str], cols: Sequence[str]) -> pd.DataFrame:
+    done = complete(df)
+    if done.empty:
+        return pd.DataFrame()
+    return done.groupby(list(rows) + list(cols)).size()
+
+
+def sort_key(key: Any, names: Sequence[str] = (), order: dict[str, list[str]] | None = None) -> tuple:
+    """Values a sweep listed (``order``: level name -> its values in the order of the sweep command) in that
+    order; then numbers in numeric order (budgets 0.0625 < 0.125 < 1); then strings in text order."""
+    parts = key if isinstance(key, tuple) else (key,)
+    out = []
+    for i, p in enumerate(parts):
+        listed = (order or {}).get(names[i] if i < len(names) else "", [])
+        if str(p) in listed:
+            out.append((-1, float(listed.index(str(p))), ""))
+            continue
+        try:
+            out.append((0, float(p), ""))
+        except (TypeError, ValueError):
+            out.append((1, 0.0, str(p)))
+    return tuple(out)
+
+
+_GROUP_COLUMNS = {"model": "model_name", "method": "method_name", "data": "data_name"}
+
+
+def sweep_order(folder: str | Path) -> dict[str, list[str]]:
+    """The order in which the sweep in ``folder`` listed its values (``multirun.yaml``: the sweeper's params
+    and the command's ``key=a,b,c`` overrides), keyed by runs.csv column: ``data=wikisalad_easy,...,
+    wikisalad_very_hard`` puts the rows in difficulty order instead of alphabetical. Empty when there is none."""
+    try:
+        cfg = yaml.safe_load((Path(folder) / "multirun.yaml").read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    hydra_cfg = cfg.get("hydra") or {}
+    listed = [f"{k}={v}" for k, v in ((hydra_cfg.get("sweeper") or {}).get("params") or {}).items()]
+    listed += list((hydra_cfg.get("overrides") or {}).get("task") or [])
+    order: dict[str, list[str]] = {}
+    for item in listed:
+        key, sep, values = str(item).partition("=")
+        if not sep or "," not in values or "(" in values:
+            continue
+        key = key.lstrip("+~")
+        order[_GROUP_COLUMNS.get(key, key)] = [v.strip() for v in values.split(",")]
+    return order
+
+
+def fmt_value(v: Any) -> str:
+    if isnull(v):
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _label(key: Any) -> str:
+    return " / ".join(map(str, key)) if isinstance(key, tuple) else str(key)
+
+
+def pivot_strings(df: pd.DataFrame, table: pd.DataFrame, rows: Sequence[str], cols: Sequence[str],
+                  metric: str | Sequence[str] = HEADLINE, order: dict[str, list[str]] | None = None) -> pd.DataFrame:
+    """The pivot as display strings (4 significant digits); the empty cells of broken runs read ``missing``."""
+    rows, cols, metrics = list(rows), list(cols), metric_list(metric)
+    levels = _column_levels(metrics, cols)
+    broken = df[df["status"] != "complete"] if "status" in df.columns else df.iloc[0:0]
+
+    def key(values: list) -> Any:
+        return tuple(values) if len(values) > 1 else values[0]
+
+    def has_null(k: Any) -> bool:
+        return any(isnull(x) for x in (k if isinstance(k, tuple) else (k,)))
+
+    r_keys = list(table.index) if not table.empty else []
+    c_keys = list(table.columns) if not table.empty else []
+    holes = []  # (row key, column key) of broken runs
+    for _, b in broken.iterrows():
+        rk = key([b[r] for r in rows])
+        for m in metrics:
+            ck = key([m if lv == "metric" else b[lv] for lv in levels])
+            if has_null(rk) or has_null(ck):
+                continue
+            holes.append((rk, ck))
+            if rk not in r_keys:
+                r_keys.append(rk)
+            if ck not in c_keys:
+                c_keys.append(ck)
+    r_keys = sorted(r_keys, key=lambda k: sort_key(k, rows, order))
+    c_keys = sorted(c_keys, key=_column_order(metrics, levels, order))
+    out = pd.DataFrame("", index=[_label(k) for k in r_keys], columns=[_label(k) for k in c_keys], dtype=object)
+    for rk in r_keys:
+        for ck in c_keys:
+            v = table.loc[rk, ck] if (rk in table.index and ck in table.columns) else float("nan")
+            out.loc[_label(rk), _label(ck)] = fmt_value(v)
+    for rk, ck in holes:
+        if out.loc[_label(rk), _label(ck)] == "":
+            out.loc[_label(rk), _label(ck)] = "missing"
+    out.index.name = f"{'/'.join(rows)} \\ {'/'.join(levels)}"
+    return out
+
+
+def headline_note(df: pd.DataFrame, metric: str | Sequence[str]) -> str:
+    """What the cells hold (the headline metric of each dataset, by name) and the model when there is one."""
+    done = complete(df)
+    words = []
+    for m in metric_list(metric):
+        if m != HEADLINE:
+            words.append(m)
+        elif done.empty or "headline" not in done.columns:
+            words.append("headline metric")
+        else:
+            by = done.groupby("data_name")["headline"].first() if "data_name" in done.columns else {}
+            parts = [f"{k}: {v}" for k, v in sorted(dict(by).items(), key=lambda kv: str(kv[0]))]
+            words.append("each dataset's headline metric (" + ", ".join(parts) + ")")
+    note = "cells: " + ", ".join(words)
+    models = sorted(set(done["model_name"].dropna().astype(str))) if "model_name" in done.columns else []
+    if len(models) == 1:
+        note += f"; model {models[0]}"
+    return note
+
+
+def to_markdown(strings: pd.DataFrame, note: str = "") -> str:
+    from tabulate import tabulate
+
+    headers = [strings.index.name or ""] + list(strings.columns)
+    body = [[idx, *row] for idx, row in zip(strings.index, strings.values.tolist())]
+    md = tabulate(body, headers=headers, tablefmt="pipe", disable_numparse=True,
+                  colalign=["left"] + ["right"] * len(strings.columns))
+    return md + ("\n\n" + note if note else "") + "\n"
+
+
+def to_latex(strings: pd.DataFrame, note: str = "") -> str:
+    def esc(s: str) -> str:
+        for a, b in (("\\", r"\textbackslash{}"), ("_", r"\_"), ("&", r"\&"), ("%", r"\%"), ("#", r"\#"),
+                     ("$", r"\$"), ("{", r"\{"), ("}", r"\}")):
+            s = s.replace(a, b) if a != "\\" else s.replace(a, "\x00")
+        return s.replace("\x00", r"$\backslash$")
+
+    cols = list(strings.columns)
+    lines = ["\\begin{tabular}{l" + "r" * len(cols) + "}", "\\toprule",
+             " & ".join([esc(strings.index.name or "")] + [esc(str(c)) for c in cols]) + " \\\\", "\\midrule"]
+    for idx, row in zip(strings.index, strings.values.tolist()):
+        lines.append(" & ".join([esc(str(idx))] + [esc(str(v)) for v in row]) + " \\\\")
+    lines += ["\\bottomrule", "\\end{tabular}"]
+    tex = "\n".join(lines) + "\n"
+    return (f"% {note}\n" if note else "") + tex
