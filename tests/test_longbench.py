@@ -19,7 +19,7 @@ from luka_bench.data.scoring_longbench import accuracy_summary, extract_answer, 
 
 FIX = Path(__file__).parent / "fixtures"
 
-# prompts/0shot.txt of THUDM/LongBench, as given in /work/shared/reference.md
+# prompts/0shot.txt of THUDM/LongBench (the zero-shot template)
 OFFICIAL_0SHOT = (
     "Please read the following text and answer the question below.\n\n<text>\n$DOC$\n</text>\n\n"
     "What is the correct answer to this question: $Q$\nChoices:\n(A) $C_A$\n(B) $C_B$\n(C) $C_C$\n(D) $C_D$\n\n"
@@ -142,16 +142,10 @@ def test_prompt_is_truncated_to_fit_the_model_context():
     assert not any(e.meta["truncated"] for e in task.examples())
 
 
-def test_truncation_with_the_smollm2_tokenizer():
-    from luka_bench.models import cache_root
+def test_truncation_with_the_smollm2_tokenizer(smollm2_tokenizer):
     from luka_bench.data.base import qa_prompt_ids
 
-    folder = cache_root() / "models" / "smollm2_135m"
-    if not (folder / "tokenizer.json").exists():
-        pytest.skip("SmolLM2 not converted yet (run the model once)")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok = smollm2_tokenizer
     task = LongBenchV2(limit=3, seed=5)
     task.prepare(tok, 700, chat_template=True)
     for ex in task.examples():

@@ -161,7 +161,6 @@ def wandb_env(tmp_path, monkeypatch):
 
 
 def test_wandb_offline_summary_holds_the_final_metrics(tmp_path, wandb_env):
-    pytest.importorskip("wandb")
     cfg = compose(*TINY, "logger=wandb", "logger.mode=offline", "logger.tags=[t1]", "logger.group=g")
     metrics = R.run(cfg, tmp_path / "run")
     summary, exits, run, history = offline_run(wandb_env)
@@ -176,7 +175,6 @@ def test_wandb_offline_summary_holds_the_final_metrics(tmp_path, wandb_env):
 
 
 def test_wandb_run_is_finished_when_the_run_crashes(tmp_path, wandb_env, monkeypatch):
-    pytest.importorskip("wandb")
 
     def boom(*a, **k):
         raise RuntimeError("boom")
