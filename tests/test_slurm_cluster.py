@@ -1,0 +1,130 @@
+"""The SLURM launcher for real: a 2 x 2 sweep submitted with ``hydra/launcher=slurm`` to the one-node cluster of
+``scripts/slurm_local.sh`` (slurmctld + slurmd + munge on this host), one job killed by SLURM while it runs, the
+report listing it as missing, the same command again finishing it (the other three skipped as complete), and
+the report then complete.
+
+``.ci/run`` starts the cluster and sets ``LUKA_BENCH_REQUIRE_SLURM=1``: there this test fails when the cluster is
+not up. A plain ``pytest`` on a machine without the cluster skips it and says how to start one."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+SLURM_DIR = Path(os.environ.get("LUKA_SLURM_DIR", "/tmp/luka_bench_slurm"))
+LAUNCH = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null", "hydra.launcher.cpus_per_task=1",
+          "hydra.launcher.mem_gb=1", "hydra.launcher.timeout_min=10", "hydra.launcher.setup=[]"]
+SWEEP = ["-m", "model=tiny_llama", "method=full,streaming_llm", "data=wikisalad_easy,pg19", "data.limit=1",
+         "threads=1", "progress=false", "sweep_name=slurm_grid", *LAUNCH]
+# Hydra's job numbers (the SLURM array indices) follow the product in command order: method x data.
+JOBS = ["data=wikisalad_easy,method=full,model=tiny_llama", "data=pg19,method=full,model=tiny_llama",
+        "data=wikisalad_easy,method=streaming_llm,model=tiny_llama", "data=pg19,method=streaming_llm,model=tiny_llama"]
+KILLED = 1  # full on pg19: ~5-10 s of token-by-token decoding after the model loads, time to kill it
+
+
+def _slurm_env() -> dict[str, str] | None:
+    """The environment that reaches the local cluster (its slurm.conf, its sacct), or None when it is not up."""
+    conf = Path(os.environ.get("SLURM_CONF") or SLURM_DIR / "slurm.conf")
+    env = dict(os.environ, SLURM_CONF=str(conf),
+               PYTHONPATH=str(ROOT))
+    if not conf.exists() or shutil.which("sbatch") is None:
+        return None
+    try:
+        ping = subprocess.run(["scontrol", "ping"], env=env, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return env if "UP" in ping.stdout else None
+
+
+@pytest.fixture(scope="module")
+def slurm_env():
+    env = _slurm_env()
+    if env is None:
+        msg = (f"no local SLURM cluster (SLURM_CONF={os.environ.get('SLURM_CONF') or SLURM_DIR / 'slurm.conf'}); "
+               "start one with `bash scripts/slurm_local.sh` (root, Debian)")
+        if os.environ.get("LUKA_BENCH_REQUIRE_SLURM"):
+            pytest.fail(msg + " — LUKA_BENCH_REQUIRE_SLURM is set (.ci/run), so this must run")
+        pytest.skip(msg)
+    return env
+
+
+def _queue(env: dict, user_jobs: set[str]) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True, timeout=30).stdout
+    return [j for j in out.split() if j.split("_")[0] in user_jobs]
+
+
+def _wait_for_queue_to_empty(env: dict, arrays: set[str], timeout: float = 180) -> None:
+    end = time.time() + timeout
+    while _queue(env, arrays):
+        assert time.time() < end, f"SLURM jobs still queued after {timeout} s: {_queue(env, arrays)}"
+        time.sleep(0.5)
+
+
+def _arrays(sweep: Path) -> set[str]:
+    """The SLURM array ids submitted for this sweep (submitit's folders are <array id>_<index>)."""
+    return {p.name.split("_")[0] for p in (sweep / ".submitit").glob("*_*") if p.name.split("_")[0].isdigit()}
+
+
+def _report(sweep: Path):
+    return subprocess.run([sys.executable, "-m", "luka_bench.report", str(sweep), "--no-plots"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def test_sweep_on_a_real_slurm_cluster_kill_one_job_rerun_and_report(slurm_env, tmp_path):
+    sweep = tmp_path / "sweeps" / "slurm_grid"
+    cmd = [sys.executable, "-m", "luka_bench", *SWEEP, f"hydra.sweep.dir={sweep}"]
+    # 1. submit the array and kill one job (SIGKILL to every step: no chance to finish) once it is evaluating
+    first = subprocess.Popen(cmd, cwd=ROOT, env=slurm_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    victim = sweep / JOBS[KILLED]
+    killed = None
+    end = time.time() + 240
+    while killed is None and time.time() < end and first.poll() is None:
+        if (victim / "env.json").exists() and not (victim / "metrics.json").exists():
+            job = next((p.name for p in (sweep / ".submitit").glob(f"*_{KILLED}")), None)
+            if job is not None:
+                subprocess.run(["scancel", "--full", "--signal=KILL", job], env=slurm_env, check=True, timeout=30)
+                killed = job
+        time.sleep(0.1)
+    out1, _ = first.communicate(timeout=300)
+    assert killed is not None, f"never caught job {KILLED} running:\n{out1[-4000:]}"
+    assert not (victim / "metrics.json").exists(), f"job {killed} finished before SLURM killed it"
+    assert first.returncode != 0, out1[-4000:]  # the launcher reports the lost job
+    assert "SlurmLauncher" in out1
+    _wait_for_queue_to_empty(slurm_env, _arrays(sweep))
+    # the other three finished on the node; their logs are in .submitit/
+    for i, name in enumerate(JOBS):
+        if i != KILLED:
+            assert json.loads((sweep / name / "metrics.json").read_text())["complete"] is True
+    assert list((sweep / ".submitit").glob("*_0/*_log.out"))
+    kept = {name: (sweep / name / "metrics.json").read_bytes() for i, name in enumerate(JOBS) if i != KILLED}
+
+    # 2. the report lists the killed job as missing
+    rep = _report(sweep)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    assert "1 run(s) without complete metrics" in rep.stdout and JOBS[KILLED] in rep.stdout
+    assert "3 complete run(s), 1 missing" in rep.stdout
+
+    # 3. the same command again: a second array; the three finished jobs end at once, the killed one runs
+    second = subprocess.run(cmd, cwd=ROOT, env=slurm_env, capture_output=True, text=True, timeout=400)
+    out2 = second.stdout + second.stderr
+    assert second.returncode == 0, out2[-4000:]
+    assert len(_arrays(sweep)) == 2
+    logs = "".join(p.read_text(errors="replace") for p in (sweep / ".submitit").glob("*/*_log.out"))
+    assert logs.count("already complete") == 3
+    assert json.loads((victim / "metrics.json").read_text())["complete"] is True
+    assert {name: (sweep / name / "metrics.json").read_bytes() for name in kept} == kept  # not redone
+
+    # 4. the report: four complete runs, none missing
+    rep = _report(sweep)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    assert "4 complete run(s), 0 missing" in rep.stdout
+    assert "without complete metrics" not in rep.stdout
