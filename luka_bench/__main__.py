@@ -37,8 +37,30 @@ def check_group_overrides(argv: list[str]) -> str | None:
     return None
 
 
+OUTPUT_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "logger.dir")
+
+
+def check_output_dirs(argv: list[str]) -> str | None:
+    """One-line message for an output folder in the command line (``hydra.run.dir``, ``hydra.sweep.dir``,
+    ``logger.dir``) that cannot be written, else None. Checked before Hydra starts: Hydra creates the run folder
+    itself and would fail with a traceback. Values with interpolations are left to the run."""
+    from luka_bench.errors import writable_dir_problem
+
+    for arg in argv:
+        if "=" not in arg or arg.startswith("-"):
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        value = value.strip().strip("'\"")
+        if key in OUTPUT_DIR_KEYS and value and value != "null" and "${" not in value:
+            problem = writable_dir_problem(value)
+            if problem is not None:
+                return f"{key}={value} cannot be written: {problem}; pick a folder you can write to"
+    return None
+
+
 def main() -> None:
-    msg = check_group_overrides(sys.argv[1:])
+    msg = check_group_overrides(sys.argv[1:]) or check_output_dirs(sys.argv[1:])
     if msg:
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)

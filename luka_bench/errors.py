@@ -1,24 +1,57 @@
 """Bad input that stops a run with one line (``error: ...``, exit 2) instead of a traceback.
 
 Each layer raises its own one-line error type (data: ``DataError``, methods: ``MethodConfigError``, models:
-``ModelUnavailable``, run folders: ``RunFolderError``, prompts: ``PromptTooLong``); the command line
-(``__main__``) and a sweep job (``run.run``) both ask ``one_line_errors()`` which of them to print as one line.
+``ModelUnavailable`` / ``ModelConfigError``, run folders: ``RunFolderError``, prompts: ``PromptTooLong``, the
+run's own settings and output folders: ``RunConfigError``); the command line (``__main__``) and a sweep job
+(``run.run``) both ask ``one_line_errors()`` which of them to print as one line.
 """
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 
 class PromptTooLong(ValueError):
     """A prompt does not fit the model's context. One line."""
 
 
+class RunConfigError(ValueError):
+    """A bad top-level setting (``seed``, ``threads``, ``max_new_tokens``, ...) or an output folder that cannot
+    be written. One line."""
+
+
+def writable_dir_problem(path: str | Path) -> str | None:
+    """Why ``path`` cannot be (or become) a writable folder, or None when it can. Nothing is created: the
+    nearest existing ancestor must be a folder this process may write into."""
+    p = Path(os.path.abspath(os.path.expanduser(str(path))))
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        return f"{probe} is a file, not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
+
+
+def check_writable_dir(key: str, path: str | Path) -> None:
+    """RunConfigError naming the setting when ``path`` cannot be written."""
+    problem = writable_dir_problem(path)
+    if problem is not None:
+        raise RunConfigError(f"{key}={path} cannot be written: {problem}; pick a folder you can write to")
+
+
 def one_line_errors() -> tuple[type[BaseException], ...]:
     # Imported here: the command line checks group names before anything heavy (torch, transformers) loads.
     from luka_bench.data.base import DataError
     from luka_bench.methods.base import MethodConfigError
-    from luka_bench.models import ModelUnavailable
+    from luka_bench.models import ModelConfigError, ModelUnavailable
     from luka_bench.results import RunFolderError
 
-    return (DataError, MethodConfigError, ModelUnavailable, RunFolderError, PromptTooLong)
+    return (DataError, MethodConfigError, ModelUnavailable, ModelConfigError, RunFolderError, PromptTooLong,
+            RunConfigError)
 
 
 def unwrap(e: BaseException) -> BaseException:

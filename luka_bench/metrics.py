@@ -26,10 +26,11 @@ def normalize_answer(s: str) -> str:
 
 
 def _golds(golds: str | Iterable[str]) -> list[str]:
-    """Gold answers as a list; an empty list (unanswerable, SQuAD v2) means the gold is the empty string."""
+    """Gold answers as a list, by the official SQuAD v2 rule: golds that normalise to the empty string are
+    dropped, and when none is left (unanswerable) the gold is the empty string."""
     if isinstance(golds, str):
         golds = [golds]
-    out = list(golds)
+    out = [g for g in golds if normalize_answer(g)]
     return out if out else [""]
 
 

@@ -26,14 +26,37 @@ class ModelUnavailable(RuntimeError):
     """The model cannot be had here. The message is one line saying how to get it."""
 
 
+class ModelConfigError(ValueError):
+    """A bad model setting (dtype, device, arch). One line naming the value and the allowed ones."""
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("LUKA_BENCH_CACHE", Path.home() / ".cache" / "luka_bench"))
+
+
+DEVICES = "auto, cpu, cuda, cuda:<index>, mps"
 
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(str(device))
+    except (RuntimeError, ValueError, TypeError):
+        raise ModelConfigError(f"model.device={device!r} is unknown; allowed: {DEVICES}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelConfigError(f"model.device={device!r} but no CUDA GPU is available here; "
+                                   "use model.device=auto or cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ModelConfigError(f"model.device={device!r} but this machine has {torch.cuda.device_count()} "
+                                   "CUDA device(s)")
+    elif dev.type == "mps":
+        if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+            raise ModelConfigError(f"model.device={device!r} but MPS is not available here; use auto or cpu")
+    elif dev.type != "cpu":
+        raise ModelConfigError(f"model.device={device!r} is not supported; allowed: {DEVICES}")
+    return dev
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -43,7 +66,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
     except KeyError:
-        raise ValueError(f"model.dtype={dtype!r} is unknown; allowed: auto, float32, bfloat16, float16") from None
+        raise ModelConfigError(f"model.dtype={dtype!r} is unknown; allowed: auto, float32, bfloat16, float16") from None
 
 
 @dataclass
@@ -63,6 +86,12 @@ class _Base:
     device: str = "auto"
     max_context: int | None = None  # default: the config's max_position_embeddings
     chat_template: bool = True  # wrap prompts in the tokenizer's chat template
+
+    def check(self) -> None:
+        """One-line ModelConfigError for a bad setting, before anything is loaded or written."""
+        resolve_dtype(self.dtype, resolve_device(self.device))
+        if self.max_context is not None and (not isinstance(self.max_context, int) or self.max_context < 2):
+            raise ModelConfigError(f"model.max_context={self.max_context!r} must be an integer >= 2 or null")
 
     def _finish(self, model, tok, t0: float, **info) -> LoadedModel:
         dev = resolve_device(self.device)
@@ -168,6 +197,13 @@ class TinyRandomModel(_Base):
     sliding_window: int = 16
     chat_template: bool = False
 
+    ARCHS = ("llama", "qwen3", "gemma3")
+
+    def check(self) -> None:
+        super().check()
+        if self.arch not in self.ARCHS:
+            raise ModelConfigError(f"model.arch={self.arch!r} is unknown; allowed: {', '.join(self.ARCHS)}")
+
     def build_config(self):
         from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
 
@@ -183,7 +219,7 @@ class TinyRandomModel(_Base):
         if self.arch == "gemma3":
             types = ["sliding_attention" if (i + 1) % 3 else "full_attention" for i in range(self.num_hidden_layers)]
             return Gemma3TextConfig(**common, sliding_window=self.sliding_window, layer_types=types)
-        raise ValueError(f"model.arch={self.arch!r} is unknown; allowed: llama, qwen3, gemma3")
+        raise ModelConfigError(f"model.arch={self.arch!r} is unknown; allowed: {', '.join(self.ARCHS)}")
 
     def load(self) -> LoadedModel:
         from transformers import AutoModelForCausalLM

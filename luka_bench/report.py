@@ -22,6 +22,12 @@ def _csv(df: pd.DataFrame, path: Path, index: bool = False) -> None:
     df.to_csv(path, index=index, float_format="%.10g", lineterminator="\n")
 
 
+def _print_missing(missing: pd.DataFrame, out: Path) -> None:
+    print(f"{len(missing)} run(s) without complete metrics (listed in {out / 'missing.csv'}):")
+    for _, m in missing.iterrows():
+        print(f"  {m['run']}: {m['status']} ({m['items_done']} items done) [{m['method_name']} / {m['data_name']}]")
+
+
 def build(folder: str | Path, rows: Sequence[str] = ("data_name",), cols: Sequence[str] = ("method_name",),
           metric: str | Sequence[str] = HEADLINE, filters: dict[str, str] | None = None, x: str | None = None,
           hue: str = "method_name", out: str | Path | None = None, plots: bool = True,
@@ -38,6 +44,11 @@ def build(folder: str | Path, rows: Sequence[str] = ("data_name",), cols: Sequen
     out.mkdir(parents=True, exist_ok=True)
     _csv(runs, out / "runs.csv")
     _csv(missing, out / "missing.csv")
+    if not (runs["status"] == "complete").any():  # nothing to tabulate: say which jobs are missing, and stop
+        if echo:
+            _print_missing(missing, out)
+        raise ReportError(f"no complete run below {folder} yet ({len(runs)} run folder(s), none with a complete "
+                          "metrics.json; listed above and in missing.csv): finish or re-run the sweep, then report")
     sel = apply_filters(runs, filters or {})
     metrics = metric_list(metric)
     tag = "-".join(metrics).replace("/", "_")
@@ -67,10 +78,7 @@ def build(folder: str | Path, rows: Sequence[str] = ("data_name",), cols: Sequen
     if echo:
         print(to_markdown(strings, note))
         if len(missing):
-            print(f"{len(missing)} run(s) without complete metrics (listed in {out / 'missing.csv'}):")
-            for _, m in missing.iterrows():
-                print(f"  {m['run']}: {m['status']} ({m['items_done']} items done) "
-                      f"[{m['method_name']} / {m['data_name']}]")
+            _print_missing(missing, out)
         print(f"{len(runs)} run(s) read; wrote {', '.join(p.name for p in written)} to {out}")
     return {"runs": runs, "missing": missing, "pivot": table, "pivot_strings": strings, "figures": figs,
             "out": out}

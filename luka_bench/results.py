@@ -75,42 +75,82 @@ def config_difference(old: dict, new: dict) -> list[str]:
     return diffs
 
 
+def _limit_shrinks(old: Any, new: Any) -> bool:
+    """True when ``data.limit`` goes from ``old`` to a smaller ``new`` (null = every item: the largest)."""
+    return new is not None and (old is None or (isinstance(old, int) and isinstance(new, int) and new < old))
+
+
 class RunFolder:
+    """A run folder opened for this run's config: ``RunFolder.check`` validates (nothing written), the
+    constructor validates and then writes ``config.yaml`` and repairs a half-written last prediction line."""
+
     def __init__(self, path: str | Path, config: dict):
+        self.check(path, config)
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.config = config
         self.pred_path = self.path / "predictions.jsonl"
         self.metrics_path = self.path / "metrics.json"
-        cfg_path = self.path / "config.yaml"
-        if cfg_path.exists():
-            old = yaml.safe_load(cfg_path.read_text()) or {}
-            diffs = config_difference(old, config)
-            if diffs:
-                raise RunFolderError(
-                    f"{self.path} already holds a run with another config ({diffs[0]}"
-                    f"{f' and {len(diffs) - 1} more' if len(diffs) > 1 else ''}); "
-                    "pick a new hydra.run.dir or repeat the original overrides to resume")
         self.done: dict[str, dict] = self._read_predictions()
-        self._write_atomic(cfg_path, yaml.safe_dump(config, sort_keys=False))
+        self._write_atomic(self.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+
+    @staticmethod
+    def check(path: str | Path, config: dict) -> None:
+        """RunFolderError (one line) when ``path`` cannot take a run of ``config``: it holds a run of another
+        config, or of a larger ``data.limit`` (a smaller limit would rewrite a run's config and metrics to fewer
+        items than its predictions hold: refused, the folder is never rewritten smaller). Writes nothing."""
+        path = Path(path)
+        cfg_path = path / "config.yaml"
+        if not cfg_path.exists():
+            return
+        try:
+            old = yaml.safe_load(cfg_path.read_text(encoding="utf-8")) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            raise RunFolderError(f"{cfg_path} is unreadable ({type(e).__name__}); pick a new hydra.run.dir") from None
+        if not isinstance(old, dict):
+            raise RunFolderError(f"{cfg_path} does not hold a run config; pick a new hydra.run.dir")
+        diffs = config_difference(old, config)
+        if diffs:
+            raise RunFolderError(
+                f"{path} already holds a run with another config ({diffs[0]}"
+                f"{f' and {len(diffs) - 1} more' if len(diffs) > 1 else ''}); "
+                "pick a new hydra.run.dir or repeat the original overrides to resume")
+        old_limit = (old.get("data") or {}).get("limit")
+        new_limit = (config.get("data") or {}).get("limit")
+        pred = path / "predictions.jsonl"
+        has_results = (path / "metrics.json").exists() or (pred.exists() and pred.stat().st_size > 0)
+        if has_results and _limit_shrinks(old_limit, new_limit):
+            old_s = "null (every item)" if old_limit is None else old_limit
+            raise RunFolderError(
+                f"{path} holds a run of data.limit={old_s}; data.limit={new_limit} would rewrite it with fewer "
+                f"items: repeat data.limit={old_s} (or a larger one) to resume or extend it, or give the smaller "
+                "run a new hydra.run.dir (sweep: a new sweep_name)")
 
     # -- predictions ---------------------------------------------------------------------------------------
     def _read_predictions(self) -> dict[str, dict]:
+        """Finished items by id. Read as bytes: a crash mid-write can cut the last line anywhere, also inside a
+        multi-byte UTF-8 character; that line (and anything after a bad line) is dropped and the file rewritten
+        without it."""
         if not self.pred_path.exists():
             return {}
+        raw = self.pred_path.read_bytes()
+        lines = raw.splitlines(keepends=True)
         good, records = [], {}
-        raw = self.pred_path.read_text(encoding="utf-8")
-        for line in raw.splitlines(keepends=True):
+        for line in lines:
             try:
-                if not line.endswith("\n"):
+                if not line.endswith(b"\n"):
                     raise ValueError("partial line")
-                rec = json.loads(line)
-            except ValueError:
+                rec = json.loads(line.decode("utf-8"))
+                if not isinstance(rec, dict) or "item_id" not in rec:
+                    raise ValueError("not a prediction record")
+            except ValueError:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
                 break  # a crash mid-write: drop this line and anything after it
             records[rec["item_id"]] = rec
             good.append(line)
-        if len(good) != len(raw.splitlines(keepends=True)):
-            self._write_atomic(self.pred_path, "".join(good))
+        if len(good) != len(lines):
+            tmp = self.pred_path.with_name(self.pred_path.name + ".tmp")
+            tmp.write_bytes(b"".join(good))
+            os.replace(tmp, self.pred_path)
         return records
 
     def append(self, record: dict) -> None:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from luka_bench import metrics as M
 from luka_bench.data.base import qa_prompt_ids
-from luka_bench.errors import PromptTooLong, one_line_errors, unwrap
+from luka_bench.errors import PromptTooLong, RunConfigError, one_line_errors, unwrap
 from luka_bench.methods.hf import MethodCache, attach
 from luka_bench.results import RunFolder, config_difference, environment, write_job_error
 
@@ -156,7 +156,7 @@ def _progress(total: int, desc: str, enabled: bool):
 
 def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=None) -> list[dict]:
     tok, model = lm.tokenizer, lm.model
-    max_new = int(cfg.max_new_tokens or getattr(task, "max_new_tokens", 24))
+    max_new = int(cfg.max_new_tokens if cfg.get("max_new_tokens") is not None else getattr(task, "max_new_tokens", 24))
     stop = tuple(getattr(task, "stop_strings", ("\n",)))
     eos = eos_token_ids(model, tok)
     if hasattr(task, "prepare"):  # tokenizer-measured lengths (BABILong), truncation to fit the model (LongBench v2)
@@ -291,21 +291,72 @@ def finished_metrics(run_dir: str | Path, resolved: dict) -> dict | None:
     return None
 
 
+def _int_setting(cfg: DictConfig, key: str, minimum: int, allow_null: bool, what: str) -> int | None:
+    v = cfg.get(key)
+    if v is None and allow_null:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise RunConfigError(f"{key}={v!r} must be {what}")
+    return v
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """One-line RunConfigError for a bad top-level setting, before anything is built, loaded or written."""
+    _int_setting(cfg, "seed", -(2 ** 63), False, "an integer")
+    _int_setting(cfg, "threads", 1, True, "an integer >= 1 or null (torch's default)")
+    _int_setting(cfg, "max_new_tokens", 1, True, "an integer >= 1 or null (the dataset's default)")
+    _int_setting(cfg, "prefill_chunk", 0, True, "an integer >= 0 (0: the whole context in one pass)")
+    limit = (cfg.get("data") or {}).get("limit")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise RunConfigError(f"data.limit={limit!r} must be an integer >= 1 or null (every item)")
+
+
+@dataclass
+class Prepared:
+    """Everything a run needs before its model loads, each part validated; nothing written yet."""
+
+    method: Any
+    task: Any
+    model: Any
+    resolved: dict
+
+
+def prepare(cfg: DictConfig, run_dir: str | Path) -> Prepared:
+    """Validate a run without writing anything: the settings, the method, the data (its files read and checked,
+    ``Task.check``), the model's settings and the run folder (``RunFolder.check``). Bad input fails here with one
+    line and leaves the folder as it was."""
+    from hydra.utils import instantiate
+
+    check_settings(cfg)
+    method = instantiate(cfg.method)  # validates its settings first: cheap failures before the model loads
+    task = instantiate(cfg.data)
+    model = instantiate(cfg.model)
+    if hasattr(model, "check"):
+        model.check()
+    resolved = run_config(cfg)
+    RunFolder.check(run_dir, resolved)
+    if hasattr(task, "check"):  # data files exist and parse, before the model loads
+        task.check()
+    return Prepared(method, task, model, resolved)
+
+
 def run(cfg: DictConfig, run_dir: str | Path) -> dict:
-    """One run into ``run_dir``: skipped when it already holds a complete run of this config; tracked by
-    ``cfg.logger`` (finished also when the run crashes)."""
+    """One run into ``run_dir``: skipped when it already holds a complete run of this config; validated
+    (``prepare``) before the tracker starts or anything is written; tracked by ``cfg.logger`` (finished also
+    when the run crashes)."""
     from luka_bench import tracking
 
     done = finished_metrics(run_dir, run_config(cfg))
     if done is not None:
         print(f"{run_dir}: already complete (metrics.json); skipped")
         return done
-    write_job_error(run_dir, None)  # this attempt's outcome replaces an earlier failure's
-    tracker = tracking.build(cfg, run_dir)
-    tracker.start(OmegaConf.to_container(cfg, resolve=True))
-    result, exit_code = None, 1
+    tracker, result, exit_code = None, None, 1
     try:
-        result = _run(cfg, run_dir, tracker)
+        prepared = prepare(cfg, run_dir)
+        tracker = tracking.build(cfg, run_dir)
+        write_job_error(run_dir, None)  # this attempt's outcome replaces an earlier failure's
+        tracker.start(OmegaConf.to_container(cfg, resolve=True))
+        result = _run(cfg, run_dir, tracker, prepared)
         exit_code = 0
         return result
     except Exception as e:
@@ -313,30 +364,32 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
             cfg_path = Path(run_dir) / "config.yaml"
             if not cfg_path.exists():  # failed before the folder was opened: leave its config for the report
                 try:
+                    cfg_path.parent.mkdir(parents=True, exist_ok=True)
                     cfg_path.write_text(yaml.safe_dump(run_config(cfg), sort_keys=False), encoding="utf-8")
                 except Exception:  # noqa: BLE001 - an unresolvable config: the job's own error says more
                     pass
             inner = unwrap(e)
             if isinstance(inner, one_line_errors()):  # bad input: the other jobs go on (results.JOB_ERROR_FILE)
                 message = f"{type(inner).__name__}: {inner}"
-                write_job_error(run_dir, message)
+                try:
+                    write_job_error(run_dir, message)
+                except OSError:  # an unwritable folder: the sweep's FAILED line still says why
+                    pass
                 return {"failed": message}
         raise
     finally:
-        tracker.finish(result, exit_code)
+        if tracker is not None:
+            tracker.finish(result, exit_code)
 
 
-def _run(cfg: DictConfig, run_dir: str | Path, tracker) -> dict:
-    from hydra.utils import instantiate
-
+def _run(cfg: DictConfig, run_dir: str | Path, tracker, prepared: Prepared | None = None) -> dict:
+    prepared = prepared or prepare(cfg, run_dir)
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(cfg.seed))
-    method = instantiate(cfg.method)  # validates its settings first: cheap failures before the model loads
-    task = instantiate(cfg.data)
-    resolved = run_config(cfg)
-    folder = RunFolder(run_dir, resolved)
-    loaded = instantiate(cfg.model).load()
+    method, task = prepared.method, prepared.task
+    folder = RunFolder(run_dir, prepared.resolved)
+    loaded = prepared.model.load()
     folder.write_env(environment(int(cfg.seed), loaded.info["device"], loaded.info["dtype"]))
     t0 = time.perf_counter()
 

@@ -65,6 +65,34 @@ def flatten(d: dict, prefix: str = "", sep: str = "/") -> dict[str, Any]:
     return out
 
 
+# How long a W&B server may take to accept a connection before a run logs offline instead (seconds).
+REACH_TIMEOUT_S = 3.0
+# A sweep's jobs share what the first one found: the server answered or not (<sweep folder>/REACH_FILE; one
+# process per job with the local and SLURM launchers), so an unreachable server costs one timeout per sweep.
+REACH_FILE = ".wandb_unreachable"
+_unreachable: dict[str, str] = {}  # base URL -> why, for this process
+
+
+def wandb_base_url() -> str:
+    return os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+
+
+def server_problem(url: str, timeout: float = REACH_TIMEOUT_S) -> str | None:
+    """Why the W&B server at ``url`` cannot be reached (a TCP connection within ``timeout`` seconds), else None.
+    Only a connection is opened: nothing is sent."""
+    import socket
+
+    u = urlparse(url)
+    if not u.hostname:
+        return f"WANDB_BASE_URL={url!r} has no host"
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        with socket.create_connection((u.hostname, port), timeout=timeout):
+            return None
+    except OSError as e:
+        return f"{u.hostname}:{port} unreachable ({type(e).__name__}{': ' + e.strerror if e.strerror else ''})"
+
+
 def wandb_logged_in() -> bool:
     """True when W&B has an API key to use (the WANDB_API_KEY variable or a `wandb login` entry for its host).
     Only whether one exists is checked; the key itself is left to wandb."""
@@ -95,9 +123,15 @@ class WandbTracker:
     sweep_name: str | None = None
 
     def __post_init__(self) -> None:
+        from luka_bench.errors import RunConfigError
+
         allowed = ("auto", "online", "offline", "disabled")
         if self.mode not in allowed:
-            raise ValueError(f"logger.mode={self.mode!r} is not one of {', '.join(allowed)}")
+            raise RunConfigError(f"logger.mode={self.mode!r} is unknown; allowed: {', '.join(allowed)}")
+        if self.dir:
+            from luka_bench.errors import check_writable_dir
+
+            check_writable_dir("logger.dir", self.dir)
         self.run = None
 
     def resolved_mode(self) -> str:
@@ -108,13 +142,48 @@ class WandbTracker:
             return env
         return "online" if wandb_logged_in() else "offline"
 
+    def _reach_file(self) -> Path | None:
+        return Path(self.run_dir).parent / REACH_FILE if self.sweep_name and self.run_dir else None
+
+    def _unreachable_server(self) -> str | None:
+        """Why online logging cannot work here (checked once per process and per sweep), else None."""
+        url = wandb_base_url()
+        if url in _unreachable:
+            return _unreachable[url]
+        marker = self._reach_file()
+        if marker is not None and marker.exists():
+            why = marker.read_text(encoding="utf-8").strip() or "unreachable"
+        else:
+            why = server_problem(url)
+            if why is not None and marker is not None:
+                try:
+                    marker.write_text(why + "\n", encoding="utf-8")
+                except OSError:
+                    pass
+        if why is not None:
+            _unreachable[url] = why
+        return why
+
     def start(self, config: dict) -> None:
         import wandb
 
         mode = self.resolved_mode()
         wdir = self.dir or os.environ.get("WANDB_DIR") or (str(self.run_dir) if self.run_dir else None)
         if wdir:
-            Path(wdir).mkdir(parents=True, exist_ok=True)
+            try:
+                Path(wdir).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                from luka_bench.errors import RunConfigError
+
+                key = "logger.dir" if self.dir else ("WANDB_DIR" if os.environ.get("WANDB_DIR") else "the run folder")
+                raise RunConfigError(f"{key} {wdir} cannot be created ({type(e).__name__}: {e.strerror}); "
+                                     "pick a folder you can write to") from None
+        if mode == "online":
+            why = self._unreachable_server()
+            if why is not None:  # wandb.init would wait ~90 s for it: log offline at once, say so in one line
+                print(f"wandb: server {wandb_base_url()} {why}; logging offline (results stay in the run folder; "
+                      "upload later with `wandb sync`)", file=sys.stderr)
+                mode = "offline"
         kwargs = dict(project=self.project, entity=self.entity, group=self.group or self.sweep_name,
                       tags=[str(t) for t in self.tags] or None, config=config, dir=wdir,
                       name=self.name or (Path(self.run_dir).name if self.run_dir else None),
@@ -239,6 +308,7 @@ class SweepProgress(Callback):
         self.total = count_jobs(config)
         self.sweep_dir = os.path.abspath(str(config.hydra.sweep.dir))
         self.name = Path(self.sweep_dir).name
+        (Path(self.sweep_dir) / REACH_FILE).unlink(missing_ok=True)  # this sweep finds the W&B server anew
         launcher = str(config.hydra.launcher.get("_target_", "")).rsplit(".", 1)[-1]
         n = f"{self.total} jobs" if self.total is not None else "jobs"
         _say(f"sweep {self.name}: {n} -> {self.sweep_dir} (launcher: {launcher}); finished jobs are skipped")

@@ -478,6 +478,12 @@ class BABILong:
             out.append(QAExample(id=ex_id, context=row["input"], questions=[q], meta=dict(meta)))
         return out
 
+    def check(self) -> None:
+        """Read and check a local file source (present, JSON / JSON lines, every task's rows with their fields)
+        before the model loads; the synthetic and hub sources are built later, in the model's tokens."""
+        if self.source == "file":
+            load_rows_file(self.path, self.tasks, self.length)
+
     def examples(self) -> list[QAExample]:
         if self._cache is None:
             lengths = _Lengths(self._tokenizer)

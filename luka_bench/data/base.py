@@ -44,15 +44,15 @@ def check_source(dataset: str, source: str, sources: tuple[str, ...], path: str 
                  limit: Any = None) -> None:
     """One-line errors for a dataset's ``source`` / ``path`` / ``limit`` settings: an unknown source, a file
     source without a path (``file_hint`` says what the file holds), a path without the file source, a limit
-    that is not an integer >= 0 or null."""
+    that is not an integer >= 1 or null."""
     if source not in sources:
         raise DataError(f"data.source={source!r} is unknown for {dataset}; allowed: {', '.join(sources)}")
     if source == "file" and not path:
         raise DataError(f"data.source=file needs data.path=<{file_hint}>")
     if source != "file" and path:
         raise DataError(f"data.path={path!r} given with data.source={source}; set data.source=file")
-    if limit is not None and (not isinstance(limit, int) or limit < 0):
-        raise DataError(f"data.limit={limit!r} must be an integer >= 0 or null")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise DataError(f"data.limit={limit!r} must be an integer >= 1 or null (every item)")
 
 
 def require_fields(rows, fields: tuple[str, ...], src: str, noun: str = "row") -> list[dict[str, str]]:

@@ -381,6 +381,11 @@ class LongBenchV2:
         c, q = qa_prompt_ids(self._tokenizer, self._chat, _head(doc), question)
         return len(c) + len(q) - self._max_prompt
 
+    def check(self) -> None:
+        """Read and check the items (a local file: present, JSON / JSON lines, the hub schema) before the model
+        loads; kept for ``examples()``."""
+        self.items()
+
     def examples(self) -> list[QAExample]:
         if self._cache is None:
             out = []

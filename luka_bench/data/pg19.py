@@ -53,6 +53,14 @@ class PG19:
                 raise DataError("data.source=file needs data.path=<a UTF-8 text file>")
             if not Path(self.path).is_file():
                 raise DataError(f"data.path={self.path!r}: no such file")
+        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1):
+            raise DataError(f"data.limit={self.limit!r} must be an integer >= 1 or null (every document)")
+
+    def check(self) -> None:
+        """Read a local text source (the essays, a file: present and UTF-8) before the model loads; the hub
+        source is streamed later."""
+        if self.source != "hf":
+            self._texts()
 
     def _texts(self) -> list[tuple[str, str]]:
         if self.source == "hf":
@@ -71,7 +79,14 @@ class PG19:
                     raise DataError(f"{self.dataset_id}: row {i} has no field 'text'")
                 out.append((f"{self.split}-{i}", row["text"]))
             return out
-        text = essays_text() if self.source == "essays" else Path(self.path).read_text(encoding="utf-8")
+        if self.source == "essays":
+            return [(self.source, essays_text())]
+        try:
+            text = Path(self.path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"data.path={self.path!r} is not a readable UTF-8 text file ({type(e).__name__})") from None
+        if not text.strip():
+            raise DataError(f"data.path={self.path!r} is empty; pg19 needs a text of at least 2 tokens")
         return [(self.source, text)]
 
     def documents(self, tokenizer) -> list[Document]:

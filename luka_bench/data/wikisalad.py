@@ -367,8 +367,8 @@ class WikiSalad:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise DataError(f"WikiSalad: {name} must be an integer >= 1, got {v!r}")
-        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 0):
-            raise DataError(f"WikiSalad: limit must be an integer >= 0 or null, got {self.limit!r}")
+        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1):
+            raise DataError(f"data.limit={self.limit!r} must be an integer >= 1 or null (every item)")
         t = self.target_chars
         if t is not None and t != "paper" and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
             raise DataError(f"WikiSalad: target_chars must be an integer >= 0, 'paper' or null, got {t!r}")
@@ -419,6 +419,11 @@ class WikiSalad:
             assert path is not None
             squad, src = load_squad_file(path), path
         return articles_from_squad(squad, src=src, n_sentences=self.n_sentences)
+
+    def check(self) -> None:
+        """Read and check the source (a local SQuAD file: present, JSON, SQuAD v2 schema) before the model
+        loads; the examples are built once and kept."""
+        self.examples()
 
     def examples(self) -> list[QAExample]:
         if self._cache is None:
