@@ -59,6 +59,20 @@ def check_output_dirs(argv: list[str]) -> str | None:
     return None
 
 
+def _drop_empty_run_folder(run_dir: str) -> None:
+    """Bad input leaves no trace: Hydra makes the run folder (and its empty job log) before the run starts;
+    when that is all the folder holds, it goes again."""
+    folder = Path(run_dir)
+    try:
+        files = list(folder.iterdir())
+        if all(p.name == "luka_bench.log" and p.is_file() and p.stat().st_size == 0 for p in files):
+            for p in files:
+                p.unlink()
+            folder.rmdir()
+    except OSError:
+        pass
+
+
 def main() -> None:
     msg = check_group_overrides(sys.argv[1:]) or check_output_dirs(sys.argv[1:])
     if msg:
@@ -84,6 +98,7 @@ def main() -> None:
             inner = unwrap(e)
             if isinstance(inner, one_line_errors()):
                 print(f"error: {inner}", file=sys.stderr)
+                _drop_empty_run_folder(hc.runtime.output_dir)
                 sys.exit(2)
             raise
 

@@ -346,9 +346,11 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     when the run crashes)."""
     from luka_bench import tracking
 
+    check_settings(cfg)  # even a finished run's re-run refuses a bad setting
     done = finished_metrics(run_dir, run_config(cfg))
     if done is not None:
         print(f"{run_dir}: already complete (metrics.json); skipped")
+        write_job_error(run_dir, None)  # an earlier refused attempt's error (e.g. a smaller data.limit) is over
         return done
     tracker, result, exit_code = None, None, 1
     try:
