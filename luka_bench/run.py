@@ -192,7 +192,7 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
         prefill(model, ctx_ids, cache, int(cfg.prefill_chunk or 0))
         _sync(model.device)
         prefill_s = time.perf_counter() - t0
-        kv_prefill = cache.held_bytes()
+        kv_prefill, kv_prefill_full = cache.held_bytes(), cache.full_bytes()
         for q, qi in todo:
             c = cache.clone()
             gen = greedy_answer(model, tok, c, qi, max_new, eos, stop)
@@ -203,7 +203,8 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
                 "context_tokens": len(ctx_ids), "question_tokens": len(qi), "new_tokens": len(gen.token_ids),
                 "prefill_s": prefill_s, "question_s": gen.question_s, "ttft_s": prefill_s + gen.question_s,
                 "tpot_s": M.mean(gen.step_s), "latency_breakdown": breakdown(gen.step_timings, gen.step_s),
-                "kv_bytes_prefill": kv_prefill, **_mem(c), "meta": q.meta,
+                "kv_bytes_prefill": kv_prefill, "kv_bytes_full_prefill": kv_prefill_full, **_mem(c),
+                "meta": q.meta,
             }
             folder.append(rec)
             records.append(rec)

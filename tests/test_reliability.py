@@ -350,3 +350,45 @@ def test_golds_that_normalise_to_empty_are_dropped():
     assert qa_scores("", ["the", "."]) == {"em": 1.0, "em_lenient": 1.0, "f1": 1.0}
     assert exact_match("Paris", ["the"]) == 0.0
     assert exact_match("", []) == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 10. what method.budget bounds: kv_ratio_context for every evicting method, kv_ratio for those evicting while
+#     decoding (SnapKV keeps the question and the answer on top of its compressed context)
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def budget_runs(tmp_path_factory):
+    import luka_bench.run as R
+    from conftest import compose
+
+    out = {}
+    for m in ("streaming_llm", "h2o", "luka_lined", "snapkv"):
+        d = tmp_path_factory.mktemp(m)
+        metrics = R.run(compose("model=tiny_llama", f"method={m}", "method.budget=0.125", "data=wikisalad_hard",
+                                "data.limit=1", "max_new_tokens=4", "progress=false"), d)
+        recs = [json.loads(ln) for ln in (d / "predictions.jsonl").read_text().splitlines()]
+        out[m] = (metrics, recs)
+    return out
+
+
+@pytest.mark.parametrize("method", ["streaming_llm", "h2o", "luka_lined", "snapkv"])
+def test_budget_bounds_the_context_share_for_every_evicting_method(budget_runs, method):
+    metrics, recs = budget_runs[method]
+    slack = 1 / min(r["context_tokens"] for r in recs)  # ceil(budget * n) rounds up by less than one token
+    assert 0.125 - slack <= metrics["kv_ratio_context"] <= 0.125 + slack
+    for r in recs:
+        assert r["kv_bytes_prefill"] <= (0.125 + slack) * r["kv_bytes_full_prefill"]
+    if method == "snapkv":  # compresses once, then keeps every question and answer token: above its budget
+        assert metrics["kv_ratio"] > metrics["kv_ratio_context"] + 0.01
+    else:  # evicts at every step: the decode peak stays within the budget too
+        assert metrics["kv_ratio"] <= 0.125 + slack
+
+
+def test_issue_repro_snapkv_reports_its_context_share(budget_runs):
+    """`method=snapkv method.budget=0.125 data=wikisalad_hard`: kv_ratio (decode peak) above 1/8 as the card says,
+    kv_ratio_context at 1/8 like the methods that evict while decoding."""
+    snap = budget_runs["snapkv"][0]
+    h2o = budget_runs["h2o"][0]
+    assert snap["kv_ratio_context"] == pytest.approx(h2o["kv_ratio_context"])
+    assert snap["kv_ratio"] > h2o["kv_ratio"]
