@@ -322,16 +322,39 @@ class Prepared:
     resolved: dict
 
 
+def _build(cfg: DictConfig, group: str):
+    """``cfg.<group>`` instantiated; a key its class does not take is a one-line RunConfigError naming it and
+    the class's settings (Hydra's own error is a traceback)."""
+    import dataclasses
+
+    from hydra.errors import InstantiationException
+    from hydra.utils import get_class, instantiate
+
+    try:
+        return instantiate(cfg[group])
+    except InstantiationException as e:
+        inner = unwrap(e)
+        if isinstance(inner, TypeError) and "unexpected keyword argument" in str(inner):
+            bad = str(inner).rsplit("argument", 1)[-1].strip(" '\"")
+            try:
+                cls = get_class(cfg[group]["_target_"])
+                names = [f.name for f in dataclasses.fields(cls) if f.init] if dataclasses.is_dataclass(cls) else []
+            except Exception:  # noqa: BLE001 - the message without the list is still one line
+                names = []
+            allowed = f"; allowed: {', '.join(names)}" if names else ""
+            raise RunConfigError(f"{group}.{bad} is not a setting of {group}={cfg.get(f'{group}_name')}"
+                                 f"{allowed}") from None
+        raise
+
+
 def prepare(cfg: DictConfig, run_dir: str | Path) -> Prepared:
     """Validate a run without writing anything: the settings, the method, the data (its files read and checked,
     ``Task.check``), the model's settings and the run folder (``RunFolder.check``). Bad input fails here with one
     line and leaves the folder as it was."""
-    from hydra.utils import instantiate
-
     check_settings(cfg)
-    method = instantiate(cfg.method)  # validates its settings first: cheap failures before the model loads
-    task = instantiate(cfg.data)
-    model = instantiate(cfg.model)
+    method = _build(cfg, "method")  # validates its settings first: cheap failures before the model loads
+    task = _build(cfg, "data")
+    model = _build(cfg, "model")
     if hasattr(model, "check"):
         model.check()
     resolved = run_config(cfg)

@@ -392,3 +392,8 @@ def test_issue_repro_snapkv_reports_its_context_share(budget_runs):
     h2o = budget_runs["h2o"][0]
     assert snap["kv_ratio_context"] == pytest.approx(h2o["kv_ratio_context"])
     assert snap["kv_ratio"] > h2o["kv_ratio"]
+
+
+def test_a_setting_the_class_does_not_take_is_one_line(finished, capsys):
+    assert_bad_input([*TINY, "+model.arch_typo=llama", f"hydra.run.dir={finished}"], finished, capsys,
+                     "model.arch_typo is not a setting of model=tiny_llama", "arch")
