@@ -90,7 +90,7 @@ def server_problem(url: str, timeout: float = REACH_TIMEOUT_S) -> str | None:
         with socket.create_connection((u.hostname, port), timeout=timeout):
             return None
     except OSError as e:
-        return f"{u.hostname}:{port} unreachable ({type(e).__name__}{': ' + e.strerror if e.strerror else ''})"
+        return f"unreachable at {u.hostname}:{port} ({type(e).__name__}{': ' + e.strerror if e.strerror else ''})"
 
 
 def wandb_logged_in() -> bool:
