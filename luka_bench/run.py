@@ -215,6 +215,7 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
         _sync(model.device)
         prefill_s = time.perf_counter() - t0
         kv_prefill = cache.held_bytes()
+        tokens_prefill = cache.held_tokens()
         kept = evidence_kept(cache, evidence) if evidence else None
         for q, qi in todo:
             c = cache.clone()
@@ -226,7 +227,7 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
                 "context_tokens": len(ctx_ids), "question_tokens": len(qi), "new_tokens": len(gen.token_ids),
                 "prefill_s": prefill_s, "question_s": gen.question_s, "ttft_s": prefill_s + gen.question_s,
                 "tpot_s": M.mean(gen.step_s), "latency_breakdown": breakdown(gen.step_timings, gen.step_s),
-                "kv_bytes_prefill": kv_prefill, **_mem(c), "evidence_kept": kept, "meta": q.meta,
+                "kv_bytes_prefill": kv_prefill, "kv_tokens_prefill": tokens_prefill, **_mem(c), "evidence_kept": kept, "meta": q.meta,
             }
             folder.append(rec)
             records.append(rec)
