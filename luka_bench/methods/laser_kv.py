@@ -123,7 +123,9 @@ class LaserKVPolicy(LayerPolicy):
             planes = self.method.planes(st, d, k.device)
             qc = simhash_codes(qg.reshape(b * hkv, g * nq, d), planes)  # [B*Hkv, g*Q, R]
             kc = simhash_codes(k.reshape(b * hkv, mlen, d), planes)  # [B*Hkv, M, R]
-            lsh = collision_counts(qc, kc, self.method.lsh_bits).sum(0) / self.method.lsh_tables
+            # collisions counted, not divided by R: integer sums are exact in fp32, so ties rank the same
+            # whatever the order of summation (the frequency is this / R, a constant factor)
+            lsh = collision_counts(qc, kc, self.method.lsh_bits).sum(0)
             # (causality does not matter here: every candidate lies before every scoring query)
         if st["exact"] is None or st["exact"].shape[0] != mlen:
             st["exact"], st["lsh"] = exact, lsh
