@@ -224,3 +224,25 @@ def test_question_aware_snapkv_uses_the_question(tiny_llama):
 def test_bad_settings_are_refused(bad):
     with pytest.raises(MethodConfigError):
         LaserKV(**bad)
+
+
+def test_babilong_evidence_spans_and_token_positions_are_the_supporting_facts(tiny_llama):
+    """The generator's supporting facts -> character spans in the context block -> token positions of the
+    context prompt (what ``evidence_kept`` counts)."""
+    import random
+
+    from luka_bench.data.bab_world import generate_story
+    from luka_bench.data.babilong import BABILong
+    from luka_bench.run import evidence_positions
+
+    tok = tiny_llama.tokenizer
+    task = BABILong(task="qa2", length="1k", limit=2)
+    task.prepare(tok)
+    for k, ex in enumerate(task.examples()):
+        story = generate_story("qa2", random.Random(f"babilong:42:qa2:{k}"))
+        block = task.context_block(ex)
+        spans = task.evidence_spans(ex)
+        assert [block[a:b] for a, b in spans] == [story.facts[i] for i in story.supporting]
+        pos = evidence_positions(tok, False, block, spans)
+        ids = tok(block, add_special_tokens=True).input_ids
+        assert tok.decode([ids[p] for p in pos]) == "".join(story.facts[i] for i in story.supporting)
