@@ -1,6 +1,7 @@
 """One run: build model, method and data from the config; evaluate; write the run folder; print a summary.
 
-Data flow per QA example: context prompt -> fresh method cache -> prefill (the method may compress after it)
+Data flow per QA example: context prompt -> fresh method cache (question ids handed over first) -> prefill, in
+chunks of the method's ``prefill_chunk()`` if it asks (the method may compress after each chunk and after it)
 -> for every question: a clone of that context-only cache -> question tokens -> greedy answer (the method acts
 every step) -> score -> one line in predictions.jsonl. Per perplexity document: first token, then teacher
 forcing token by token with the method active; NLLs summed in fp32.
