@@ -246,3 +246,13 @@ def test_babilong_evidence_spans_and_token_positions_are_the_supporting_facts(ti
         pos = evidence_positions(tok, False, block, spans)
         ids = tok(block, add_special_tokens=True).input_ids
         assert tok.decode([ids[p] for p in pos]) == "".join(story.facts[i] for i in story.supporting)
+
+
+def test_gemma3_sliding_layers_keep_their_window_full_layers_the_closed_form(tiny_gemma3):
+    model = tiny_gemma3.model
+    ids = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(4))
+    c = run_laser(model, LaserKV(budget=0.25, block_size=64), ids)
+    window = model.config.sliding_window
+    for s in c.stores:
+        assert s.seen == 200
+        assert s.n == (window - 1 if s.is_sliding else held_tokens(200, 64, 0.25, 4))
