@@ -54,7 +54,7 @@ def context_lengths(data_overrides: list[str]) -> list[int]:
     """Context-prompt token counts of the samples (as the runner tokenises them)."""
     from hydra.utils import instantiate
 
-    from luka_bench.run import qa_prompt_ids
+    from luka_bench.data.base import qa_prompt_ids
 
     cfg = compose(["method=full", *data_overrides])
     lm = instantiate(cfg.model).load()

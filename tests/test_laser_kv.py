@@ -233,7 +233,7 @@ def test_babilong_evidence_spans_and_token_positions_are_the_supporting_facts(ti
 
     from luka_bench.data.bab_world import generate_story
     from luka_bench.data.babilong import BABILong
-    from luka_bench.run import evidence_positions
+    from luka_bench.data.base import evidence_positions
 
     tok = tiny_llama.tokenizer
     task = BABILong(task="qa2", length="1k", limit=2)
