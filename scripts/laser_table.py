@@ -113,10 +113,12 @@ def main() -> None:
                 over += [f"method.budget={budgets[length]}"]
             print(f"[laser_table] {length} {v}: {' '.join(over)}", flush=True)
             run(compose(over), sweep / f"{length}_{v}")
-    table(sweep, lengths, variants, args.tasks.split(","), budgets, Path(args.out))
+    table(sweep, lengths, variants, args.tasks.split(","), budgets, Path(args.out),
+          {k: int(v) for k, v in limits.items()})
 
 
-def table(sweep: Path, lengths, variants, tasks, budgets, out: Path) -> None:
+def table(sweep: Path, lengths, variants, tasks, budgets, out: Path, limits: dict[str, int]) -> None:
+    """Mean ± SE per task over the first ``limits[length]`` samples (a folder may hold more from a longer run)."""
     lines = ["| length | method | " + " | ".join(f"{t} acc" for t in tasks) + " | "
              + " | ".join(f"{t} facts kept" for t in tasks) + " | held after prefill (tokens) | n/task |",
              "|" + "---|" * (2 * len(tasks) + 4)]
@@ -127,6 +129,7 @@ def table(sweep: Path, lengths, variants, tasks, budgets, out: Path) -> None:
                 lines.append(f"| {length} | {v} | missing |")
                 continue
             recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            recs = [r for r in recs if r["meta"]["index"] < limits[length]]
             acc, kept = [], []
             for t in tasks:
                 rs = [r for r in recs if r["meta"]["task"] == t]
