@@ -96,15 +96,13 @@ def main() -> None:
     variants = args.variants.split(",")
     sweep = Path(args.sweep)
     budgets = {}
-    for length in lengths:
+    for length in ([] if args.table_only else lengths):
         data = ["data=babilong", f"data.task=[{args.tasks}]", f"data.length={length}", f"data.limit={limits[length]}"]
         ctx = context_lengths(data)
         frac = sum(held_tokens(L, args.block, args.r, 4) / L for L in ctx) / len(ctx)
         budgets[length] = round(frac, 6)
         print(f"{length}: context tokens {min(ctx)}-{max(ctx)}; LASER-KV holds {frac:.4f} of them "
               f"(S={args.block}, r={args.r}): SnapKV/H2O budget {budgets[length]}", flush=True)
-        if args.table_only:
-            continue
         for v in variants:
             over = [*VARIANTS[v], *data, f"threads={args.threads}", "progress=false"]
             if v.startswith(("exact", "lsh", "laser")):
@@ -120,8 +118,8 @@ def main() -> None:
 def table(sweep: Path, lengths, variants, tasks, budgets, out: Path, limits: dict[str, int]) -> None:
     """Mean ± SE per task over the first ``limits[length]`` samples (a folder may hold more from a longer run)."""
     lines = ["| length | method | " + " | ".join(f"{t} acc" for t in tasks) + " | "
-             + " | ".join(f"{t} facts kept" for t in tasks) + " | held after prefill (tokens) | n/task |",
-             "|" + "---|" * (2 * len(tasks) + 4)]
+             + " | ".join(f"{t} facts kept" for t in tasks) + " | held after prefill (tokens) | method.budget | n/task |",
+             "|" + "---|" * (2 * len(tasks) + 5)]
     for length in lengths:
         for v in variants:
             path = sweep / f"{length}_{v}" / "predictions.jsonl"
@@ -147,10 +145,14 @@ def table(sweep: Path, lengths, variants, tasks, budgets, out: Path, limits: dic
                     kept.append("-")
             held = [sum(r["kv_tokens_prefill"]) / len(r["kv_tokens_prefill"]) for r in recs]
             n = min(sum(1 for r in recs if r["meta"]["task"] == t) for t in tasks)
+            import yaml
+
+            budget = yaml.safe_load((path.parent / "config.yaml").read_text())["method"]["budget"]
             lines.append(f"| {length} | {v} | " + " | ".join(acc) + " | " + " | ".join(kept)
-                         + f" | {sum(held) / len(held):.0f} | {n} |")
-    note = (f"\nAccuracy and supporting-fact tokens kept after the prefill, % (mean ± one standard error over "
-            f"samples). SnapKV/H2O budget fractions (equal tokens to LASER-KV): {budgets}.\n")
+                         + f" | {sum(held) / len(held):.0f} | {budget:g} | {n} |")
+    note = ("\nAccuracy and supporting-fact tokens kept after the prefill, % (mean ± one standard error over "
+            "samples; nan: one sample). method.budget: r for LASER-KV variants; for SnapKV/H2O the fraction that holds "
+            "LASER-KV's tokens (mean held_tokens(L)/L over the samples the run was started with).\n")
     text = "\n".join(lines) + "\n" + note
     print(text)
     out.mkdir(parents=True, exist_ok=True)
