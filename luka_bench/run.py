@@ -1,6 +1,7 @@
 """One run: build model, method and data from the config; evaluate; write the run folder; print a summary.
 
-Data flow per QA example: context prompt -> fresh method cache -> prefill (the method may compress after it)
+Data flow per QA example: context prompt -> fresh method cache (question ids handed over first) -> prefill, in
+chunks of the method's ``prefill_chunk()`` if it asks (the method may compress after each chunk and after it)
 -> for every question: a clone of that context-only cache -> question tokens -> greedy answer (the method acts
 every step) -> score -> one line in predictions.jsonl. Per perplexity document: first token, then teacher
 forcing token by token with the method active; NLLs summed in fp32.
@@ -22,7 +23,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from luka_bench import metrics as M
-from luka_bench.data.base import qa_prompt_ids
+from luka_bench.data.base import evidence_positions, qa_prompt_ids
 from luka_bench.errors import PromptTooLong, RunConfigError, one_line_errors, unwrap
 from luka_bench.methods.hf import MethodCache, attach
 from luka_bench.results import RunFolder, config_difference, environment, write_job_error
@@ -33,6 +34,20 @@ log = logging.getLogger("luka_bench")
 # ---------------------------------------------------------------------------------------------------------
 # Building blocks (used by the tests too)
 # ---------------------------------------------------------------------------------------------------------
+
+def evidence_kept(cache: MethodCache, positions: list[int]) -> float | None:
+    """Share of the evidence token ``positions`` a cache holds: per layer and KV head the fraction held, averaged
+    over every layer and KV head (sliding-window layers included as they are)."""
+    if not positions:
+        return None
+    shares = []
+    for s in cache.stores:
+        pos = s.positions  # [B, Hkv, n]
+        want = torch.as_tensor(positions, device=pos.device)
+        held = (pos.unsqueeze(-1) == want).any(dim=2).float().mean(dim=-1)  # [B, Hkv]
+        shares.append(held.flatten())
+    return float(torch.cat(shares).mean())
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -177,22 +192,32 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
                     f"{max_new} new) but model.max_context={lm.max_context} for '{lm.name}'; allowed: <= "
                     f"{lm.max_context} — use a shorter data setting or a model with a longer context")
             qs.append((q, qi))
-        plan.append((ex, ctx_ids, qs))
-    total = sum(len(qs) for _, _, qs in plan)
-    records = [folder.done[q.id] for _, _, qs in plan for q, _ in qs if q.id in folder.done]
+        evidence = None
+        if hasattr(task, "evidence_spans"):  # character spans of the facts that answer the question (BABILong)
+            spans = task.evidence_spans(ex)
+            if spans:
+                evidence = evidence_positions(tok, lm.chat_template, task.context_block(ex), spans)
+        plan.append((ex, ctx_ids, qs, evidence))
+    total = sum(len(qs) for _, _, qs, _ in plan)
+    records = [folder.done[q.id] for _, _, qs, _ in plan for q, _ in qs if q.id in folder.done]
     bar = _progress(total, f"{cfg.get('method_name', 'method')} on {cfg.get('data_name', 'data')}", cfg.progress)
     bar.update(len(records))
-    for ex, ctx_ids, qs in plan:
+    chunk = attached.method.prefill_chunk() or int(cfg.prefill_chunk or 0)  # the method's own size wins
+    for ex, ctx_ids, qs, evidence in plan:
         todo = [(q, qi) for q, qi in qs if q.id not in folder.done]
         if not todo:
             continue
         cache = attached.new_cache()
+        # question-aware methods see the questions at prefill time: all of the example's, concatenated in order
+        cache.question_ids = [t for _, qi in qs for t in qi]
         _sync(model.device)
         t0 = time.perf_counter()
-        prefill(model, ctx_ids, cache, int(cfg.prefill_chunk or 0))
+        prefill(model, ctx_ids, cache, chunk)
         _sync(model.device)
         prefill_s = time.perf_counter() - t0
         kv_prefill, kv_prefill_full = cache.held_bytes(), cache.full_bytes()
+        tokens_prefill = cache.held_tokens()
+        kept = evidence_kept(cache, evidence) if evidence else None
         for q, qi in todo:
             c = cache.clone()
             gen = greedy_answer(model, tok, c, qi, max_new, eos, stop)
@@ -203,8 +228,8 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
                 "context_tokens": len(ctx_ids), "question_tokens": len(qi), "new_tokens": len(gen.token_ids),
                 "prefill_s": prefill_s, "question_s": gen.question_s, "ttft_s": prefill_s + gen.question_s,
                 "tpot_s": M.mean(gen.step_s), "latency_breakdown": breakdown(gen.step_timings, gen.step_s),
-                "kv_bytes_prefill": kv_prefill, "kv_bytes_full_prefill": kv_prefill_full, **_mem(c),
-                "meta": q.meta,
+                "kv_bytes_prefill": kv_prefill, "kv_bytes_full_prefill": kv_prefill_full,
+                "kv_tokens_prefill": tokens_prefill, **_mem(c), "evidence_kept": kept, "meta": q.meta,
             }
             folder.append(rec)
             records.append(rec)
@@ -255,6 +280,9 @@ def aggregate(task, records: list[dict]) -> dict:
         out = M.qa_summary(records) if task.kind == "qa" else M.ppl_summary(records)
     out.update(M.latency_summary(records))
     out.update(M.kv_summary(records))
+    kept = [r["evidence_kept"] for r in records if r.get("evidence_kept") is not None]
+    if kept:  # share of the answer's supporting tokens held after the prefill (datasets with evidence_spans)
+        out["evidence_kept"] = sum(kept) / len(kept)
     out["latency_breakdown"] = M.breakdown_summary(records)
     out["n_examples"] = len(records)
     return out

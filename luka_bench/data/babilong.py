@@ -462,6 +462,7 @@ class BABILong:
                 "target_tokens": target, "context_tokens": lengths.total(context), "length_unit": lengths.unit,
                 "n_facts": len(story.facts), "supporting_facts": story.supporting,
                 "supporting_chars": sup_chars,
+                "supporting_spans": [[offsets[i], offsets[i] + len(story.facts[i])] for i in story.supporting],
                 "supporting_depth": [round(c / max(len(context), 1), 4) for c in sup_chars],
                 "fact_chars": offsets,
             }
@@ -507,6 +508,20 @@ class BABILong:
         p = PROMPTS.get(ex.meta["task"], DEFAULT_PROMPT)
         head = TEMPLATE.split("{question}")[0].rsplit("\n\nQuestion: ", 1)[0]
         return head.format(context=ex.context.strip(), **p).lstrip()
+
+    def evidence_spans(self, ex: QAExample) -> list[tuple[int, int]]:
+        """Character spans, in ``context_block(ex)``, of the supporting facts of the example's question (synthetic
+        source only: the generator knows where it put them; hub/file rows: none). The runner turns them into token
+        positions and reports the share a method holds after the prefill (``evidence_kept``)."""
+        spans = ex.meta.get("supporting_spans")
+        if not spans:
+            return []
+        stripped = ex.context.strip()
+        lead = len(ex.context) - len(ex.context.lstrip())
+        at = self.context_block(ex).rfind(stripped)
+        if at < 0:
+            return []
+        return [(at + a - lead, at + b - lead) for a, b in spans]
 
     def question_block(self, q: Question) -> str:
         return f"\n\nQuestion: {q.question.strip()}"

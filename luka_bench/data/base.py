@@ -112,3 +112,28 @@ def qa_prompt_ids(tokenizer, use_chat: bool, context_block: str, question_block:
                 tokenizer(post, add_special_tokens=False).input_ids)
     return (tokenizer(context_block, add_special_tokens=True).input_ids,
             tokenizer(question_block, add_special_tokens=False).input_ids)
+
+
+def evidence_positions(tokenizer, use_chat: bool, context_block: str, spans: list[tuple[int, int]]) -> list[int]:
+    """Token positions (into the context part of the prompt, ``qa_prompt_ids``' first list) of the tokens that
+    overlap the character ``spans`` of ``context_block`` (e.g. BABILong's supporting facts). Needs a fast
+    tokenizer (offset mapping)."""
+    if not spans:
+        return []
+    if use_chat:
+        marker = "\u2063LUKASPLIT\u2063"
+        text = tokenizer.apply_chat_template([{"role": "user", "content": context_block + marker + "x"}],
+                                             add_generation_prompt=True, tokenize=False)
+        pre = text.split(marker)[0]
+        enc = tokenizer(pre, add_special_tokens=False, return_offsets_mapping=True)
+    else:
+        pre = context_block
+        enc = tokenizer(pre, add_special_tokens=True, return_offsets_mapping=True)
+    shift = pre.rfind(context_block)
+    if shift < 0:
+        raise ValueError("the context block does not appear in the rendered prompt")
+    out = []
+    for i, (a, b) in enumerate(enc["offset_mapping"]):
+        if b > a and any(a < shift + e and b > shift + s for s, e in spans):
+            out.append(i)
+    return out

@@ -17,6 +17,24 @@ logical position of every held token) and acts at these points:
 ====================  ==========================================================================================
 
 Cross-layer methods (LASER-KV) override ``KVMethod.after_prefill(cache)``, which sees every layer at once.
+
+Method-level hooks (all optional; defaults keep existing behaviour):
+
+==============================  ============================================================================
+``KVMethod.after_forward``      once after every model forward through the cache (after the last layer), in
+                                the prefill (each prefill chunk) and decode phases, not in a scratch forward.
+                                Block-wise prefill compression (LASER-KV) selects here.
+``KVMethod.prefill_chunk()``    the prefill chunk size the method needs (LASER-KV: its block size S); the
+                                runner prefills in chunks of this size (0: the runner's ``prefill_chunk``).
+``MethodCache.question_ids``    the question's token ids, set by the runner before the prefill (several
+                                questions on one context: their ids concatenated in order), None when there is
+                                no question (perplexity). For question-aware prefill compression.
+``MethodCache.scratch_forward`` a forward of some ids at given logical positions (default: right after the
+                                context) whose keys/values are dropped afterwards; ``cache.phase == "scratch"``
+                                during it, so a policy's ``attend`` can read the queries. Policies that
+                                accumulate state in ``attend`` must ignore scratch forwards they did not ask for.
+``MethodCache.state``           a per-prompt dict for cross-layer method state (copied by ``clone``).
+==============================  ============================================================================
 Which policy runs on which layer is ``KVMethod.policy_for_layer``; sliding-window layers (Gemma3) get exact
 attention within their window unless a method sets ``handles_sliding = True``.
 
@@ -117,7 +135,7 @@ class SlidingWindowPolicy(LayerPolicy):
     def attend(self, store: "KVStore", query: torch.Tensor, scaling: float) -> torch.Tensor:
         out = exact_attention(store, query, scaling, self.info.sliding_window)
         keep = self.info.sliding_window - 1
-        if store.n > keep:
+        if store.n > keep and store.cache.phase != "scratch":  # a scratch forward's tokens are dropped after it
             store.keep_ends(0, keep)
         return out
 
@@ -158,6 +176,14 @@ class KVMethod:
         if info.sliding_window is not None and not self.handles_sliding:
             return SlidingWindowPolicy(self, info)
         return self.policy_class(self, info)
+
+    def prefill_chunk(self) -> int:
+        """Prefill chunk size the method needs (the runner honours it); 0: no requirement."""
+        return 0
+
+    def after_forward(self, cache: "MethodCache") -> None:
+        """Cross-layer hook after every model forward through ``cache`` (after the last layer; not for a scratch
+        forward). ``cache.phase`` says whether it was a prefill chunk or a decode-phase forward."""
 
     def after_prefill(self, cache: "MethodCache") -> None:
         """Cross-layer hook after the context prefill; the default runs every layer's policy."""

@@ -11,6 +11,12 @@ attention function, which takes that store and hands the query to the store's ``
 function receives no cache object, which is why the store announces itself (checked against
 ``module.layer_idx``).
 
+Method-level hooks (``MethodCache``): ``question_ids`` (the question token ids the runner hands over before the
+prefill, for question-aware prefill compression); ``state`` (a per-prompt dict a method may keep cross-layer state
+in; copied by ``clone``); ``after_forward`` (called by a forward hook that ``attach`` registers on the model, once
+per model forward after the last layer, never for a scratch forward); ``scratch_forward(ids, start)`` (a forward
+whose keys/values are dropped afterwards: the stores are restored to their length and logical length).
+
 Masks: every policy builds its own mask from what its store holds (``base.chunk_mask``), because after eviction
 the physical length no longer matches the logical positions transformers would build a mask from. Our mask
 function therefore returns None; it refuses padded batches, which the harness never makes (batch size 1).
@@ -233,8 +239,11 @@ class MethodCache(Cache):
 
     def __init__(self, method: KVMethod, infos: list[LayerInfo]):
         self.method = method
+        self.model: PreTrainedModel | None = None  # set by new_cache; needed by scratch_forward
         self.reference_length = 0
-        self.phase = "prefill"
+        self.phase = "prefill"  # "prefill" -> "decode"; "scratch" during a scratch_forward
+        self.question_ids: list[int] | None = None  # set by the runner before the prefill (question-aware methods)
+        self.state: dict = {}  # per-prompt, cross-layer method state (copied by clone)
         self.peak_bytes = 0  # bytes held at most during the decode phase (see _note)
         self._timings: dict[str, float] = {}  # seconds per component, summed (methods add: span / add_span)
         self._pending: list = []  # (key, start event, end event) of CUDA spans not yet resolved
@@ -252,6 +261,35 @@ class MethodCache(Cache):
         self.method.after_prefill(self)
         self.phase = "decode"
         self._note()
+
+    def after_forward(self) -> None:
+        """Called once after every model forward through this cache (after the last layer; see ``attach``), in
+        the prefill and decode phases; not for a scratch forward. Runs ``KVMethod.after_forward``."""
+        if self.phase != "scratch":
+            self.method.after_forward(self)
+
+    @torch.no_grad()
+    def scratch_forward(self, ids: list[int] | torch.Tensor, start: int | None = None) -> torch.Tensor:
+        """Run ``ids`` through the model at logical positions ``start, start + 1, ...`` (default: right after the
+        declared context, ``reference_length``) over what the cache holds, then drop their keys/values: every
+        store gets back its length and logical length. During it ``phase == "scratch"``: policies can read the
+        queries in ``attend`` (question-aware scoring); ``after_step`` / ``after_forward`` are not called.
+        Returns the last position's logits."""
+        if self.model is None:
+            raise RuntimeError("scratch_forward needs a cache made by new_cache(model, method)")
+        start = self.reference_length if start is None else int(start)
+        saved = [(s.n, s.seen) for s in self.stores]
+        phase, self.phase = self.phase, "scratch"
+        for s in self.stores:
+            s.seen = start  # transformers derives the new tokens' positions (RoPE) from the logical length
+        try:
+            x = torch.as_tensor(ids, device=self.model.device).view(1, -1)
+            logits = self.model(input_ids=x, past_key_values=self, use_cache=True, logits_to_keep=1).logits[0, -1]
+        finally:
+            self.phase = phase
+            for s, (n, seen) in zip(self.stores, saved):
+                s.n, s.seen = n, seen
+        return logits
 
     def _note(self) -> None:
         # Peak over the decode phase (from the end of the prefill on): during the prefill every method holds the
@@ -315,7 +353,10 @@ class MethodCache(Cache):
 
         self.timings  # resolve pending CUDA events (events cannot be copied)
         # deepcopy copies tensors and policy state; the method config is shared (it is immutable).
-        return copy.deepcopy(self, memo={id(self.method): self.method})
+        memo = {id(self.method): self.method}
+        if self.model is not None:
+            memo[id(self.model)] = self.model  # the model is shared, never copied
+        return copy.deepcopy(self, memo=memo)
 
 
 def layer_infos(model: PreTrainedModel) -> list[LayerInfo]:
@@ -335,7 +376,9 @@ def layer_infos(model: PreTrainedModel) -> list[LayerInfo]:
 
 
 def new_cache(model: PreTrainedModel, method: KVMethod) -> MethodCache:
-    return MethodCache(method, layer_infos(model))
+    cache = MethodCache(method, layer_infos(model))
+    cache.model = model
+    return cache
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -407,13 +450,23 @@ class Attached:
         return new_cache(self.model, self.method)
 
 
+def _after_forward(module, args, kwargs, output):
+    """Forward hook on the model: a forward through a ``MethodCache`` has finished (after the last layer)."""
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, MethodCache):
+        cache.after_forward()
+
+
 @contextlib.contextmanager
 def attach(model: PreTrainedModel, method: KVMethod):
-    """Route the model's attention through the method for the duration of the block."""
+    """Route the model's attention through the method for the duration of the block, and call the method's
+    ``after_forward`` after every forward of the model through one of its caches."""
     register()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
+    hook = model.register_forward_hook(_after_forward, with_kwargs=True)
     try:
         yield Attached(model, method, previous)
     finally:
+        hook.remove()
         model.set_attn_implementation(previous)

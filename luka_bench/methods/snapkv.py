@@ -14,6 +14,11 @@ Defaults are the reference ones: window 64, kernel 5, avg (kvpress ``SnapKVPress
 (question, answer) are appended and kept: SnapKV does not evict while decoding.
 
 Budget: ``capacity = ceil(budget * context length)`` tokens per layer after the prefill, window included.
+
+``question_aware``: the observation queries are the question's (``MethodCache.question_ids``, run after the
+prefill as a scratch forward at the positions right after the context, its keys/values then dropped) instead of
+the last ``window`` context tokens'; everything held is visible to them. The last ``window`` context tokens are
+still kept. Without a question (perplexity) it falls back to the question-agnostic window.
 """
 from __future__ import annotations
 
@@ -29,18 +34,20 @@ from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, ex
 POOLINGS = ("avg", "max", "avg_inrange")
 
 
-def window_scores(q_window: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+def window_scores(q_window: torch.Tensor, keys: torch.Tensor, scaling: float, causal: bool = True) -> torch.Tensor:
     """Attention mass each held token receives from the window queries. q_window [B, Hq, w, D] are the queries
-    of the last w held tokens; keys [B, Hkv, n, D]. Returns [B, Hkv, n] (summed over window and group)."""
+    of the last w held tokens (``causal``), or queries that see every held token (``causal=False``: the
+    question's); keys [B, Hkv, n, D]. Returns [B, Hkv, n] (summed over window and group)."""
     b, hq, w, d = q_window.shape
     hkv, n = keys.shape[1], keys.shape[2]
     g = hq // hkv
     q = q_window.reshape(b, hkv, g, w, d)
     logits = (q @ keys.transpose(-1, -2).unsqueeze(2)).float() * scaling  # [B, Hkv, g, w, n]
-    qpos = n - w + torch.arange(w, device=keys.device)
-    visible = torch.arange(n, device=keys.device)[None, :] <= qpos[:, None]
-    weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-    return weights.sum(dim=(2, 3))
+    if causal:
+        qpos = n - w + torch.arange(w, device=keys.device)
+        visible = torch.arange(n, device=keys.device)[None, :] <= qpos[:, None]
+        logits = logits.masked_fill(~visible, float("-inf"))
+    return torch.softmax(logits, dim=-1).sum(dim=(2, 3))
 
 
 def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
@@ -65,9 +72,12 @@ class SnapKVPolicy(LayerPolicy):
     def __init__(self, method, info):
         super().__init__(method, info)
         self.q_window: torch.Tensor | None = None
+        self.q_question: torch.Tensor | None = None
 
     def attend(self, store, query, scaling):
-        if store.cache.phase == "prefill":
+        if store.cache.phase == "scratch" and self.method.question_aware:
+            self.q_question = query.detach()  # the question's queries (question-aware observation window)
+        elif store.cache.phase == "prefill":
             # keep the last `window` prompt queries (post-RoPE), across prefill chunks
             w = self.method.window
             q = query if self.q_window is None else torch.cat([self.q_window, query], dim=2)
@@ -79,15 +89,18 @@ class SnapKVPolicy(LayerPolicy):
         cap = self.capacity(store)
         n = store.n
         q, self.q_window = self.q_window, None  # free it: not needed after compression
+        qq, self.q_question = self.q_question, None
         if n <= cap or q is None:
             return
         w = min(q.shape[2], cap)
+        if qq is not None:
+            q = qq  # observation queries: the question's; the window kept is still the context's last w
         prefix = n - w
         keep = cap - w
         b, h = store.keys.shape[:2]
         window = torch.arange(prefix, n, device=store.device).expand(b, h, w)
         if keep > 0:
-            scores = window_scores(q, store.keys, self.scaling)[:, :, :prefix]
+            scores = window_scores(q, store.keys, self.scaling, causal=qq is None)[:, :, :prefix]
             scores = pool_scores(scores, self.method.kernel, self.method.pooling)
             top = top_indices(scores, keep)
             index = torch.cat([top, window], dim=-1)
@@ -99,12 +112,14 @@ class SnapKVPolicy(LayerPolicy):
 @dataclass
 class SnapKV(KVMethod):
     """window: observation window (last prompt queries); kernel: pooling kernel size; pooling: avg (reference:
-    zero-padded) | max | avg_inrange. Defaults are kvpress's SnapKVPress / the SnapKV reference code's."""
+    zero-padded) | max | avg_inrange. Defaults are kvpress's SnapKVPress / the SnapKV reference code's.
+    question_aware: observe with the question's queries (see the module docstring)."""
 
     budget: float = 0.125
     window: int = 64
     kernel: int = 5
     pooling: str = "avg"
+    question_aware: bool = False
 
     name: ClassVar[str] = "snapkv"
     policy_class: ClassVar[type[LayerPolicy]] = SnapKVPolicy
@@ -117,3 +132,10 @@ class SnapKV(KVMethod):
             raise MethodConfigError(f"method.kernel={self.kernel!r} must be an integer >= 1 (reference: 5-7)")
         if self.pooling not in POOLINGS:
             raise MethodConfigError(f"method.pooling={self.pooling!r} is unknown; allowed: {', '.join(POOLINGS)}")
+        if not isinstance(self.question_aware, bool):
+            raise MethodConfigError(f"method.question_aware={self.question_aware!r} must be true or false")
+
+    def after_prefill(self, cache) -> None:
+        if self.question_aware and cache.question_ids and self.budget < 1.0:
+            cache.scratch_forward(cache.question_ids)  # policies keep the question's queries (attend)
+        super().after_prefill(cache)
