@@ -141,7 +141,8 @@ def breakdown(timings: dict[str, float], step_s: list[float]) -> dict[str, float
 
 def _mem(cache: MethodCache) -> dict:
     return {"kv_bytes_peak": cache.peak_bytes, "kv_bytes_full": cache.full_bytes(),
-            "kv_bytes_allocated": cache.allocated_bytes(), "kv_tokens": cache.held_tokens()}
+            "kv_bytes_allocated": cache.allocated_bytes(), "kv_tokens": cache.held_tokens(),
+            "method_stats": cache.method_report()}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -255,6 +256,7 @@ def aggregate(task, records: list[dict]) -> dict:
     out.update(M.latency_summary(records))
     out.update(M.kv_summary(records))
     out["latency_breakdown"] = M.breakdown_summary(records)
+    out["method_stats"] = M.method_stats_summary(records)
     out["n_examples"] = len(records)
     return out
 
