@@ -146,6 +146,16 @@ def breakdown_summary(records: list[dict]) -> dict | None:
     return {k: mean(r.get(k, 0.0) for r in rows) for k in keys}
 
 
+def method_stats_summary(records: list[dict]) -> dict | None:
+    """Mean over items of each ``method_stats`` number (FAIR entries, REAL bytes, method-specific counts) over the
+    items that recorded them; None when none did (runs made before the field existed)."""
+    rows = [r["method_stats"] for r in records if r.get("method_stats")]
+    if not rows:
+        return None
+    keys = sorted({k for r in rows for k in r})
+    return {k: mean(r.get(k) for r in rows) for k in keys}
+
+
 def qa_summary(records: list[dict]) -> dict:
     """Mean of each per-question score."""
     keys = ("em", "em_lenient", "f1")

@@ -156,7 +156,8 @@ def breakdown(timings: dict[str, float], step_s: list[float]) -> dict[str, float
 
 def _mem(cache: MethodCache) -> dict:
     return {"kv_bytes_peak": cache.peak_bytes, "kv_bytes_full": cache.full_bytes(),
-            "kv_bytes_allocated": cache.allocated_bytes(), "kv_tokens": cache.held_tokens()}
+            "kv_bytes_allocated": cache.allocated_bytes(), "kv_tokens": cache.held_tokens(),
+            "method_stats": cache.method_report()}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -284,6 +285,7 @@ def aggregate(task, records: list[dict]) -> dict:
     if kept:  # share of the answer's supporting tokens held after the prefill (datasets with evidence_spans)
         out["evidence_kept"] = sum(kept) / len(kept)
     out["latency_breakdown"] = M.breakdown_summary(records)
+    out["method_stats"] = M.method_stats_summary(records)
     out["n_examples"] = len(records)
     return out
 

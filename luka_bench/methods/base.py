@@ -16,6 +16,13 @@ logical position of every held token) and acts at these points:
                       teacher-forced token). Decode-time methods (StreamingLLM, H2O, LuKA) evict/compress here.
 ====================  ==========================================================================================
 
+Entries held outside the store (LuKA's summaries, entropy_ols's synthetic key/value pairs) have no position and
+may carry a per-entry logit bias: ``attention_with_extra`` attends over the held tokens plus such entries in one
+softmax. A policy holding them declares them: ``extra_bytes()`` (REAL bytes, in ``kv_bytes``),
+``extra_entries()`` (entries per KV head, counted against the budget: FAIR tokens) and ``attended_extra()``.
+``MethodCache.method_report()`` gives every run ``method_stats`` in metrics.json: ``fair_entries`` (held tokens
++ extra entries, mean per layer and KV head), ``real_bytes`` and whatever the policy's ``report()`` adds.
+
 Cross-layer methods (LASER-KV) override ``KVMethod.after_prefill(cache)``, which sees every layer at once.
 
 Method-level hooks (all optional; defaults keep existing behaviour):
@@ -118,6 +125,16 @@ class LayerPolicy:
         """Entries held outside the store that the last ``attend`` call read, per KV head (LuKA's unrefined
         summaries, synthetic key/value pairs): counted as attended entries, but they have no position."""
         return 0
+
+    def extra_entries(self) -> int:
+        """Key/value entries the policy holds besides the store, per KV head (synthetic or summary entries): they
+        count against the budget like held tokens (FAIR accounting, ``MethodCache.method_report``)."""
+        return 0
+
+    def report(self, store: "KVStore") -> dict[str, float]:
+        """Method-specific numbers for this layer at the end of an item (e.g. flushes, synthetic entries);
+        summed over layers into the record's ``method_stats`` and averaged over items into metrics.json."""
+        return {}
 
     # -- helpers -------------------------------------------------------------------------------------------
     def extra_bytes(self) -> int:
@@ -274,6 +291,66 @@ def attention_with_mass(store: "KVStore", query: torch.Tensor, scaling: float,
         out[:, :, :, s: s + c] = (w.to(v.dtype) @ v[:, :, :m].unsqueeze(2))
         mass[:, :, :m] += w.sum(dim=(2, 3))
     return out.view(b, hq, lq, v.shape[-1]), mass
+
+
+def attention_with_extra(store: "KVStore", query: torch.Tensor, scaling: float,
+                         extra_k: torch.Tensor | None = None, extra_v: torch.Tensor | None = None,
+                         extra_bias: torch.Tensor | None = None, causal: bool = True, chunk: int = 256,
+                         keys: torch.Tensor | None = None, values: torch.Tensor | None = None):
+    """Exact attention over the held tokens plus ``S`` position-less *extra* entries with a per-entry logit bias
+    (synthetic or summary key/value pairs held by a policy): logit ``q.k * scaling`` for a held token,
+    ``q.k_e * scaling + b_e`` for an extra entry; one softmax over both (fp32). Extra entries summarise the past,
+    so every query sees all of them. ``causal``: the last Lq held tokens are the query tokens (the usual case);
+    False lets every query see every held token (replaying held-out queries over a compressed cache).
+    ``keys``/``values`` override the store's (same layout) for such replays.
+
+    Returns (out [B, Hq, Lq, Dv], mass [B, Hkv, n], extra_mass [B, Hkv, S], entropy [B, Hkv, Lq], extra_w):
+    masses summed over queries and the query heads of each KV group, as ``attention_with_mass``; ``entropy`` the
+    Shannon entropy of each query's attention distribution divided by log(entries it saw) (0 when it saw one),
+    averaged over the query heads of its group; ``extra_w`` the weights on the extra entries [B, Hkv, g, Lq, S]
+    (policies whose extra values depend on the query add their own term with them). With no extra entries and
+    ``causal`` this is ``attention_with_mass``'s output and mass."""
+    k = store.keys if keys is None else keys
+    v = store.values if values is None else values
+    b, hq, lq, d = query.shape
+    hkv, n = k.shape[1], k.shape[2]
+    g = hq // hkv
+    S = 0 if extra_k is None else extra_k.shape[2]
+    q = query.view(b, hkv, g, lq, d)
+    past = n - lq if causal else n
+    out = query.new_empty(b, hkv, g, lq, v.shape[-1])
+    mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=query.device)
+    emass = torch.zeros(b, hkv, S, dtype=torch.float32, device=query.device)
+    ent = torch.zeros(b, hkv, lq, dtype=torch.float32, device=query.device)
+    ew = query.new_zeros(b, hkv, g, lq, S, dtype=torch.float32)
+    for s in range(0, lq, chunk):
+        qc = q[:, :, :, s: s + chunk]
+        c = qc.shape[3]
+        m = min(n, past + s + c) if causal else n
+        logits = (qc @ k[:, :, :m].transpose(-1, -2).unsqueeze(2)).float() * scaling  # [B, Hkv, g, c, m]
+        seen = torch.full((c,), float(m + S), device=query.device)
+        if causal and c > 1:
+            qi = torch.arange(s, s + c, device=query.device)
+            visible = torch.arange(m, device=query.device)[None, :] <= (past + qi)[:, None]
+            logits = logits.masked_fill(~visible, float("-inf"))
+            seen = visible.sum(-1).float() + S
+        if S:
+            el = (qc @ extra_k.transpose(-1, -2).unsqueeze(2)).float() * scaling
+            if extra_bias is not None:
+                el = el + extra_bias[:, :, None, None, :].float()
+            logits = torch.cat([logits, el], dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
+        w = logp.exp()
+        h = -torch.where(w > 0, w * logp, torch.zeros_like(w)).sum(-1)  # [B, Hkv, g, c]
+        ent[:, :, s: s + c] = (h / seen.log().clamp_min(1e-12)).mean(2) * (seen > 1)
+        o = w[..., :m].to(v.dtype) @ v[:, :, :m].unsqueeze(2)
+        if S:
+            o = o + w[..., m:].to(extra_v.dtype) @ extra_v.unsqueeze(2)
+            emass += w[..., m:].sum(dim=(2, 3))
+            ew[:, :, :, s: s + c] = w[..., m:]
+        out[:, :, :, s: s + c] = o
+        mass[:, :, :m] += w[..., :m].sum(dim=(2, 3))
+    return out.view(b, hq, lq, v.shape[-1]), mass, emass, ent, ew
 
 
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -348,6 +348,23 @@ class MethodCache(Cache):
     def held_tokens(self) -> list[int]:
         return [s.n for s in self.stores]
 
+    def method_report(self) -> dict[str, float]:
+        """FAIR and REAL accounting now, for every method: ``fair_entries`` = held tokens + entries held outside
+        the store (``LayerPolicy.extra_entries``), mean per layer; ``fair_ratio`` = that over the mean logical
+        length; ``real_bytes`` = bytes of everything held (``held_bytes``: store + ``extra_bytes``); plus each
+        policy's own ``report`` numbers: ``*_bytes`` summed over layers, the others averaged per layer."""
+        stores = [s for s in self.stores if s._k is not None]
+        if not stores:
+            return {}
+        fair = sum(s.n + s.policy.extra_entries() for s in stores) / len(stores)
+        seen = sum(s.seen for s in stores) / len(stores)
+        out: dict[str, float] = {"fair_entries": fair, "fair_ratio": fair / seen if seen else 0.0,
+                                 "real_bytes": float(self.held_bytes())}
+        for s in stores:
+            for k, v in s.policy.report(s).items():
+                out[k] = out.get(k, 0.0) + float(v) / (1 if k.endswith("_bytes") else len(stores))
+        return out
+
     def clone(self) -> "MethodCache":
         import copy
 

@@ -1,0 +1,432 @@
+"""Entropy-guided OLS KV compaction, "HAE" (Chandra, "Entropy-Guided KV Cache Summarization via Low-Rank
+Attention Reconstruction", blog post / Zenodo 2026): Selection (per-token attention entropy + cumulative
+importance -> a "recycle bin") -> Reconstruction (least squares on reference queries) -> Compression (rank-k
+synthetic key/value entries re-inserted into the cache). Card: ``methods/entropy_ols.md`` (derivation there).
+
+Per layer and KV head the policy holds raw tokens (the store) and ``S`` position-less synthetic entries
+(key, value, log-mass bias), held here and counted (``extra_bytes``, ``extra_entries``, ``attended_extra``).
+Attention is one softmax over both (``base.attention_with_extra``). Every held entry counts against
+``capacity = ceil(budget * max(seen, reference_length))``; whenever a layer holds more, bins are flushed:
+
+- selection: candidates are the raw tokens outside the ``sink`` first and the ``recent`` last ones; priority =
+  percentile rank of the token's attention entropy (its own query row, normalised by log(entries seen), mean over
+  the query heads of the group) + percentile rank of *low* accumulated attention mass (as H2O's, over prefill and
+  decode). The ``bin_size`` x nb highest-priority candidates form nb bins (priority order), enough to get back
+  under the capacity.
+- reconstruction (``mode``):
+  ``ols`` : per bin, ``rank`` synthetic entries whose softmax attention approximates the bin's: keys = k-means
+  centroids of the bin's keys, per-entry log-mass bias fitted in the log domain so each cluster's partition mass
+  is right on the reference queries, values by ridge-regularised, bin-share-weighted least squares of the bin's
+  attention output on the synthetic softmax weights (``fit_bias``, ``fit_values``).
+  ``linear``: the post's literal map W = pinv(Q_ref) Attn(Q_ref, K_bin, V_bin), SVD-truncated to ``rank``; the
+  bin's output for a query q is q U_k S_k V_k^T, weighted in the softmax by one centroid entry carrying the bin's
+  fitted log-mass (rank + 1 entries per bin).
+  ``drop``: entropy selection without OLS: the bins are evicted (the post's "entropy-drop" baseline).
+- synthetic entries are themselves re-binned (``ols``) when they exceed ``synthetic_fraction`` of the capacity;
+  ``linear`` groups cannot be re-binned and the oldest are dropped then.
+
+Reference queries: the last ``n_ref`` queries this layer saw (all query heads of a KV group: g x n_ref rows per
+KV head), held in a buffer whose bytes count in REAL memory.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, attention_with_extra
+
+MASS, ENT = "ols_mass", "ols_entropy"
+MODES = ("ols", "linear", "drop")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The fit (pure torch; leading dims are batch dims: [B, Hkv, bins, ...])
+# ---------------------------------------------------------------------------------------------------------
+
+def bin_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, bb: torch.Tensor, scaling: float):
+    """The bin's own attention for queries q [..., m_q, D] over its entries (keys kb [..., m, D], values vb,
+    log-mass biases bb [..., m]; 0 for raw tokens): (logits [..., m_q, m], log partition mass [..., m_q],
+    normalised output [..., m_q, Dv])."""
+    logits = (q @ kb.transpose(-1, -2)).float() * scaling + bb.float().unsqueeze(-2)
+    lz = torch.logsumexp(logits, dim=-1)
+    out = torch.softmax(logits, dim=-1) @ vb.float()
+    return logits, lz, out
+
+
+def kmeans(x: torch.Tensor, r: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched Lloyd k-means over the second-to-last axis: x [..., m, D] -> (centroids [..., r, D], one-hot
+    assignment [..., m, r]). Initialised at r evenly spaced members (deterministic); an emptied cluster keeps its
+    previous centroid. r >= m: every member is its own cluster (centroids = x)."""
+    m = x.shape[-2]
+    if r >= m:
+        eye = torch.eye(m, dtype=x.dtype, device=x.device).expand(*x.shape[:-2], m, m)
+        return x.clone(), eye.clone()
+    x = x.float()
+    init = (torch.arange(r, device=x.device) * m) // r
+    c = x[..., init, :].clone()
+    for _ in range(iters + 1):
+        a = torch.cdist(x, c).argmin(dim=-1)  # [..., m]
+        onehot = torch.nn.functional.one_hot(a, r).to(x.dtype)  # [..., m, r]
+        cnt = onehot.sum(-2)  # [..., r]
+        new = (onehot.transpose(-1, -2) @ x) / cnt.clamp_min(1).unsqueeze(-1)
+        c = torch.where(cnt.unsqueeze(-1) > 0, new, c)
+    return c, onehot
+
+
+def fit_bias(logits: torch.Tensor, onehot: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
+             scaling: float) -> torch.Tensor:
+    """Per-entry log-mass bias: b_j = mean over the reference queries of (log Z_j(q) - q.k_j * scaling), with
+    Z_j(q) the exact partition mass of cluster j's members (logits [..., m_q, m], onehot [..., m, r]); the
+    least-squares fit of log Z_j(q) ~ q.k_j * scaling + b_j in b_j. Empty clusters get -1e4 (no mass)."""
+    member = torch.log(onehot.float()).unsqueeze(-3)  # [..., 1, m, r] (0 or -inf)
+    lzj = torch.logsumexp(logits.unsqueeze(-1) + member, dim=-2)  # [..., m_q, r]
+    own = (q @ keys.transpose(-1, -2)).float() * scaling  # [..., m_q, r]
+    empty = onehot.sum(-2) == 0
+    resid = torch.where(empty.unsqueeze(-2), torch.zeros_like(lzj), lzj - own)
+    return resid.mean(-2).masked_fill(empty, -1e4)
+
+
+def fit_values(p: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, ridge: float) -> torch.Tensor:
+    """argmin_V sum_q w_q^2 ||p_q V - t_q||^2 + lam ||V||^2 (p [..., m_q, r], target [..., m_q, Dv], weight
+    [..., m_q]), lam = ridge * trace(P_w^T P_w) / r: the normal equations, solved batched."""
+    pw = p.float() * weight.unsqueeze(-1)
+    tw = target.float() * weight.unsqueeze(-1)
+    gram = pw.transpose(-1, -2) @ pw
+    r = gram.shape[-1]
+    lam = ridge * gram.diagonal(dim1=-2, dim2=-1).sum(-1) / r
+    eye = torch.eye(r, dtype=gram.dtype, device=gram.device)
+    return torch.linalg.solve(gram + lam[..., None, None] * eye + 1e-12 * eye, pw.transpose(-1, -2) @ tw)
+
+
+def fit_ols_entries(q, kb, vb, bb, lz_all, scaling: float, rank: int, iters: int, ridge: float):
+    """Synthetic entries for bins: q [..., m_q, D] reference queries, bin keys/values/biases [..., m, *],
+    lz_all [..., m_q] the log partition mass of everything held for each reference query (weights each query by
+    the bin's share of its attention). Returns (keys [..., r, D], values [..., r, Dv], biases [..., r], one-hot
+    membership [..., m, r]). rank >= m: the bin itself (exact)."""
+    if rank >= kb.shape[-2]:
+        eye = torch.eye(kb.shape[-2], device=kb.device).expand(*kb.shape[:-1], kb.shape[-2])
+        return kb.clone(), vb.clone(), bb.clone().float(), eye.clone()
+    logits, lz, out = bin_attention(q, kb, vb, bb, scaling)
+    keys, onehot = kmeans(kb, rank, iters)
+    bias = fit_bias(logits, onehot, q.float(), keys, scaling)
+    p = torch.softmax((q.float() @ keys.transpose(-1, -2)) * scaling + bias.unsqueeze(-2), dim=-1)
+    share = torch.exp((lz - lz_all).clamp_max(0.0))
+    values = fit_values(p, out, share, ridge)
+    return keys.to(kb.dtype), values.to(vb.dtype), bias, onehot
+
+
+def fit_linear_map(q: torch.Tensor, target: torch.Tensor, rank: int):
+    """The post's literal OLS map W = pinv(Q_ref) Attn(Q_ref, K_bin, V_bin) [..., D, Dv], truncated to ``rank``
+    by SVD: returns (A = U_k S_k [..., D, k], B = V_k^T [..., k, Dv], singular values [..., min(D, Dv)]); the
+    bin's output for a query q is q A B."""
+    w = torch.linalg.pinv(q.float()) @ target.float()
+    u, s, vh = torch.linalg.svd(w, full_matrices=False)
+    return u[..., :rank] * s[..., None, :rank], vh[..., :rank, :], s
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The policy
+# ---------------------------------------------------------------------------------------------------------
+
+class EntropyOLSPolicy(LayerPolicy):
+    def __init__(self, method: "EntropyOLS", info):
+        super().__init__(method, info)
+        self.sk = self.sv = self.sb = None  # synthetic keys [B, Hkv, S, D], values, biases [B, Hkv, S] (fp32)
+        self.smass = self.sent = None       # their accumulated mass / inherited entropy [B, Hkv, S]
+        self.la = self.lb = None            # linear mode: per-centroid map factors [B, Hkv, S, D, k], [.., k, Dv]
+        self.qbuf: torch.Tensor | None = None  # last n_ref queries [B, Hq, <=n_ref, D]
+        self.scaling = info.head_dim ** -0.5
+        self.stats = {"flushes": 0.0, "binned_tokens": 0.0, "dropped_tokens": 0.0, "synthetic_made": 0.0}
+
+    # -- accounting ----------------------------------------------------------------------------------------
+    @property
+    def S(self) -> int:
+        return 0 if self.sk is None else self.sk.shape[2]
+
+    def extra_entries(self) -> int:
+        k = self.method.rank if self.la is not None else 0
+        return self.S * (1 + k)  # linear: each centroid carries k factor pairs
+
+    def attended_extra(self) -> int:
+        return self.extra_entries()
+
+    def synthetic_bytes(self) -> int:
+        if self.sk is None:
+            return 0
+        total = self.sk.nbytes + self.sv.nbytes + self.sb.nbytes
+        if self.la is not None:
+            total += self.la.nbytes + self.lb.nbytes
+        return total
+
+    def extra_bytes(self) -> int:
+        return self.synthetic_bytes() + (0 if self.qbuf is None else self.qbuf.nbytes)
+
+    def report(self, store) -> dict[str, float]:
+        m = self.method
+        cap = self.capacity(store)
+        return {**self.stats, "synthetic_entries": float(self.extra_entries()),
+                "synthetic_bytes": float(self.synthetic_bytes()),
+                "query_buffer_bytes": float(0 if self.qbuf is None else self.qbuf.nbytes),
+                "store_bytes": float(store.held_bytes()),
+                # the post's FAIR formula, literally: k_budget - (bin_size - k_rank), per layer
+                "post_fair_budget": float(cap - (m.bin_size - m.rank))}
+
+    # -- attention -----------------------------------------------------------------------------------------
+    def attend(self, store, query, scaling):
+        self.scaling = scaling
+        out, mass, emass, ent, ew = attention_with_extra(store, query, scaling, self.sk, self.sv, self.sb)
+        if self.la is not None and self.S:
+            out = out + self._linear_term(query, ew)
+        store.aux(MASS).add_(mass)
+        store.aux(ENT)[:, :, store.n - query.shape[2]:] = ent
+        if self.S:
+            self.smass += emass
+        if self.method.budget < 1.0:
+            q = query if self.qbuf is None else torch.cat([self.qbuf, query], dim=2)
+            self.qbuf = q[:, :, -self.method.n_ref:].clone(memory_format=torch.contiguous_format)
+        return out
+
+    def _linear_term(self, query, ew):
+        b, hq, lq, d = query.shape
+        hkv = self.sk.shape[1]
+        q = query.view(b, hkv, hq // hkv, lq, d).float()
+        z = torch.einsum("bhgld,bhsdk->bhglsk", q, self.la)  # [B, Hkv, g, Lq, S, k]
+        o = torch.einsum("bhglsk,bhskv->bhglsv", z, self.lb)
+        return (ew.unsqueeze(-1) * o).sum(-2).reshape(b, hq, lq, -1).to(query.dtype)
+
+    # -- compaction ----------------------------------------------------------------------------------------
+    def after_prefill(self, store) -> None:
+        self.compact(store)
+
+    def after_step(self, store) -> None:
+        self.compact(store)
+
+    def _ref(self):
+        b, hq, m, d = self.qbuf.shape
+        hkv = self.info.num_kv_heads
+        return self.qbuf.view(b, hkv, (hq // hkv) * m, d)
+
+    def _lz_all(self, store, q):
+        logits = (q @ store.keys.transpose(-1, -2)).float() * self.scaling
+        if self.S:
+            el = (q @ self.sk.transpose(-1, -2)).float() * self.scaling + self.sb.unsqueeze(-2)
+            logits = torch.cat([logits, el], dim=-1)
+        return torch.logsumexp(logits, dim=-1)
+
+    @staticmethod
+    def _priority(ent: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+        """Percentile rank of entropy + percentile rank of low mass, over the last axis (higher = bin first)."""
+        n = ent.shape[-1]
+        re = ent.argsort(dim=-1, stable=True).argsort(dim=-1).float()
+        rm = (-mass).argsort(dim=-1, stable=True).argsort(dim=-1).float()
+        return (re + rm) / max(n - 1, 1)
+
+    def per_bin(self) -> int:
+        """Entries one flushed bin becomes: rank (ols), rank + 1 (linear: factor pairs + the mass centroid), 0."""
+        m = self.method
+        return {"ols": m.rank, "linear": m.rank + 1, "drop": 0}[m.mode]
+
+    def compact(self, store) -> None:
+        m = self.method
+        cap = self.capacity(store)
+        for _ in range(8):  # rounds; each is vectorised over bins and heads (rarely more than two)
+            held = store.n + self.extra_entries()
+            if held <= cap:
+                return
+            if self.S and self.extra_entries() + self.per_bin() > m.synthetic_fraction * cap:
+                self._rebin_synthetic(store, cap)
+                continue
+            if not self._flush_raw(store, held - cap, cap):
+                break
+        if store.n + self.extra_entries() > cap:
+            self._drop(store, store.n + self.extra_entries() - cap, cap)
+
+    def _split(self, store, cap):
+        m = self.method
+        recent = min(store.n, max(m.min_recent, round(m.recent_fraction * cap)))
+        sink = min(m.sink, store.n - recent)
+        return sink, recent
+
+    def _candidates(self, store, cap):
+        sink, recent = self._split(store, cap)
+        lo, hi = sink, store.n - recent
+        return lo, hi
+
+    def _flush_raw(self, store, deficit: int, cap: int) -> bool:
+        m = self.method
+        lo, hi = self._candidates(store, cap)
+        n_cand = hi - lo
+        free = m.bin_size - self.per_bin()
+        nb = min(math.ceil(deficit / free), n_cand // m.bin_size)
+        if nb <= 0:
+            return False
+        b, h = store.keys.shape[:2]
+        prio = self._priority(store.aux(ENT)[:, :, lo:hi], store.aux(MASS)[:, :, lo:hi])
+        order = torch.sort(prio, dim=-1, descending=True, stable=True).indices
+        chosen = order[..., : nb * m.bin_size] + lo  # [B, H, nb*bin]
+        keep_mask = torch.ones(b, h, store.n, dtype=torch.bool, device=store.device)
+        keep_mask.scatter_(2, chosen, False)
+        if m.mode != "drop":
+            idx = chosen.view(b, h, nb, m.bin_size)
+            self._make_entries(store, idx)
+        keep = keep_mask.nonzero()[:, 2].view(b, h, store.n - nb * m.bin_size)
+        store.keep(keep)
+        self.stats["flushes"] += nb
+        self.stats["binned_tokens"] += nb * m.bin_size
+        if m.mode == "drop":
+            self.stats["dropped_tokens"] += nb * m.bin_size
+        return True
+
+    def _gather(self, x, idx):
+        """x [B, H, n, *] gathered at idx [B, H, nb, bin] -> [B, H, nb, bin, *]."""
+        b, h, nb, s = idx.shape
+        flat = idx.reshape(b, h, nb * s)
+        if x.dim() == 3:
+            return x.gather(2, flat).view(b, h, nb, s)
+        return x.gather(2, flat.unsqueeze(-1).expand(b, h, nb * s, x.shape[-1])).view(b, h, nb, s, x.shape[-1])
+
+    def _make_entries(self, store, idx) -> None:
+        kb, vb = self._gather(store.keys, idx), self._gather(store.values, idx)
+        bb = torch.zeros(idx.shape, device=store.device)
+        self._add_from_bins(store, kb, vb, bb, self._gather(store.aux(MASS), idx), self._gather(store.aux(ENT), idx))
+
+    def _add_from_bins(self, store, kb, vb, bb, mass, ent) -> None:
+        m = self.method
+        q = self._ref().unsqueeze(2)  # [B, H, 1, m_q, D]
+        lz_all = self._lz_all(store, self._ref()).unsqueeze(2)  # [B, H, 1, m_q]
+        b, h, nb = kb.shape[:3]
+        if m.mode == "ols":
+            keys, values, bias, onehot = fit_ols_entries(q, kb, vb, bb, lz_all, self.scaling, m.rank,
+                                                         m.kmeans_iters, m.ridge)
+            r = keys.shape[3]
+            la = lb = None
+        else:  # linear: one centroid carrying the bin's log-mass + the rank-k map
+            logits, _, out = bin_attention(q, kb, vb, bb, self.scaling)
+            keys, onehot = kmeans(kb, 1, 0)
+            bias = fit_bias(logits, onehot, q.float(), keys, self.scaling)
+            values = torch.zeros(b, h, nb, 1, vb.shape[-1], dtype=vb.dtype, device=vb.device)
+            a_, b_, _ = fit_linear_map(q.expand(b, h, nb, *q.shape[3:]), out, m.rank)
+            la, lb = a_.unsqueeze(3), b_.unsqueeze(3)  # [B, H, nb, 1, D, k], [B, H, nb, 1, k, Dv]
+            r = 1
+        w = onehot / onehot.sum(-2, keepdim=True).clamp_min(1)  # membership weights [.., m, r]
+        smass = (mass.unsqueeze(-2) @ onehot).squeeze(-2)  # summed member mass
+        sent = (ent.unsqueeze(-2) @ w).squeeze(-2)  # mean member entropy
+        new = [keys.reshape(b, h, nb * r, -1).to(store.keys.dtype), values.reshape(b, h, nb * r, -1).to(store.values.dtype),
+               bias.reshape(b, h, nb * r).float(), smass.reshape(b, h, nb * r).float(), sent.reshape(b, h, nb * r).float()]
+        if la is not None:
+            new += [la.reshape(b, h, nb, *la.shape[-2:]), lb.reshape(b, h, nb, *lb.shape[-2:])]
+        self._append_synthetic(new)
+        self.stats["synthetic_made"] += nb * r
+
+    def _append_synthetic(self, new) -> None:
+        if self.sk is None:
+            self.sk, self.sv, self.sb, self.smass, self.sent = new[:5]
+            if len(new) > 5:
+                self.la, self.lb = new[5:]
+            return
+        self.sk, self.sv, self.sb, self.smass, self.sent = (torch.cat([a, x], dim=2) for a, x in zip(
+            (self.sk, self.sv, self.sb, self.smass, self.sent), new[:5]))
+        if len(new) > 5:
+            self.la, self.lb = torch.cat([self.la, new[5]], dim=2), torch.cat([self.lb, new[6]], dim=2)
+
+    def _keep_synthetic(self, keep) -> None:
+        """Keep the synthetic entries at keep [B, H, s] (sorted)."""
+        g = lambda x: x.gather(2, keep) if x.dim() == 3 else x.gather(  # noqa: E731
+            2, keep.view(*keep.shape, *([1] * (x.dim() - 3))).expand(*keep.shape, *x.shape[3:]))
+        self.sk, self.sv, self.sb, self.smass, self.sent = (g(x) for x in (self.sk, self.sv, self.sb, self.smass,
+                                                                            self.sent))
+        if self.la is not None:
+            self.la, self.lb = g(self.la), g(self.lb)
+        if self.S == 0:
+            self.sk = self.sv = self.sb = self.smass = self.sent = self.la = self.lb = None
+
+    def _rebin_synthetic(self, store, cap) -> bool:
+        """ols: the bin_size highest-priority synthetic entries become ``rank`` new ones (their biases enter the
+        fit); linear: the oldest groups are dropped (a linear map cannot be merged into a softmax entry)."""
+        m = self.method
+        S = self.S
+        b, h = self.sk.shape[:2]
+        if m.mode == "linear" or S < m.bin_size:
+            per = self.extra_entries() // S  # entries per synthetic slot
+            n_drop = min(S, max(1, S - (int(m.synthetic_fraction * cap) - self.per_bin()) // per))
+            keep = torch.arange(n_drop, S, device=self.sk.device).expand(b, h, S - n_drop)
+            self._keep_synthetic(keep)
+            self.stats["dropped_tokens"] += n_drop
+            return True
+        prio = self._priority(self.sent, self.smass)
+        order = torch.sort(prio, dim=-1, descending=True, stable=True).indices
+        chosen = order[..., : m.bin_size]
+        keep_mask = torch.ones(b, h, S, dtype=torch.bool, device=self.sk.device)
+        keep_mask.scatter_(2, chosen, False)
+        keep = keep_mask.nonzero()[:, 2].view(b, h, S - m.bin_size)
+        idx = chosen.unsqueeze(2)
+        kb, vb, bb = self._gather(self.sk, idx), self._gather(self.sv, idx), self._gather(self.sb, idx)
+        mass, ent = self._gather(self.smass, idx), self._gather(self.sent, idx)
+        self._keep_synthetic(keep)
+        self._add_from_bins(store, kb, vb, bb, mass, ent)
+        self.stats["flushes"] += 1
+        return True
+
+    def _drop(self, store, excess: int, cap: int) -> None:
+        """Fallback when no full bin can be formed: evict the ``excess`` highest-priority raw candidates."""
+        lo, hi = self._candidates(store, cap)
+        excess = min(excess, hi - lo)
+        if excess <= 0:
+            return
+        b, h = store.keys.shape[:2]
+        prio = self._priority(store.aux(ENT)[:, :, lo:hi], store.aux(MASS)[:, :, lo:hi])
+        chosen = torch.sort(prio, dim=-1, descending=True, stable=True).indices[..., :excess] + lo
+        keep_mask = torch.ones(b, h, store.n, dtype=torch.bool, device=store.device)
+        keep_mask.scatter_(2, chosen, False)
+        store.keep(keep_mask.nonzero()[:, 2].view(b, h, store.n - excess))
+        self.stats["dropped_tokens"] += excess
+
+
+@dataclass
+class EntropyOLS(KVMethod):
+    """mode: ols | linear | drop; bin_size: tokens per recycle bin; rank: synthetic entries per bin (k);
+    n_ref: reference queries kept per query head; sink / recent_fraction / min_recent: never binned;
+    synthetic_fraction: share of the capacity synthetic entries may take before they are re-binned;
+    kmeans_iters, ridge: the fit."""
+
+    budget: float = 0.25
+    mode: str = "ols"
+    bin_size: int = 32
+    rank: int = 4
+    n_ref: int = 16
+    sink: int = 4
+    recent_fraction: float = 0.25
+    min_recent: int = 0
+    synthetic_fraction: float = 0.5
+    kmeans_iters: int = 8
+    ridge: float = 1e-3
+
+    name: ClassVar[str] = "entropy_ols"
+    policy_class: ClassVar[type[LayerPolicy]] = EntropyOLSPolicy
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mode not in MODES:
+            raise MethodConfigError(f"method.mode={self.mode!r} is unknown; allowed: {', '.join(MODES)}")
+        for name, lo in (("bin_size", 2), ("rank", 1), ("n_ref", 1), ("sink", 0), ("min_recent", 0),
+                         ("kmeans_iters", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise MethodConfigError(f"method.{name}={v!r} must be an integer >= {lo}")
+        per = self.rank + (1 if self.mode == "linear" else 0)
+        if self.mode != "drop" and per >= self.bin_size:
+            raise MethodConfigError(f"method.rank={self.rank!r} leaves nothing to free in a bin of "
+                                    f"method.bin_size={self.bin_size}; allowed: rank < bin_size"
+                                    + (" - 1 (linear adds a centroid)" if self.mode == "linear" else ""))
+        if not (0.0 <= float(self.recent_fraction) <= 1.0):
+            raise MethodConfigError(f"method.recent_fraction={self.recent_fraction!r} must be in [0, 1]")
+        if not (0.0 < float(self.synthetic_fraction) <= 1.0):
+            raise MethodConfigError(f"method.synthetic_fraction={self.synthetic_fraction!r} must be in (0, 1]")
+        if not (float(self.ridge) >= 0.0):
+            raise MethodConfigError(f"method.ridge={self.ridge!r} must be >= 0")
+
+    def describe(self) -> str:
+        return f"{self.name}(budget={self.budget:g}, mode={self.mode}, bin={self.bin_size}, rank={self.rank})"
