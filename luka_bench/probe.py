@@ -244,7 +244,7 @@ class Observer:
         return torch.cat([ids, m], -1).cpu()
 
 
-def replay(method: KVMethod, cap: Capture, topk: int, tag: tuple = ()) -> Observer:
+def replay(method: KVMethod, cap: Capture, topk: int, tag: tuple = (0,)) -> Observer:
     """Replay one capture through ``method`` without the model; returns the observer with its rows."""
     from luka_bench.methods.hf import MethodCache, replay_forward
 
@@ -270,7 +270,7 @@ def replay(method: KVMethod, cap: Capture, topk: int, tag: tuple = ()) -> Observ
 
 
 @torch.no_grad()
-def closed_loop(lm, method: KVMethod, prompt: Prompt, topk: int, tag: tuple = ()) -> Observer:
+def closed_loop(lm, method: KVMethod, prompt: Prompt, topk: int, tag: tuple = (0,)) -> Observer:
     """Generate with ``method`` attached and measure every decode step against exact attention."""
     from luka_bench.methods.hf import attach
     from luka_bench.run import forward, prefill
