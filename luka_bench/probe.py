@@ -460,26 +460,27 @@ def probe(cfg, out_dir: str | Path, overrides: list[str] | None = None):
     todo = prompts(lm, task, steps, int(p.questions))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    frames, seconds = [], {}
+    frames, seconds, cpu = [], {}, {}
     caps = None
     if not p.closed_loop:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         caps = [capture(lm, pr, p.cache_dir, model_cfg) for pr in todo]
         print(f"captured {len(caps)} prompt(s) ({', '.join(str(c.context) for c in caps)} context tokens) "
-              f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+              f"in {time.perf_counter() - t0:.1f}s ({time.process_time() - c0:.1f}s CPU)", file=sys.stderr)
     for label, method in methods:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for e, pr in enumerate(todo):
             obs = closed_loop(lm, method, pr, topk, (e,)) if p.closed_loop else replay(method, caps[e], topk, (e,))
             frames.append(frame(obs, label))
-        seconds[label] = time.perf_counter() - t0
-        print(f"{label}: {seconds[label]:.1f}s", file=sys.stderr)
+        seconds[label], cpu[label] = time.perf_counter() - t0, time.process_time() - c0
+        print(f"{label}: {seconds[label]:.1f}s ({cpu[label]:.1f}s CPU)", file=sys.stderr)
     df = pd.concat(frames, ignore_index=True)
     df.to_csv(out_dir / "probe_steps.csv", index=False)
     layers = df.groupby(["method", "layer", "head"], sort=False)[list(METRICS)].mean().reset_index()
     layers.to_csv(out_dir / "probe_layers.csv", index=False)
     summary = summarise(df)
     summary["seconds"] = pd.Series(seconds)
+    summary["cpu_seconds"] = pd.Series(cpu)
     summary.to_csv(out_dir / "probe_summary.csv")
     mode = "closed loop (generation with the method)" if p.closed_loop else "open loop (replay of full-attention Q/K/V)"
     md = (f"{summary_markdown(summary, topk)}\n\n{mode}; model {cfg.get('model_name')}, data {cfg.get('data_name')}, "
