@@ -16,6 +16,11 @@ logical position of every held token) and acts at these points:
                       teacher-forced token). Decode-time methods (StreamingLLM, H2O, LuKA) evict/compress here.
 ====================  ==========================================================================================
 
+What the last ``attend`` read is declared by ``attended(store)`` (a mask over held tokens; None = all of them)
+and ``attended_extra()`` (entries read from outside the store, e.g. summaries); the fidelity probe
+(``luka_bench/probe.py``) measures recall, attention mass and bytes read from them, between ``attend`` and
+``after_step`` (``MethodCache.observer``).
+
 Cross-layer methods (LASER-KV) override ``KVMethod.after_prefill(cache)``, which sees every layer at once.
 Which policy runs on which layer is ``KVMethod.policy_for_layer``; sliding-window layers (Gemma3) get exact
 attention within their window unless a method sets ``handles_sliding = True``.
