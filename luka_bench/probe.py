@@ -432,9 +432,27 @@ def plot(layers, path: Path) -> None:
     plt.close(fig)
 
 
+def write_tables(frames, seconds, cpu, out_dir: Path, topk: int, plot_it: bool, closed: bool, what: str):
+    import pandas as pd
+
+    df = pd.concat(frames, ignore_index=True)
+    df.to_csv(out_dir / "probe_steps.csv", index=False)
+    layers = df.groupby(["method", "layer", "head"], sort=False)[list(METRICS)].mean().reset_index()
+    layers.to_csv(out_dir / "probe_layers.csv", index=False)
+    summary = summarise(df)
+    summary["seconds"] = pd.Series(seconds)
+    summary["cpu_seconds"] = pd.Series(cpu)
+    summary.to_csv(out_dir / "probe_summary.csv")
+    mode = "closed loop (generation with the method)" if closed else "open loop (replay of full-attention Q/K/V)"
+    md = f"{summary_markdown(summary, topk)}\n\n{mode}; {what}; mean ± standard error over prompts\n"
+    (out_dir / "probe_summary.md").write_text(md, encoding="utf-8")
+    if plot_it:
+        plot(layers, out_dir / "probe_by_layer.png")
+    return md, summary
+
+
 def probe(cfg, out_dir: str | Path, overrides: list[str] | None = None):
     """The probe command: capture (or load) every prompt, run every method, write and print the tables."""
-    import pandas as pd
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
@@ -474,20 +492,9 @@ def probe(cfg, out_dir: str | Path, overrides: list[str] | None = None):
             frames.append(frame(obs, label))
         seconds[label], cpu[label] = time.perf_counter() - t0, time.process_time() - c0
         print(f"{label}: {seconds[label]:.1f}s ({cpu[label]:.1f}s CPU)", file=sys.stderr)
-    df = pd.concat(frames, ignore_index=True)
-    df.to_csv(out_dir / "probe_steps.csv", index=False)
-    layers = df.groupby(["method", "layer", "head"], sort=False)[list(METRICS)].mean().reset_index()
-    layers.to_csv(out_dir / "probe_layers.csv", index=False)
-    summary = summarise(df)
-    summary["seconds"] = pd.Series(seconds)
-    summary["cpu_seconds"] = pd.Series(cpu)
-    summary.to_csv(out_dir / "probe_summary.csv")
-    mode = "closed loop (generation with the method)" if p.closed_loop else "open loop (replay of full-attention Q/K/V)"
-    md = (f"{summary_markdown(summary, topk)}\n\n{mode}; model {cfg.get('model_name')}, data {cfg.get('data_name')}, "
-          f"{len(todo)} prompt(s), {steps} decode steps each; mean ± standard error over prompts\n")
-    (out_dir / "probe_summary.md").write_text(md, encoding="utf-8")
-    if p.plot:
-        plot(layers, out_dir / "probe_by_layer.png")
+        md, summary = write_tables(frames, seconds, cpu, out_dir, topk, bool(p.plot), p.closed_loop,
+                          f"model {cfg.get('model_name')}, data {cfg.get('data_name')}, {len(todo)} prompt(s), "
+                          f"{steps} decode steps each")  # after every method: a long probe shows what it has
     print(md)
     print(f"-> {out_dir}")
     return summary
