@@ -299,7 +299,8 @@ def closed_loop(lm, method: KVMethod, prompt: Prompt, topk: int, tag: tuple = (0
 
 def prompts(lm, task, steps: int, questions: int) -> list[Prompt]:
     """The probed prompts of a dataset (``data.limit`` examples / documents), built as the runner builds them."""
-    from luka_bench.run import PromptTooLong, qa_prompt_ids
+    from luka_bench.data.base import qa_prompt_ids
+    from luka_bench.errors import PromptTooLong
 
     out = []
     if task.kind == "qa":
@@ -501,7 +502,8 @@ def probe(cfg, out_dir: str | Path, overrides: list[str] | None = None):
 
 
 def main() -> None:
-    from luka_bench.__main__ import CONF_DIR, GROUPS, _one_line_errors, _unwrap, check_group_overrides
+    from luka_bench.__main__ import CONF_DIR, GROUPS, check_group_overrides
+    from luka_bench.errors import one_line_errors, unwrap
 
     msg = check_group_overrides(sys.argv[1:])
     if msg:
@@ -521,8 +523,8 @@ def main() -> None:
         try:
             probe(cfg, hc.runtime.output_dir, list(hc.overrides.task))
         except Exception as e:  # noqa: BLE001 - known bad input as one line, the rest re-raised
-            inner = _unwrap(e)
-            if isinstance(inner, _one_line_errors()):
+            inner = unwrap(e)
+            if isinstance(inner, one_line_errors()):
                 print(f"error: {inner}", file=sys.stderr)
                 sys.exit(2)
             raise
