@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--metric", default="em_lenient")
     a = ap.parse_args()
     print(f"| run | questions | examples | {a.metric} ± SE (questions) | ± SE (examples) |\n|:--|--:|--:|--:|--:|")
-    for run in a.runs:
+    for run in [r for r in a.runs if (r / "predictions.jsonl").exists()]:
         s = summary(run, a.metric)
         print(f"| {s['run']} | {s['questions']} | {s['examples']} | {s['mean']:.3f} ± {s['se_questions']:.3f} | "
               f"± {s['se_examples']:.3f} |")
