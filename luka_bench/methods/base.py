@@ -23,6 +23,11 @@ softmax. A policy holding them declares them: ``extra_bytes()`` (REAL bytes, in 
 ``MethodCache.method_report()`` gives every run ``method_stats`` in metrics.json: ``fair_entries`` (held tokens
 + extra entries, mean per layer and KV head), ``real_bytes`` and whatever the policy's ``report()`` adds.
 
+What the last ``attend`` read is declared by ``attended(store)`` (a mask over held tokens; None = all of them)
+and ``attended_extra()`` (entries read from outside the store, e.g. summaries); the fidelity probe
+(``luka_bench/probe.py``) measures recall, attention mass and bytes read from them, between ``attend`` and
+``after_step`` (``MethodCache.observer``).
+
 Cross-layer methods (LASER-KV) override ``KVMethod.after_prefill(cache)``, which sees every layer at once.
 
 Method-level hooks (all optional; defaults keep existing behaviour):

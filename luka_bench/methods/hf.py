@@ -213,6 +213,8 @@ class KVStore(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.append(key_states, value_states)
+        if self.cache.observer is not None:  # the fidelity probe reads what this forward added
+            self.last_update = (key_states, value_states)
         _pending = self
         return self.keys, self.values
 
@@ -247,6 +249,10 @@ class MethodCache(Cache):
         self.peak_bytes = 0  # bytes held at most during the decode phase (see _note)
         self._timings: dict[str, float] = {}  # seconds per component, summed (methods add: span / add_span)
         self._pending: list = []  # (key, start event, end event) of CUDA spans not yet resolved
+        # Optional callable(store, query, out, scaling), called after every ``attend`` and before ``after_step`` (so the
+        # policy's ``attended(store)`` describes this forward); ``store.last_update`` holds the keys/values this
+        # forward appended. Used by the fidelity probe (luka_bench/probe.py); None costs nothing.
+        self.observer = None
         stores = [KVStore(method.policy_for_layer(info), self) for info in infos]
         super().__init__(layers=stores)
 
@@ -373,6 +379,8 @@ class MethodCache(Cache):
         memo = {id(self.method): self.method}
         if self.model is not None:
             memo[id(self.model)] = self.model  # the model is shared, never copied
+        if self.observer is not None:  # shared, not copied (it is the probe's, not the prompt's state)
+            memo[id(self.observer)] = self.observer
         return copy.deepcopy(self, memo=memo)
 
 
@@ -420,12 +428,22 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
         out = sdpa(query, key, value, scaling, mask)
         return out.transpose(1, 2).contiguous(), None
+    out = run_policy(store, query, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def run_policy(store: KVStore, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One layer's method work for one forward, after ``store.update``: ``attend`` (timed), the cache's
+    observer if any, then in the decode phase ``after_step`` (timed) and, after the last layer, the peak-bytes
+    note. Returns the attention output [B, Hq, Lq, D]."""
     policy, cache = store.policy, store.cache
     if policy.times_itself:
         out = policy.attend(store, query, scaling)
     else:
         with cache.span("attention", query.device):
             out = policy.attend(store, query, scaling)
+    if cache.observer is not None:
+        cache.observer(store, query, out, scaling)
     if cache.phase == "decode":
         if policy.times_itself or type(policy).after_step is LayerPolicy.after_step:
             policy.after_step(store)
@@ -434,7 +452,20 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                 policy.after_step(store)
         if policy.info.layer_idx == policy.info.num_layers - 1:
             store.cache._note()  # once per forward, after the last layer
-    return out.transpose(1, 2).contiguous(), None
+    return out
+
+
+def replay_forward(cache: MethodCache, layer_idx: int, key: torch.Tensor, value: torch.Tensor,
+                   query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One layer's forward without the model (the fidelity probe's replay): append captured post-RoPE
+    ``key``/``value`` [B, Hkv, L, D] to the layer's store and run its policy on ``query`` [B, Hq, L, D] exactly
+    as the attention function would. Call it layer by layer for each forward, and ``cache.end_prefill()`` after
+    the context, as the runner does."""
+    global _pending
+    store = cache.stores[layer_idx]
+    store.update(key, value)
+    _pending = None
+    return run_policy(store, query, scaling)
 
 
 def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,

@@ -77,6 +77,9 @@ class LuKAPolicy(LayerPolicy):
         self.cov_pages = -1   # pages the buffer was built with
         self.cov_raw = 0      # raw tokens mirrored into it (its tail ends at raw index cov_raw)
         self.use_fast_path = True
+        # What the last attend read (``attended``): None = every held token (exact attention), else
+        # (frontier, n, [(raw ids [B, Hkv, ...], valid [B, Hkv, ...])], summaries read per KV head)
+        self._att: tuple | None = None
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
     @property
@@ -100,6 +103,7 @@ class LuKAPolicy(LayerPolicy):
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def attend(self, store, query, scaling):
+        self._att = None
         if self.P[1] > 0 and query.shape[2] == 1 and self.method.levels == 1 and self.use_fast_path:
             return self.decode_step(store, query, scaling)
         if self.P[1] == 0:
@@ -111,6 +115,23 @@ class LuKAPolicy(LayerPolicy):
                     out = exact_attention(store, query, scaling)
             return out
         return self.clustered(store, query, scaling)
+
+    def attended(self, store):
+        """Sinks + raw tail + the raw tokens of the refined pages (union over a chunk's queries); unrefined
+        summaries are ``attended_extra``. None before the first page (exact attention)."""
+        if self._att is None:
+            return None
+        fr, n, raw, _ = self._att
+        b, h = store.keys.shape[:2]
+        hit = torch.zeros(b, h, store.n, dtype=torch.int32, device=store.device)
+        hit[:, :, : self.method.sink] = 1
+        hit[:, :, fr:n] = 1
+        for ids, valid in raw:
+            hit.scatter_add_(2, ids.reshape(b, h, -1), valid.reshape(b, h, -1).to(torch.int32))
+        return hit > 0
+
+    def attended_extra(self) -> int:
+        return 0 if self._att is None else self._att[3]
 
     def after_prefill(self, store) -> None:
         with store.cache.span("segment_compress", store.device):
@@ -282,10 +303,14 @@ class LuKAPolicy(LayerPolicy):
             vmask = valid.unsqueeze(2).expand(-1, -1, g, -1)
             cl = cl5.masked_fill(~vmask.unsqueeze(-1), NEG).view(b, hkv, g, k_sel * S)
             logit = logit.scatter(-1, pidx, parent.masked_fill(vmask, NEG))
+            raw_ids = ((idx * S + s0).unsqueeze(-1) + torch.arange(S, device=dev))
+            self._att = (fr, n, [(raw_ids, valid.unsqueeze(-1).expand_as(raw_ids))],
+                         P - int(valid.sum(-1).float().mean().round()))
             t2 = cache.mark(dev)
             p = torch.softmax(torch.cat([logit, cl], -1), -1)
             out = torch.matmul(p[..., :C].to(cv.dtype), cv) + torch.matmul(p[..., C:].to(vv.dtype), vv)
         else:
+            self._att = (fr, n, [], P)
             t2 = cache.mark(dev)
             p = torch.softmax(logit, -1)
             out = torch.matmul(p.to(cv.dtype), cv)
@@ -375,6 +400,10 @@ class LuKAPolicy(LayerPolicy):
         t2 = cache.mark(dev)
 
         z = torch.logsumexp(torch.cat([p.logit for p in parts], -1), -1, keepdim=True)
+        read = [p for p in parts if p.ids is not None and p.level == 0]  # refined raw tokens (per query)
+        summaries = sum(torch.isfinite(p.logit).any(2).sum(-1) for p in parts if p.level > 0)  # [B, Hkv, Lq]
+        self._att = (fr, n, [(p.ids, torch.isfinite(p.logit).any(2)) for p in read],
+                     int(summaries.amax(-1).float().mean().round()) if torch.is_tensor(summaries) else 0)
         out = None
         total = None
         acc = store.aux(MASS) if self._needs_mass() else None

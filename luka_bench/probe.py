@@ -1,0 +1,536 @@
+"""The fidelity probe: how close is each method's attention to exact attention, layer by layer and KV head by KV
+head, and what does it read?
+
+    python -m luka_bench.probe method=luka_clustered data=pg19 data.max_tokens=4096
+    python -m luka_bench.probe probe.methods=all data=wikisalad_easy data.target_chars=paper data.limit=10
+    python -m luka_bench.probe probe.methods='[luka_lined,"luka_clustered sink=4 refine.k=8"]' probe.closed_loop=true
+
+Open loop (default): the model runs once per prompt under full attention and a recording policy captures every
+layer's post-RoPE queries, keys and values (the context prefill, then ``probe.steps`` decode steps: greedy tokens
+after the question for QA, the document's last tokens for perplexity data). The capture is cached on disk
+(``probe.cache_dir``, keyed by model + prompt tokens + steps). Each method is then *replayed without the model*:
+a fresh ``MethodCache`` gets the captured keys/values layer by layer through the public interface
+(``hf.replay_forward``: ``store.update``, ``policy.attend``, ``after_step``; ``cache.end_prefill()`` after the
+context, so a cross-layer ``KVMethod.after_prefill(cache)`` sees every layer), and every decode step is compared
+with exact attention over the full keys/values. Every method sees the same queries, so the differences are the
+methods' alone (errors do not compound across layers).
+
+Closed loop (``probe.closed_loop=true``): the model generates with the method attached and the same measurements
+are taken during that generation, against exact attention over every key/value of that trajectory (errors of
+earlier layers and steps feed into later ones, as in a real run).
+
+Per decode step, layer and KV head (the query heads of a group together):
+- ``rel_err``: ||o - o*|| / ||o*||, o the method's attention output, o* exact attention;
+- ``recall``: share of the ``probe.topk`` tokens with the highest exact attention weight (mean over the group's
+  query heads) that the method attended (``LayerPolicy.attended``: LuKA's refined pages + tail + sinks, not all
+  the raw tokens it holds; an evicting method attends everything it holds);
+- ``mass``: exact attention mass on the attended tokens;
+- ``tokens`` / ``bytes``: entries read (attended tokens + ``attended_extra()``: summaries) and their key+value
+  bytes; ``held``: tokens held, as a fraction of the tokens seen.
+
+Outputs in the run folder: ``probe_steps.csv`` (one row per example, continuation, step, layer, KV head),
+``probe_layers.csv`` (means per method, layer, head), ``probe_summary.{csv,md}`` (per method: means over
+layers and heads with the standard error over examples) and ``probe_by_layer.png``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, exact_attention, sdpa
+
+METRICS = ("rel_err", "recall", "mass", "tokens", "bytes", "held")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Capture (the model runs once under full attention)
+# ---------------------------------------------------------------------------------------------------------
+
+class _RecordPolicy(LayerPolicy):
+    """Exact attention that keeps every query it is given (and every key: it never evicts, windows included)."""
+
+    def __init__(self, method, info):
+        super().__init__(method, info)
+        self.queries: list[torch.Tensor] = []
+        self.scaling = None
+
+    def attend(self, store, query, scaling):
+        self.queries.append(query.detach())
+        self.scaling = scaling
+        return exact_attention(store, query, scaling, self.info.sliding_window)
+
+
+@dataclass
+class _Record(KVMethod):
+    name = "record"
+    handles_sliding = True
+    policy_class = _RecordPolicy
+
+
+@dataclass
+class Prompt:
+    """One probed prompt: a context, then continuations (each: a chunk fed at once, e.g. the question, then
+    ``steps`` single-token forwards, greedy under full attention unless ``forced`` gives the tokens)."""
+
+    id: str
+    context: list[int]
+    chunks: list[list[int]]           # per continuation: the chunk before the steps (may be empty)
+    forced: list[list[int]] | None    # per continuation: the step tokens (ppl), or None (greedy)
+    steps: int
+
+
+@dataclass
+class Capture:
+    """Per layer: queries [B, Hq, T, D], keys/values [B, Hkv, T, D] (post-RoPE) of the context followed by
+    every continuation (each continuation's tokens follow the context logically; they are stored one after the
+    other). ``lengths[j]``: the forward lengths of continuation j after the context."""
+
+    infos: list[LayerInfo]
+    scaling: float
+    context: int
+    lengths: list[list[int]]
+    q: list[torch.Tensor]
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    def to(self, dtype: torch.dtype, device) -> "Capture":
+        f = (lambda xs: [x.to(device=device, dtype=dtype) for x in xs])
+        return Capture(self.infos, self.scaling, self.context, self.lengths, f(self.q), f(self.k), f(self.v))
+
+
+def _key(model_cfg: dict, prompt: Prompt) -> str:
+    blob = json.dumps([model_cfg, prompt.context, prompt.chunks, prompt.forced, prompt.steps], sort_keys=True)
+    return hashlib.sha1(blob.encode()).hexdigest()[:20]
+
+
+@torch.no_grad()
+def _continue(model, cache, prompt: Prompt, j: int) -> list[int]:
+    """Feed continuation ``j`` to ``cache`` (the chunk, then ``steps`` tokens); returns the forward lengths."""
+    from luka_bench.run import forward
+
+    lengths = []
+    logits = None
+    if prompt.chunks[j]:
+        logits = forward(model, prompt.chunks[j], cache)
+        lengths.append(len(prompt.chunks[j]))
+    for t in range(prompt.steps):
+        if prompt.forced is not None:
+            tok = prompt.forced[j][t]
+        else:
+            tok = int(torch.argmax(logits))
+        logits = forward(model, [tok], cache)
+        lengths.append(1)
+    return lengths
+
+
+@torch.no_grad()
+def capture(lm, prompt: Prompt, cache_dir: str | Path | None = None, model_cfg: dict | None = None) -> Capture:
+    """Run the model once on ``prompt`` with a recording policy; load from / save to ``cache_dir`` if given."""
+    from luka_bench.methods.hf import attach
+    from luka_bench.run import prefill
+
+    path = None
+    if cache_dir is not None:
+        path = Path(cache_dir).expanduser() / f"{_key(model_cfg or {'name': lm.name}, prompt)}.pt"
+        if path.exists():
+            d = torch.load(path, weights_only=False)
+            d["infos"] = [LayerInfo(**i) for i in d["infos"]]
+            return Capture(**d)
+    model = lm.model
+    with attach(model, _Record()) as att:
+        cache = att.new_cache()
+        prefill(model, prompt.context, cache)
+        n_ctx = len(prompt.context)
+        qs = [torch.cat(s.policy.queries, 2) for s in cache.stores]
+        ks = [s.keys.clone() for s in cache.stores]
+        vs = [s.values.clone() for s in cache.stores]
+        lengths = []
+        for j in range(len(prompt.chunks)):
+            c = cache.clone()
+            lengths.append(_continue(model, c, prompt, j))
+            for i, s in enumerate(c.stores):
+                qs[i] = torch.cat([qs[i], torch.cat(s.policy.queries, 2)[:, :, n_ctx:]], 2)
+                ks[i] = torch.cat([ks[i], s.keys[:, :, n_ctx:]], 2)
+                vs[i] = torch.cat([vs[i], s.values[:, :, n_ctx:]], 2)
+        infos = [s.policy.info for s in cache.stores]
+        scaling = float(cache.stores[0].policy.scaling)
+    cap = Capture(infos, scaling, n_ctx, lengths, qs, ks, vs)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        store_dtype = torch.float16 if qs[0].dtype == torch.float32 else qs[0].dtype
+        d = asdict(cap.to(store_dtype, "cpu"))
+        d["infos"] = [asdict(i) for i in infos]
+        tmp = path.with_suffix(".tmp")
+        torch.save(d, tmp)
+        tmp.replace(path)
+        # replay from what is stored, so a cached and a fresh capture give the same numbers
+        cap = cap.to(store_dtype, qs[0].device).to(qs[0].dtype, qs[0].device)
+    return cap
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Measurement (shared by the replay and the closed loop)
+# ---------------------------------------------------------------------------------------------------------
+
+class Observer:
+    """``MethodCache.observer``: keeps every layer's full keys/values (from ``store.last_update``; a clone that
+    branches from the context truncates them to its own logical length) and, on every single-query forward of
+    the decode phase, compares the method's output with exact attention. Rows: [layer, head, metrics...]."""
+
+    def __init__(self, topk: int):
+        self.topk = topk
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.rows: list[torch.Tensor] = []  # [Hkv, 2 + len(METRICS)] per measured (step, layer)
+        self.tag: tuple = ()
+        self.tags: list[tuple] = []
+
+    def __deepcopy__(self, memo):  # never copied with a cache (MethodCache.clone shares it anyway)
+        return self
+
+    def __call__(self, store, query, out, scaling: float) -> None:
+        layer = store.policy.info.layer_idx
+        nk, nv = store.last_update
+        L = nk.shape[2]
+        keep = store.seen - L
+        if layer in self.k:
+            self.k[layer] = torch.cat([self.k[layer][:, :, :keep], nk], 2)
+            self.v[layer] = torch.cat([self.v[layer][:, :, :keep], nv], 2)
+        else:
+            self.k[layer], self.v[layer] = nk, nv
+        if store.cache.phase != "decode" or query.shape[2] != 1:
+            return
+        self.rows.append(self.measure(store, query, out, self.k[layer], self.v[layer], scaling))
+        self.tags.append(self.tag + (layer,))
+
+    def measure(self, store, query, out, K, V, scaling: float) -> torch.Tensor:
+        policy = store.policy
+        b, hq, _, d = query.shape
+        hkv, seen = K.shape[1], K.shape[2]
+        g = hq // hkv
+        w_ = policy.info.sliding_window
+        mask = None
+        if w_ is not None and seen > w_:
+            mask = (torch.arange(seen, device=K.device) >= seen - w_ + 1).view(1, seen)
+        exact = sdpa(query, K, V, scaling, mask)  # [B, Hq, 1, Dv], the same kernel full attention uses
+        err = (out - exact).float().reshape(b, hkv, -1).norm(dim=-1) / \
+            exact.float().reshape(b, hkv, -1).norm(dim=-1).clamp_min(1e-30)
+        logits = (query.reshape(b, hkv, g, d) @ K.transpose(-1, -2)).float() * scaling  # [B, Hkv, g, seen]
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf"))
+        w = torch.softmax(logits, -1).mean(2)  # [B, Hkv, seen]
+        att_mask = policy.attended(store)
+        pos = store.positions
+        att = torch.zeros(b, hkv, seen, dtype=torch.bool, device=K.device)
+        att.scatter_(2, pos, torch.ones_like(pos, dtype=torch.bool) if att_mask is None else att_mask)
+        k = min(self.topk, seen)
+        top = torch.topk(w, k, dim=-1).indices
+        recall = att.gather(2, top).float().mean(-1)
+        mass = (w * att).sum(-1)
+        tokens = att.sum(-1).float() + float(policy.attended_extra())
+        per_token = (store.keys.shape[-1] + store.values.shape[-1]) * store.keys.element_size()
+        held = torch.full_like(mass, store.n / seen)
+        m = torch.stack([err, recall, mass, tokens, tokens * per_token, held], -1)[0]  # [Hkv, M] (batch 1)
+        ids = torch.stack([torch.full((hkv,), float(policy.info.layer_idx), device=m.device),
+                           torch.arange(hkv, device=m.device, dtype=torch.float32)], -1)
+        return torch.cat([ids, m], -1).cpu()
+
+
+def replay(method: KVMethod, cap: Capture, topk: int, tag: tuple = (0,)) -> Observer:
+    """Replay one capture through ``method`` without the model; returns the observer with its rows."""
+    from luka_bench.methods.hf import MethodCache, replay_forward
+
+    obs = Observer(topk)
+    cache = MethodCache(method, cap.infos)
+    cache.observer = obs
+    cache.reference_length = cap.context
+    n = cap.context
+    with torch.no_grad():
+        for i in range(len(cap.infos)):
+            replay_forward(cache, i, cap.k[i][:, :, :n], cap.v[i][:, :, :n], cap.q[i][:, :, :n], cap.scaling)
+        cache.end_prefill()
+        off = n
+        for j, lengths in enumerate(cap.lengths):
+            c = cache.clone()
+            for t, L in enumerate(lengths):
+                obs.tag = tag + (j, t)
+                for i in range(len(cap.infos)):
+                    sl = slice(off, off + L)
+                    replay_forward(c, i, cap.k[i][:, :, sl], cap.v[i][:, :, sl], cap.q[i][:, :, sl], cap.scaling)
+                off += L
+    return obs
+
+
+@torch.no_grad()
+def closed_loop(lm, method: KVMethod, prompt: Prompt, topk: int, tag: tuple = (0,)) -> Observer:
+    """Generate with ``method`` attached and measure every decode step against exact attention."""
+    from luka_bench.methods.hf import attach
+    from luka_bench.run import forward, prefill
+
+    obs = Observer(topk)
+    with attach(lm.model, method) as att:
+        cache = att.new_cache()
+        cache.observer = obs
+        prefill(lm.model, prompt.context, cache)
+        for j in range(len(prompt.chunks)):
+            c = cache.clone()
+            logits = None
+            if prompt.chunks[j]:
+                obs.tag = tag + (j, 0)
+                logits = forward(lm.model, prompt.chunks[j], c)
+            for t in range(prompt.steps):
+                tok = prompt.forced[j][t] if prompt.forced is not None else int(torch.argmax(logits))
+                obs.tag = tag + (j, t + 1)
+                logits = forward(lm.model, [tok], c)
+    return obs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Prompts, methods, tables
+# ---------------------------------------------------------------------------------------------------------
+
+def prompts(lm, task, steps: int, questions: int) -> list[Prompt]:
+    """The probed prompts of a dataset (``data.limit`` examples / documents), built as the runner builds them."""
+    from luka_bench.data.base import qa_prompt_ids
+    from luka_bench.errors import PromptTooLong
+
+    out = []
+    if task.kind == "qa":
+        if hasattr(task, "prepare"):
+            task.prepare(lm.tokenizer, lm.max_context - steps, chat_template=lm.chat_template)
+        for ex in task.examples():
+            ctx, chunks = None, []
+            for q in ex.questions[: max(1, questions)]:
+                c, qi = qa_prompt_ids(lm.tokenizer, lm.chat_template, task.context_block(ex), task.question_block(q))
+                ctx = ctx or c
+                chunks.append(qi)
+            need = len(ctx) + max(len(c) for c in chunks) + steps
+            if need > lm.max_context:
+                raise PromptTooLong(f"example {ex.id!r} needs {need} tokens but model.max_context={lm.max_context}; "
+                                    f"allowed: <= {lm.max_context} — use a shorter data setting or fewer probe.steps")
+            out.append(Prompt(str(ex.id), ctx, chunks, None, steps))
+    else:
+        for d in task.documents(lm.tokenizer):
+            ids = d.meta["ids"]
+            if len(ids) <= steps + 1:
+                raise PromptTooLong(f"document {d.id!r} has {len(ids)} tokens; probe.steps={steps} needs more "
+                                    f"(allowed: probe.steps < {len(ids) - 1})")
+            out.append(Prompt(str(d.id), ids[:-steps], [[]], [ids[-steps:]], steps))
+    return out
+
+
+def method_entries(spec) -> list[str]:
+    """``probe.methods`` as a list of entries "name [key=value ...]"."""
+    from luka_bench.__main__ import group_options
+
+    if spec is None:
+        return []
+    if isinstance(spec, str):
+        return group_options("method") if spec == "all" else [spec]
+    return [str(s) for s in spec]
+
+
+def compose_method(entry: str, base_overrides: list[str]):
+    """Compose ``conf/method/<name>.yaml`` with the entry's own settings on top of the command line's."""
+    from hydra import compose
+    from hydra.utils import instantiate
+
+    from luka_bench.__main__ import check_group_overrides
+
+    name, *settings = shlex.split(entry)
+    msg = check_group_overrides([f"method={name}"])
+    if msg:
+        from luka_bench.methods.base import MethodConfigError
+
+        raise MethodConfigError(msg)
+    keep = [o for o in base_overrides if not o.lstrip("+~").startswith(("method=", "method.", "probe.", "hydra"))]
+    cfg = compose(config_name="config", overrides=keep + [f"method={name}"] +
+                  [s if s.startswith("method.") else f"method.{s}" for s in settings])
+    return instantiate(cfg.method)
+
+
+def frame(obs: Observer, label: str):
+    import pandas as pd
+
+    if not obs.rows:
+        return pd.DataFrame()
+    rows = torch.stack(obs.rows)  # [R, Hkv, 2 + M]
+    tags = obs.tags
+    hkv = rows.shape[1]
+    flat = rows.reshape(-1, rows.shape[-1]).numpy()
+    df = pd.DataFrame(flat, columns=["layer", "head", *METRICS])
+    df["layer"] = df["layer"].astype(int)
+    df["head"] = df["head"].astype(int)
+    for i, name in enumerate(("example", "continuation", "step")):
+        df[name] = [t[i] for t in tags for _ in range(hkv)]
+    df.insert(0, "method", label)
+    return df
+
+
+def summarise(df):
+    """Per method: means over steps, layers and heads per example, then mean and standard error over examples.
+    ``tokens`` and ``bytes`` are summed over layers and heads (one decode step of the whole model)."""
+    import pandas as pd
+
+    per_step = df.groupby(["method", "example", "continuation", "step"], sort=False).agg(
+        rel_err=("rel_err", "mean"), recall=("recall", "mean"), mass=("mass", "mean"),
+        tokens=("tokens", "sum"), bytes=("bytes", "sum"), held=("held", "mean"),
+        rel_err_max=("rel_err", "max"))
+    per_ex = per_step.groupby(["method", "example"], sort=False).mean()
+    g = per_ex.groupby("method", sort=False)
+    mean, n = g.mean(), g.size()
+    se = g.std(ddof=1).div(n.map(math.sqrt), axis=0).fillna(0.0)
+    out = pd.DataFrame(index=mean.index)
+    for c in mean.columns:
+        out[c] = mean[c]
+        out[f"{c}_se"] = se[c]
+    out["n_examples"] = n
+    return out
+
+
+def summary_markdown(summary, topk: int) -> str:
+    def pm(c, fmt):
+        return [f"{m:{fmt}} ± {s:{fmt}}" for m, s in zip(summary[c], summary[f"{c}_se"])]
+
+    cols = {"rel. L2 error": pm("rel_err", ".4f"), "max layer error": pm("rel_err_max", ".3f"),
+            f"recall@{topk}": pm("recall", ".3f"), "mass": pm("mass", ".3f"),
+            "tokens read / step": [f"{x:,.0f}" for x in summary["tokens"]],
+            "KiB read / step": [f"{x / 1024:,.0f}" for x in summary["bytes"]],
+            "held / seen": [f"{x:.3f}" for x in summary["held"]], "n": [str(int(x)) for x in summary["n_examples"]]}
+    head = "| method | " + " | ".join(cols) + " |"
+    sep = "|:--|" + "--:|" * len(cols)
+    body = [f"| {m} | " + " | ".join(cols[c][i] for c in cols) + " |" for i, m in enumerate(summary.index)]
+    return "\n".join([head, sep, *body])
+
+
+def plot(layers, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    by_layer = layers.groupby(["method", "layer"], sort=False)[["rel_err", "recall", "mass"]].mean().reset_index()
+    for ax, metric, title in zip(axes, ("rel_err", "recall", "mass"),
+                                 ("relative L2 error of the attention output", "recall of the true top-k",
+                                  "exact attention mass attended")):
+        for m, d in by_layer.groupby("method", sort=False):
+            ax.plot(d["layer"], d[metric], marker="o", ms=3, label=m)
+        ax.set_xlabel("layer")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_tables(frames, seconds, cpu, out_dir: Path, topk: int, plot_it: bool, closed: bool, what: str):
+    import pandas as pd
+
+    df = pd.concat(frames, ignore_index=True)
+    df.to_csv(out_dir / "probe_steps.csv", index=False)
+    layers = df.groupby(["method", "layer", "head"], sort=False)[list(METRICS)].mean().reset_index()
+    layers.to_csv(out_dir / "probe_layers.csv", index=False)
+    summary = summarise(df)
+    summary["seconds"] = pd.Series(seconds)
+    summary["cpu_seconds"] = pd.Series(cpu)
+    summary.to_csv(out_dir / "probe_summary.csv")
+    mode = "closed loop (generation with the method)" if closed else "open loop (replay of full-attention Q/K/V)"
+    md = f"{summary_markdown(summary, topk)}\n\n{mode}; {what}; mean ± standard error over prompts\n"
+    (out_dir / "probe_summary.md").write_text(md, encoding="utf-8")
+    if plot_it:
+        plot(layers, out_dir / "probe_by_layer.png")
+    return md, summary
+
+
+def probe(cfg, out_dir: str | Path, overrides: list[str] | None = None):
+    """The probe command: capture (or load) every prompt, run every method, write and print the tables."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    p = cfg.probe
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    torch.manual_seed(int(cfg.seed))
+    entries = method_entries(p.methods) or [cfg.get("method_name") or "method"]
+    methods = []
+    for e in entries:
+        if p.methods is None:
+            methods.append((e, instantiate(cfg.method)))
+        else:
+            methods.append((e, compose_method(e, overrides or [])))
+    steps, topk = int(p.steps), int(p.topk)
+    if steps < 1 or topk < 1:
+        from luka_bench.methods.base import MethodConfigError
+
+        raise MethodConfigError(f"probe.steps={steps} and probe.topk={topk} must be integers >= 1")
+    task = instantiate(cfg.data)
+    lm = instantiate(cfg.model).load()
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    todo = prompts(lm, task, steps, int(p.questions))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    frames, seconds, cpu = [], {}, {}
+    caps = None
+    if not p.closed_loop:
+        t0, c0 = time.perf_counter(), time.process_time()
+        caps = [capture(lm, pr, p.cache_dir, model_cfg) for pr in todo]
+        print(f"captured {len(caps)} prompt(s) ({', '.join(str(c.context) for c in caps)} context tokens) "
+              f"in {time.perf_counter() - t0:.1f}s ({time.process_time() - c0:.1f}s CPU)", file=sys.stderr)
+    for label, method in methods:
+        t0, c0 = time.perf_counter(), time.process_time()
+        for e, pr in enumerate(todo):
+            obs = closed_loop(lm, method, pr, topk, (e,)) if p.closed_loop else replay(method, caps[e], topk, (e,))
+            frames.append(frame(obs, label))
+        seconds[label], cpu[label] = time.perf_counter() - t0, time.process_time() - c0
+        print(f"{label}: {seconds[label]:.1f}s ({cpu[label]:.1f}s CPU)", file=sys.stderr)
+        md, summary = write_tables(frames, seconds, cpu, out_dir, topk, bool(p.plot), p.closed_loop,
+                          f"model {cfg.get('model_name')}, data {cfg.get('data_name')}, {len(todo)} prompt(s), "
+                          f"{steps} decode steps each")  # after every method: a long probe shows what it has
+    print(md)
+    print(f"-> {out_dir}")
+    return summary
+
+
+def main() -> None:
+    from luka_bench.__main__ import CONF_DIR, GROUPS, check_group_overrides
+    from luka_bench.errors import one_line_errors, unwrap
+
+    msg = check_group_overrides(sys.argv[1:])
+    if msg:
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
+
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig, open_dict
+
+    @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="probe")
+    def _app(cfg: DictConfig):
+        hc = HydraConfig.get()
+        with open_dict(cfg):
+            for g in GROUPS:
+                cfg[f"{g}_name"] = hc.runtime.choices.get(g)
+        try:
+            probe(cfg, hc.runtime.output_dir, list(hc.overrides.task))
+        except Exception as e:  # noqa: BLE001 - known bad input as one line, the rest re-raised
+            inner = unwrap(e)
+            if isinstance(inner, one_line_errors()):
+                print(f"error: {inner}", file=sys.stderr)
+                sys.exit(2)
+            raise
+
+    _app()
+
+
+if __name__ == "__main__":
+    main()

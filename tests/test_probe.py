@@ -1,0 +1,128 @@
+"""The fidelity probe (luka_bench/probe.py): exact methods measure 0, replay is faithful to a real run, LuKA
+declares what it attended, and every method config runs through it."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra import compose as hcompose
+from hydra import initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import open_dict
+
+from luka_bench import probe as P
+from luka_bench.__main__ import group_options
+from luka_bench.methods.base import MethodConfigError
+
+from conftest import CONF, compose, tiny
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny("llama")
+
+
+def _prompt(n_ctx=160, steps=6, seed=0, chunk=3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 250, (n_ctx + chunk + steps,), generator=g).tolist()
+    return P.Prompt("p", ids[:n_ctx], [ids[n_ctx:n_ctx + chunk]], [ids[n_ctx + chunk:]], steps)
+
+
+@pytest.fixture(scope="module")
+def cap(lm):
+    return P.capture(lm, _prompt())
+
+
+def _method(name, *overrides):
+    return instantiate(compose(f"method={name}", *overrides).method)
+
+
+def _df(obs):
+    return P.frame(obs, "m")
+
+
+def test_full_and_budget_one_methods_are_exact(cap):
+    full = _df(P.replay(_method("full"), cap, topk=8))
+    assert len(full) == 6 * 3 * cap.k[0].shape[1]  # steps x layers x KV heads
+    assert full["rel_err"].max() == 0.0
+    assert full["recall"].min() == 1.0 and (full["mass"] - 1).abs().max() < 1e-5 and full["held"].min() == 1.0
+    for name in ("h2o", "luka_lined", "snapkv", "streaming_llm"):
+        df = _df(P.replay(_method(name, "method.budget=1.0"), cap, topk=8))
+        assert df["rel_err"].max() < 1e-5, name
+        assert df["recall"].min() == 1.0, name
+
+
+def test_evicting_method_is_measured_against_all_tokens(cap):
+    df = _df(P.replay(_method("h2o", "method.budget=0.25"), cap, topk=8))
+    assert df["held"].max() < 0.3 and df["rel_err"].mean() > 1e-3
+    assert df["mass"].max() < 1.0 and df["recall"].min() < 1.0
+    seen = 160 + 3 + df["step"]  # tokens seen at a step (question chunk is continuation step 0)
+    assert (df["tokens"] <= df["held"] * seen + 1e-3).all()
+
+
+def test_luka_attended_is_sink_tail_and_refined_pages(cap):
+    # sink 4, pages of 8, tail 16: the prefill's 160 tokens make (160 - 4 - 16) // 8 = 17 pages (no compression
+    # during the 7 forwards after it); refine the top-2 pages
+    m = _method("luka_clustered", "method.sink=4", "method.page_size=8", "method.tail=16", "method.refine.k=2",
+                "method.compress_every=100")
+    df = _df(P.replay(m, cap, topk=8))
+    pages = (160 - 4 - 16) // 8
+    seen = 160 + 3 + df["step"]  # held raw tokens when the step is measured (the query included)
+    tail = seen - (4 + pages * 8)
+    # sink + tail + 2 refined pages of 8 raw tokens, plus every unrefined summary
+    assert (df["tokens"] == 4 + tail + 2 * 8 + (pages - 2)).all()
+    # refining every page with exact masses is exact attention
+    m = _method("luka_clustered", "method.sink=4", "method.page_size=8", "method.tail=16",
+                f"method.refine.k={pages}", "method.compress_every=100")
+    df = _df(P.replay(m, cap, topk=8))
+    assert df["rel_err"].max() < 1e-5 and df["recall"].min() == 1.0 and df["tokens"].eq(seen).all()
+
+
+def test_replay_matches_a_real_run_at_the_first_layer(lm):
+    # layer 0 sees the token embeddings only, so with forced tokens its Q/K/V are those of the capture: the
+    # replay and the closed loop (the model generating with the method) must measure the same thing there.
+    pr = _prompt(seed=1)
+    cap = P.capture(lm, pr)
+    m = _method("h2o", "method.budget=0.3")
+    open_ = _df(P.replay(m, cap, topk=8))
+    closed = _df(P.closed_loop(lm, m, pr, topk=8))
+    a = open_[open_.layer == 0].reset_index(drop=True)
+    b = closed[closed.layer == 0].reset_index(drop=True)
+    assert len(a) == len(b) > 0
+    for c in P.METRICS:
+        assert (a[c] - b[c]).abs().max() < 1e-4, c
+    assert closed[closed.layer > 0]["rel_err"].max() > 0  # later layers differ: errors compound in a real run
+
+
+def test_capture_cache_round_trip(lm, tmp_path):
+    pr = _prompt(n_ctx=40, steps=2, seed=2)
+    a = P.capture(lm, pr, tmp_path, {"name": "tiny"})
+    b = P.capture(lm, pr, tmp_path, {"name": "tiny"})
+    assert len(list(tmp_path.glob("*.pt"))) == 1
+    assert all(torch.equal(x, y) for x, y in zip(a.k + a.q, b.k + b.q))
+    assert a.lengths == b.lengths == [[3, 1, 1]]
+
+
+@pytest.mark.parametrize("name", group_options("method"))
+def test_every_method_runs_through_the_probe(cap, name):
+    m = _method(name)
+    df = _df(P.replay(m, cap, topk=8))
+    assert len(df) == 6 * 3 * cap.k[0].shape[1]
+    assert df[list(P.METRICS)].notna().all().all()
+    assert df["recall"].between(0, 1).all() and df["mass"].between(0, 1 + 1e-5).all()
+
+
+def test_command_writes_tables(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = hcompose(config_name="probe", overrides=[
+            "model=tiny_llama", "data=pg19", "data.max_tokens=120", "probe.steps=3", "probe.plot=true",
+            f"probe.cache_dir={tmp_path / 'cache'}", "probe.methods=[full,\"h2o budget=0.5\"]"])
+        with open_dict(cfg):
+            cfg.model_name, cfg.data_name = "tiny_llama", "pg19"
+        s = P.probe(cfg, tmp_path / "out", ["model=tiny_llama", "data=pg19", "data.max_tokens=120"])
+        assert list(s.index) == ["full", "h2o budget=0.5"]
+        assert s.loc["full", "rel_err"] == 0.0 and s.loc["h2o budget=0.5", "rel_err"] > 0
+        for f in ("probe_summary.md", "probe_layers.csv", "probe_steps.csv", "probe_by_layer.png"):
+            assert (tmp_path / "out" / f).exists()
+        with pytest.raises(MethodConfigError, match="h20"):
+            P.compose_method("h20", [])
