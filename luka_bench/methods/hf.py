@@ -159,6 +159,16 @@ class KVStore(CacheLayerMixin):
                 self._aux[name][:, :, :m] = a
         self.n = m
 
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the held tokens at ``index`` [B, Hkv, m] (per KV head; any order, repeats allowed):
+        ([B, Hkv, m, Dk], [B, Hkv, m, Dv]). One row gather from the storage (much faster than ``torch.gather``
+        with an index expanded over the head dimension)."""
+        b, h, cap = self._k.shape[:3]
+        flat = (index + (torch.arange(b * h, device=index.device) * cap).view(b, h, 1)).reshape(-1)
+        k = self._k.reshape(b * h * cap, -1).index_select(0, flat).view(b, h, -1, self._k.shape[-1])
+        v = self._v.reshape(b * h * cap, -1).index_select(0, flat).view(b, h, -1, self._v.shape[-1])
+        return k, v
+
     def keep_ends(self, head: int, tail: int) -> None:
         """Keep the first ``head`` and the last ``tail`` held tokens, drop the rest (all heads alike)."""
         drop_to = self.n - tail
@@ -238,12 +248,52 @@ class MethodCache(Cache):
         self.peak_bytes = 0  # bytes held at most during the decode phase (see _note)
         self._timings: dict[str, float] = {}  # seconds per component, summed (methods add: span / add_span)
         self._pending: list = []  # (key, start event, end event) of CUDA spans not yet resolved
+        self.token_ids: list[int] = []  # ids of every token fed so far, appended by the runner (add_tokens)
+        self.shared: dict = {}  # per-prompt state shared by the layers' policies (e.g. a chunker)
+        # attended metric: per decode forward, sum over layers of held tokens read and their bytes
+        self.attended_tokens: list[float] = []
+        self.attended_bytes: list[float] = []
+        self.held_token_steps: list[float] = []
         stores = [KVStore(method.policy_for_layer(info), self) for info in infos]
         super().__init__(layers=stores)
 
     @property
     def stores(self) -> list[KVStore]:
         return self.layers  # type: ignore[return-value]
+
+    def add_tokens(self, ids) -> None:
+        """The runner announces the ids of the next forward (before it runs): ``token_ids`` grows by them."""
+        self.token_ids.extend(int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids))
+
+    def _note_attended(self) -> None:
+        """After a decode forward: tokens (and bytes) read by every layer's last attend (``LayerPolicy.attended``,
+        per KV head, averaged over heads; + ``attended_extra``), summed over layers."""
+        toks = 0.0
+        byts = 0.0
+        held = 0.0
+        for s in self.stores:
+            if s._k is None:
+                continue
+            mask = s.policy.attended(s)
+            h = s._k.shape[1] * s._k.shape[0]
+            per_head = float(s.n) if mask is None else float(mask.sum()) / h
+            per_head += s.policy.attended_extra()
+            toks += per_head
+            byts += per_head * s.token_bytes()
+            held += s.n
+        self.attended_tokens.append(toks)
+        self.attended_bytes.append(byts)
+        self.held_token_steps.append(held)
+
+    def attended_stats(self, since: int = 0) -> dict:
+        """Over the decode forwards from number ``since`` on, the mean per forward of: ``attended_tokens`` (held
+        tokens read by attention, per layer: mean over KV heads and layers), ``attended_bytes`` (their keys and
+        values, all layers) and ``attended_ratio`` (attended / held tokens). None when there was no such forward."""
+        t, b, h = self.attended_tokens[since:], self.attended_bytes[since:], self.held_token_steps[since:]
+        if not t:
+            return {"attended_tokens": None, "attended_bytes": None, "attended_ratio": None}
+        return {"attended_tokens": sum(t) / len(t) / max(1, len(self.stores)), "attended_bytes": sum(b) / len(b),
+                "attended_ratio": sum(t) / sum(h) if sum(h) else None}
 
     def end_prefill(self) -> None:
         """The context has been prefilled: run prefill-time compression; later forwards are decode steps."""
@@ -374,6 +424,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                 policy.after_step(store)
         if policy.info.layer_idx == policy.info.num_layers - 1:
             store.cache._note()  # once per forward, after the last layer
+            store.cache._note_attended()
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -408,9 +459,12 @@ class Attached:
 
 
 @contextlib.contextmanager
-def attach(model: PreTrainedModel, method: KVMethod):
-    """Route the model's attention through the method for the duration of the block."""
+def attach(model: PreTrainedModel, method: KVMethod, tokenizer=None):
+    """Route the model's attention through the method for the duration of the block. ``tokenizer`` reaches the
+    method through ``KVMethod.bind`` (methods that chunk by token strings need it)."""
     register()
+    if tokenizer is not None or method.tokenizer is None:
+        method.bind(tokenizer)
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
     try:
