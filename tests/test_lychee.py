@@ -284,19 +284,19 @@ def test_retrieval_equals_slow_loop_reference(opts):
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
 def test_budget_or_topk_covering_everything_equals_full(arch, request):
     lm = request.getfixturevalue(arch)
-    ids = lm.tokenizer(TEXT, add_special_tokens=False).input_ids[:260]
-    ref, _ = run_logits(lm, Full(), ids, 200)
+    ids = lm.tokenizer(TEXT, add_special_tokens=False).input_ids[:190]
+    ref, _ = run_logits(lm, Full(), ids, 165)
     # token budget >= length: full attention throughout
-    got, c = run_logits(lm, Lychee(token_budget=400, sink=4, buffer=16, full_layers=0), ids, 200)
+    got, c = run_logits(lm, Lychee(token_budget=400, sink=4, buffer=16, full_layers=0), ids, 165)
     assert torch.allclose(got, ref, atol=1e-4, rtol=0)
     assert all(s.policy.last is None for s in c.stores)
     # retrieval active (budget < length) but top-k_g / top-k_c cover every unit and cluster
     got, c = run_logits(lm, Lychee(token_budget=100, sink=4, buffer=16, full_layers=0, k_g=64, k_c=10**6),
-                        ids, 200)
+                        ids, 165)
     assert torch.allclose(got, ref, atol=1e-4, rtol=0), (got - ref).abs().max()
-    assert all(s.policy.last is not None and s.policy.M > 10 for s in c.stores)
+    assert all(s.policy.last is not None and s.policy.M >= 8 for s in c.stores)
     # and with the token budget really binding, attention reads at most token_budget tokens per KV head
-    got, c = run_logits(lm, Lychee(token_budget=100, sink=4, buffer=16, full_layers=1), ids, 200)
+    got, c = run_logits(lm, Lychee(token_budget=100, sink=4, buffer=16, full_layers=1), ids, 165)
     assert type(c.stores[0].policy) is LayerPolicy  # first layer full
     for s in c.stores[1:]:
         assert int(s.policy.attended(s).sum(-1).max()) <= 100
@@ -309,20 +309,20 @@ def test_budget_or_topk_covering_everything_equals_full(arch, request):
 def test_nothing_leaks_between_prompts_or_clones(tiny_llama):
     lm = tiny_llama
     ids = lm.tokenizer(TEXT, add_special_tokens=False).input_ids
-    a, b = ids[:240], ids[300:540]
+    a, b = ids[:190], ids[300:490]
     method = Lychee(token_budget=100, sink=4, buffer=16)
-    first, _ = run_logits(lm, method, b, 200)
-    run_logits(lm, method, a, 200)
-    again, _ = run_logits(lm, method, b, 200)
+    first, _ = run_logits(lm, method, b, 165)
+    run_logits(lm, method, a, 165)
+    again, _ = run_logits(lm, method, b, 165)
     assert torch.equal(first, again)
     with attach(lm.model, method, lm.tokenizer) as att:
         c = att.new_cache()
-        prefill(lm.model, b[:200], c)
+        prefill(lm.model, b[:165], c)
         bounds, M = list(c.shared["lychee_chunker"].bounds), c.stores[2].policy.M
         outs = []
         for _ in range(2):
             cl = c.clone()
-            outs.append(torch.stack([forward(lm.model, b[t: t + 1], cl) for t in range(200, 240)]))
+            outs.append(torch.stack([forward(lm.model, b[t: t + 1], cl) for t in range(165, 190)]))
         assert torch.equal(outs[0], outs[1])
         assert c.shared["lychee_chunker"].bounds == bounds and c.stores[2].policy.M == M
         assert cl.stores[2].policy.M > M  # the clone's index grew by lazy updates, the original's did not
