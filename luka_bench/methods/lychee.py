@@ -101,6 +101,7 @@ def boundary_levels(ids: torch.Tensor, tables, prev: int | None = None) -> torch
     the token's end level and its successor's start level; a newline right after a newline (a blank line split
     over two tokens) is level 1. ``prev``: the id before ``ids[0]``, if any. Vectorised."""
     end_t, start_t, nl = tables
+    ids = ids.clamp(0, len(end_t) - 1)  # ids past the tokenizer (a padded model vocabulary) count as no separator
     lv = torch.minimum(end_t[ids[:-1]], start_t[ids[1:]])
     before = torch.cat([torch.tensor([prev if prev is not None else ids[0]]), ids[:-2]]) if len(ids) > 1 else ids[:0]
     blank = nl[ids[:-1]] & nl[before]
