@@ -131,6 +131,14 @@ def kv_summary(records: list[dict]) -> dict:
     return out
 
 
+def attended_summary(records: list[dict]) -> dict:
+    """What attention read per decode step, from per-item ``attended_tokens`` (held tokens read per layer, mean over
+    KV heads and layers), ``attended_bytes`` (their keys and values, all layers) and ``attended_ratio`` (attended /
+    held): the mean over items that recorded them. Exact methods read everything they hold (ratio 1); methods
+    that attend to a subset (LycheeCluster, LuKA clustered) read less than they hold."""
+    return {k: mean(r.get(k) for r in records) for k in ("attended_tokens", "attended_bytes", "attended_ratio")}
+
+
 def latency_summary(records: list[dict]) -> dict:
     """``ttft_s``: mean time to first token (context prefill + question); ``tpot_s``: mean over items of their
     mean seconds per generated (or teacher-forced) token."""

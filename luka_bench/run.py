@@ -62,6 +62,7 @@ def forward(model, ids: list[int] | torch.Tensor, cache: MethodCache, chunk: int
     step = chunk if chunk and chunk > 0 else x.shape[1]
     logits = None
     for s in range(0, x.shape[1], step):
+        cache.add_tokens(x[0, s: s + step])
         logits = model(input_ids=x[:, s: s + step], past_key_values=cache, use_cache=True).logits[0, -1]
     return logits
 
@@ -82,6 +83,7 @@ class Generation:
     question_s: float
     step_s: list[float]
     step_timings: dict[str, float]  # method component seconds summed over the generated-token steps
+    attended: dict | None = None  # MethodCache.attended_stats over the generated-token steps
 
 
 @torch.no_grad()
@@ -95,6 +97,7 @@ def greedy_answer(model, tokenizer, cache: MethodCache, question_ids: list[int],
     _sync(device)
     question_s = time.perf_counter() - t0
     before = dict(cache.timings)
+    n_before = len(cache.attended_tokens)
     out: list[int] = []
     steps: list[float] = []
     while True:
@@ -110,7 +113,8 @@ def greedy_answer(model, tokenizer, cache: MethodCache, question_ids: list[int],
         _sync(device)
         steps.append(time.perf_counter() - t)
     after = {k: v - before.get(k, 0.0) for k, v in cache.timings.items()}
-    return Generation(out, tokenizer.decode(out, skip_special_tokens=True), question_s, steps, after)
+    return Generation(out, tokenizer.decode(out, skip_special_tokens=True), question_s, steps, after,
+                      cache.attended_stats(n_before))
 
 
 @torch.no_grad()
@@ -230,7 +234,7 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
                 "prefill_s": prefill_s, "question_s": gen.question_s, "ttft_s": prefill_s + gen.question_s,
                 "tpot_s": M.mean(gen.step_s), "latency_breakdown": breakdown(gen.step_timings, gen.step_s),
                 "kv_bytes_prefill": kv_prefill, "kv_bytes_full_prefill": kv_prefill_full,
-                "kv_tokens_prefill": tokens_prefill, **_mem(c), "evidence_kept": kept, "meta": q.meta,
+                "kv_tokens_prefill": tokens_prefill, **_mem(c), **(gen.attended or {}), "evidence_kept": kept, "meta": q.meta,
             }
             folder.append(rec)
             records.append(rec)
@@ -263,7 +267,8 @@ def evaluate_ppl(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item
         rec = {"item_id": d.id, "n_tokens": len(nll), "nll_sum": float(sum(nll)),
                "perplexity": math.exp(sum(nll) / len(nll)), "tpot_s": M.mean(steps), "ttft_s": None,
                "latency_breakdown": breakdown(cache.timings, steps),
-               "wall_s": time.perf_counter() - t0, "kv_bytes_prefill": None, **_mem(cache)}
+               "wall_s": time.perf_counter() - t0, "kv_bytes_prefill": None, **_mem(cache),
+               **cache.attended_stats()}
         folder.append(rec)
         records.append(rec)
         bar.update(1)
@@ -284,6 +289,7 @@ def aggregate(task, records: list[dict]) -> dict:
     kept = [r["evidence_kept"] for r in records if r.get("evidence_kept") is not None]
     if kept:  # share of the answer's supporting tokens held after the prefill (datasets with evidence_spans)
         out["evidence_kept"] = sum(kept) / len(kept)
+    out.update(M.attended_summary(records))
     out["latency_breakdown"] = M.breakdown_summary(records)
     out["method_stats"] = M.method_stats_summary(records)
     out["n_examples"] = len(records)
@@ -452,7 +458,7 @@ def _run(cfg: DictConfig, run_dir: str | Path, tracker, prepared: Prepared | Non
     def on_item(records: list[dict]) -> None:  # running metrics to the tracker after every item
         tracker.log(len(records), aggregate(task, records))
 
-    with attach(loaded.model, method) as attached:
+    with attach(loaded.model, method, loaded.tokenizer) as attached:
         if task.kind == "qa":
             records = evaluate_qa(loaded, attached, task, folder, cfg, on_item)
         else:
@@ -493,12 +499,14 @@ def summary_table(m: dict, path: Path) -> str:
     rows = [("run", str(path)), ("model / method / data", f"{m['model']} / {m['method']} / {m['data']}"),
             ("n_examples", _fmt(m["n_examples"]))]
     keys = ["em", "em_lenient", "f1", "accuracy"] + sorted(k for k in m if k.startswith("accuracy_")) + \
-        ["perplexity", "n_tokens", "ttft_s", "tpot_s", "kv_ratio"]
+        ["perplexity", "n_tokens", "ttft_s", "tpot_s", "kv_ratio", "attended_tokens", "attended_ratio"]
     for k in keys:
         if k in m:
             rows.append((k, _fmt(m[k])))
     if m.get("latency_breakdown") and len(m["latency_breakdown"]) > 1:
         rows.append(("latency_breakdown (s/token)", _fmt(m["latency_breakdown"])))
+    if m.get("attended_bytes") is not None:
+        rows.append(("attended_bytes (per step)", _bytes(m["attended_bytes"])))
     rows.append(("kv_bytes (peak / full)", f"{_bytes(m['kv_bytes']['peak'])} / {_bytes(m['kv_bytes_full']['peak'])}"))
     rows.append(("peak_rss_bytes", _bytes(m["peak_rss_bytes"])))
     rows.append(("wall_s", _fmt(m["wall_s"])))

@@ -32,7 +32,7 @@ Cross-layer methods (LASER-KV) override ``KVMethod.after_prefill(cache)``, which
 
 Method-level hooks (all optional; defaults keep existing behaviour):
 
-==============================  ============================================================================
+==============================  =====================================================================
 ``KVMethod.after_forward``      once after every model forward through the cache (after the last layer), in
                                 the prefill (each prefill chunk) and decode phases, not in a scratch forward.
                                 Block-wise prefill compression (LASER-KV) selects here.
@@ -47,6 +47,18 @@ Method-level hooks (all optional; defaults keep existing behaviour):
                                 accumulate state in ``attend`` must ignore scratch forwards they did not ask for.
 ``MethodCache.state``           a per-prompt dict for cross-layer method state (copied by ``clone``).
 ==============================  ============================================================================
+=======
+Token ids and the tokenizer (for methods that look at the text, e.g. LycheeCluster's structure-aware chunks): the
+runner appends the ids of every forward (prefill chunks, the question, each generated or teacher-forced token) to
+``MethodCache.token_ids`` *before* the forward (``MethodCache.add_tokens``), so during a forward
+``cache.token_ids[:store.seen]`` are the ids of the tokens the store has seen; and ``hf.attach(model, method,
+tokenizer)`` calls ``KVMethod.bind(tokenizer)`` once (``method.tokenizer``). Code that drives the model itself
+(tests) may skip both; a method that needs them says so with a one-line error. Per-prompt state shared by
+the layers of one cache goes in ``MethodCache.state`` (copied by ``clone``).
+
+What the last ``attend`` read (``LayerPolicy.attended`` / ``attended_extra``) feeds the *attended* metric: the
+runner averages, per decode step, the held tokens (and their bytes) every layer's attention read
+(``MethodCache.attended_stats``); exact methods attend to everything they hold.
 Which policy runs on which layer is ``KVMethod.policy_for_layer``; sliding-window layers (Gemma3) get exact
 attention within their window unless a method sets ``handles_sliding = True``.
 
@@ -191,6 +203,14 @@ class KVMethod:
         if self.budget >= 1.0:
             return max(seen, reference_length)
         return math.ceil(self.budget * max(seen, reference_length) - 1e-9)
+
+    # -- the text (see module docstring) ------------------------------------------------------------------------
+    tokenizer = None  # set by ``bind`` (class default: none bound)
+
+    def bind(self, tokenizer) -> None:
+        """Called by ``hf.attach`` with the model's tokenizer (None when the caller has none). Methods that need
+        token strings keep it (the default does) and may precompute per-vocabulary tables here."""
+        self.tokenizer = tokenizer
 
     # -- factory -------------------------------------------------------------------------------------------
     def policy_for_layer(self, info: LayerInfo) -> LayerPolicy:

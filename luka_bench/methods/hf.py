@@ -165,6 +165,16 @@ class KVStore(CacheLayerMixin):
                 self._aux[name][:, :, :m] = a
         self.n = m
 
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the held tokens at ``index`` [B, Hkv, m] (per KV head; any order, repeats allowed):
+        ([B, Hkv, m, Dk], [B, Hkv, m, Dv]). One row gather from the storage (much faster than ``torch.gather``
+        with an index expanded over the head dimension)."""
+        b, h, cap = self._k.shape[:3]
+        flat = (index + (torch.arange(b * h, device=index.device) * cap).view(b, h, 1)).reshape(-1)
+        k = self._k.reshape(b * h * cap, -1).index_select(0, flat).view(b, h, -1, self._k.shape[-1])
+        v = self._v.reshape(b * h * cap, -1).index_select(0, flat).view(b, h, -1, self._v.shape[-1])
+        return k, v
+
     def keep_ends(self, head: int, tail: int) -> None:
         """Keep the first ``head`` and the last ``tail`` held tokens, drop the rest (all heads alike)."""
         drop_to = self.n - tail
@@ -253,12 +263,51 @@ class MethodCache(Cache):
         # policy's ``attended(store)`` describes this forward); ``store.last_update`` holds the keys/values this
         # forward appended. Used by the fidelity probe (luka_bench/probe.py); None costs nothing.
         self.observer = None
+        self.token_ids: list[int] = []  # ids of every token fed so far, appended by the runner (add_tokens)
+        # attended metric: per decode forward, sum over layers of held tokens read and their bytes
+        self.attended_tokens: list[float] = []
+        self.attended_bytes: list[float] = []
+        self.held_token_steps: list[float] = []
         stores = [KVStore(method.policy_for_layer(info), self) for info in infos]
         super().__init__(layers=stores)
 
     @property
     def stores(self) -> list[KVStore]:
         return self.layers  # type: ignore[return-value]
+
+    def add_tokens(self, ids) -> None:
+        """The runner announces the ids of the next forward (before it runs): ``token_ids`` grows by them."""
+        self.token_ids.extend(int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids))
+
+    def _note_attended(self) -> None:
+        """After a decode forward: tokens (and bytes) read by every layer's last attend (``LayerPolicy.attended``,
+        per KV head, averaged over heads; + ``attended_extra``), summed over layers."""
+        toks = 0.0
+        byts = 0.0
+        held = 0.0
+        for s in self.stores:
+            if s._k is None:
+                continue
+            mask = s.policy.attended(s)
+            h = s._k.shape[1] * s._k.shape[0]
+            per_head = float(s.n) if mask is None else float(mask.sum()) / h
+            per_head += s.policy.attended_extra()
+            toks += per_head
+            byts += per_head * s.token_bytes()
+            held += s.n
+        self.attended_tokens.append(toks)
+        self.attended_bytes.append(byts)
+        self.held_token_steps.append(held)
+
+    def attended_stats(self, since: int = 0) -> dict:
+        """Over the decode forwards from number ``since`` on, the mean per forward of: ``attended_tokens`` (held
+        tokens read by attention, per layer: mean over KV heads and layers), ``attended_bytes`` (their keys and
+        values, all layers) and ``attended_ratio`` (attended / held tokens). None when there was no such forward."""
+        t, b, h = self.attended_tokens[since:], self.attended_bytes[since:], self.held_token_steps[since:]
+        if not t:
+            return {"attended_tokens": None, "attended_bytes": None, "attended_ratio": None}
+        return {"attended_tokens": sum(t) / len(t) / max(1, len(self.stores)), "attended_bytes": sum(b) / len(b),
+                "attended_ratio": sum(t) / sum(h) if sum(h) else None}
 
     def end_prefill(self) -> None:
         """The context has been prefilled: run prefill-time compression; later forwards are decode steps."""
@@ -452,6 +501,7 @@ def run_policy(store: KVStore, query: torch.Tensor, scaling: float) -> torch.Ten
                 policy.after_step(store)
         if policy.info.layer_idx == policy.info.num_layers - 1:
             store.cache._note()  # once per forward, after the last layer
+            store.cache._note_attended()
     return out
 
 
@@ -506,10 +556,13 @@ def _after_forward(module, args, kwargs, output):
 
 
 @contextlib.contextmanager
-def attach(model: PreTrainedModel, method: KVMethod):
+def attach(model: PreTrainedModel, method: KVMethod, tokenizer=None):
     """Route the model's attention through the method for the duration of the block, and call the method's
-    ``after_forward`` after every forward of the model through one of its caches."""
+    ``after_forward`` after every forward of the model through one of its caches. ``tokenizer`` reaches the
+    method through ``KVMethod.bind`` (methods that chunk by token strings need it)."""
     register()
+    if tokenizer is not None or method.tokenizer is None:
+        method.bind(tokenizer)
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
     hook = model.register_forward_hook(_after_forward, with_kwargs=True)

@@ -117,6 +117,13 @@ class Layered(KVMethod):
         types = [i.layer_type for i in infos]
         return [self.method_for_layer(i, types).name for i in infos]
 
+    def bind(self, tokenizer) -> None:
+        """The tokenizer reaches every assigned method."""
+        self.tokenizer = tokenizer
+        for _, method in self.rules:
+            method.bind(tokenizer)
+        self.default.bind(tokenizer)
+
     def describe(self) -> str:
         return "layered(" + "; ".join(f"{l}: {m.describe()}" for l, m in self.rules) + \
             f"; else {self.default.describe()})"

@@ -1,0 +1,547 @@
+"""LycheeCluster (Li, Liu, Lin, Hu, Zhang, "LycheeCluster: structure-aware chunking and hierarchical KV indexing",
+§4 and Appendices A-B): structure-aware chunks, a three-level index (coarse units -> fine clusters -> chunks) and
+coarse-to-fine retrieval at every decode step, with exact attention over the retrieved chunks.
+
+Per prompt (shared by the layers, ``Chunker``): the tokens after the ``sink`` first ones are cut into chunks of
+``min_chunk``..``max_chunk`` tokens from their *strings* (the tokenizer is bound by ``hf.attach``; the runner hands
+over the ids of every forward, ``MethodCache.token_ids``). A chunk starting at s may end after any token e with
+``min_chunk <= e - s + 1 <= max_chunk``; the boundary after e has a level (App. B, Table 4: 1 structural —
+``\\n\\n``, Markdown fences/rules, ``}`` ``]`` ``>``; 2 sentence ends and a single newline; 3 phrasal ``, ; :``;
+4 whitespace; 5 none) = the stronger of the separators token e contains (1-3; 4 only if it ends in whitespace) and
+the one token e+1 starts with (whitespace = 4, newline = 2, blank line = 1); a newline token after a newline
+is a blank line (1). The chunk ends at the highest-priority
+boundary in the window, the latest one on ties (longer chunks); with none, a forced split at ``max_chunk``. The
+``buffer`` most recent tokens are never chunked: a chunk is cut when at least ``buffer + max_chunk`` tokens lie
+after the last one, so its boundary can see the next token. ``chunking: fixed`` cuts plain ``max_chunk``-token
+pages (the paper's Quest-like ablation).
+
+Per layer and KV head (``LycheePolicy``), built when retrieval is first needed (after the prefill, or later once
+the sequence outgrows ``token_budget``):
+- chunk key = mean of its tokens' keys (``pooling: max``: the per-dimension max, the ablation), L2-normalised;
+- fine clusters: spherical k-means (cosine, ``kmeans_iters`` iterations, deterministic init at chunks spread
+  over time) into L = ceil(chunks / ``cluster_size``) clusters; coarse units: the same k-means over the fine
+  centroid directions into P = min(``max_coarse``, ceil(sqrt(L))) units (the paper's sub-linear three-tier index);
+- each node keeps its centroid mu = the mean of its member chunk keys and a radius r with ||v - mu|| <= r for every
+  member chunk v (coarse: r_g = max over its clusters of ||mu_c - mu_g|| + r_c, so it bounds the chunks, not only
+  the fine centroids), so UB = q.mu + ||q||.r >= q.v for every member (eq. 2).
+
+A decode step (one query), vectorised over KV heads, units, clusters and tokens (no Python loop):
+1. GQA: the query heads of a KV group are aggregated: q_s = sum of the group's queries and ||q||_s = sum of their
+   norms, so sum_i UB_i = q_s.mu + ||q||_s.r bounds the group's summed score q_s.v of any member;
+2. coarse units ranked by UB (``ranking: qmu``: by q.mu alone); the top ``k_g`` (``k_g: null``: units in rank order
+   until they hold ``coarse_factor`` x the retrieval budget in tokens);
+3. their fine clusters ranked the same way; the top ``k_c`` (``k_c: null``: clusters in rank order while their
+   tokens fit the retrieval budget = ``token_budget`` - sinks - the unchunked recent tokens);
+4. exact attention (softmax over the union, fp32 by SDPA) over the ``sink`` first tokens + every token of the
+   chosen clusters' chunks + the recent unchunked tokens (the buffer).
+Lazy update (at the next step): each new chunk joins the fine cluster with the nearest centroid direction and that
+cluster's coarse unit; centroids move to the new member mean (a moving average) and each touched radius becomes
+max(r + ||mu' - mu||, ||x - mu'||): the old members' bound grows by the centroid shift (triangle inequality), so r
+stays a true bound — covering only the new chunk would not.
+
+Exact attention instead of retrieval: the first ``full_layers`` layers; every forward while the layer holds at most
+``token_budget`` tokens (App. F.1); multi-token forwards (the prefill, and the question chunk, which in the paper
+is part of the prefilled prompt). Every raw token stays in memory (kv_ratio >= 1 with the index): the method cuts
+the attended span, so ``budget`` must be 1.0 and ``token_budget`` is the knob.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, exact_attention
+
+NEG = float("-inf")
+NONE_LEVEL = 5
+# App. B, Table 4: separators by priority (1 = strongest).
+LEVEL1 = ("\n\n", "```", "---", "***", "___", "}", "]", ">")
+LEVEL2 = (".", "?", "!", "\u3002", "\uff1f", "\uff01", "\n")
+LEVEL3 = (",", ";", ":", "\uff0c", "\uff1b", "\uff1a", "\u3001")
+LEVEL4 = (" ", "\t", "\u3000")
+
+
+def token_levels(text: str) -> tuple[int, int]:
+    """(end level, start level) of one token's string: the strongest separator it contains (levels 1-3; level 4
+    only when it ends in whitespace) — a boundary after it — and the one it starts with (blank line 1, newline 2,
+    whitespace 4) — a boundary before it. 5 = none."""
+    end = NONE_LEVEL
+    for lvl, seps in ((1, LEVEL1), (2, LEVEL2), (3, LEVEL3)):
+        if any(s in text for s in seps):
+            end = lvl
+            break
+    if end == NONE_LEVEL and text and text[-1] in LEVEL4:
+        end = 4
+    start = NONE_LEVEL
+    if text.startswith("\n\n"):
+        start = 1
+    elif text.startswith("\n"):
+        start = 2
+    elif text and text[0] in LEVEL4:
+        start = 4
+    return end, start
+
+
+def vocab_levels(tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-vocabulary tables [V] from each id's decoded string (computed once per tokenizer): end level, start
+    level (int8) and whether the string ends with a newline (bool)."""
+    n = len(tokenizer)
+    texts = tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False,
+                                   clean_up_tokenization_spaces=False)
+    lv = [token_levels(t) for t in texts]
+    return (torch.tensor([a for a, _ in lv], dtype=torch.int8), torch.tensor([b for _, b in lv], dtype=torch.int8),
+            torch.tensor([t.endswith("\n") for t in texts], dtype=torch.bool))
+
+
+def boundary_levels(ids: torch.Tensor, tables, prev: int | None = None) -> torch.Tensor:
+    """Level of the boundary after each token of ``ids`` but the last (its successor is needed): the stronger of
+    the token's end level and its successor's start level; a newline right after a newline (a blank line split
+    over two tokens) is level 1. ``prev``: the id before ``ids[0]``, if any. Vectorised."""
+    end_t, start_t, nl = tables
+    ids = ids.clamp(0, len(end_t) - 1)  # ids past the tokenizer (a padded model vocabulary) count as no separator
+    lv = torch.minimum(end_t[ids[:-1]], start_t[ids[1:]])
+    before = torch.cat([torch.tensor([prev if prev is not None else ids[0]]), ids[:-2]]) if len(ids) > 1 else ids[:0]
+    blank = nl[ids[:-1]] & nl[before]
+    if prev is None and len(blank):
+        blank[0] = False
+    return torch.where(blank, torch.ones_like(lv), lv)
+
+
+def split_chunks(levels: list[int], start: int, stop: int, lo: int, hi: int) -> list[int]:
+    """Structure-aware chunk ends (exclusive) for tokens from ``start``: ``levels[e]`` is the level of the boundary
+    after token e (known for e < len(levels)); chunks of lo..hi tokens end at the best (lowest) level in their
+    window, the latest on ties, forced at hi. Cuts while a whole window lies before ``stop``. One pass over the
+    chunks (prefill: once per prompt; decode: at most a chunk per token)."""
+    ends = []
+    s = start
+    while s + hi <= stop:
+        window = levels[s + lo - 1: s + hi]
+        best = min(window)
+        # latest position of the best level (a forced split at hi when best is NONE_LEVEL)
+        off = len(window) - 1 - window[::-1].index(best)
+        s = s + lo + off
+        ends.append(s)
+    return ends
+
+
+class Chunker:
+    """The chunk boundaries of one prompt, shared by every layer (``MethodCache.state``). Chunks cover tokens
+    [sink, frontier); ``starts`` [M + 1] are their boundaries and ``tok_chunk`` [frontier - sink] the chunk of each
+    token, on the model's device. ``advance(cache, n)`` cuts the chunks that ``n`` seen tokens allow (idempotent)."""
+
+    def __init__(self, method: "Lychee", device: torch.device):
+        self.m = method
+        self.device = device
+        self.bounds = [method.sink]  # chunk boundaries (python ints)
+        self.levels: list[int] = []  # level of the boundary after each token whose successor is known
+        self.starts = torch.tensor(self.bounds, dtype=torch.long, device=device)  # [M + 1]
+        self.lens = torch.empty(0, dtype=torch.long, device=device)
+        self.tok_chunk = torch.empty(0, dtype=torch.long, device=device)
+        self.upto = 0  # advanced for this many seen tokens
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def frontier(self) -> int:
+        return self.bounds[-1]
+
+    def _levels(self, cache, n: int) -> None:
+        m = self.m
+        if m.chunking == "fixed" or len(self.levels) >= n - 1:
+            return
+        ids = cache.token_ids
+        if len(ids) < n or m.tokenizer is None:
+            raise RuntimeError(
+                "lychee: chunking=structure needs the token ids of every forward (MethodCache.add_tokens, as "
+                "luka_bench.run.forward does) and the tokenizer (hf.attach(model, method, tokenizer)); "
+                f"have {len(ids)} ids for {n} tokens, tokenizer {'set' if m.tokenizer is not None else 'missing'}")
+        a = len(self.levels)
+        cur = torch.tensor(ids[a: n], dtype=torch.long)
+        self.levels.extend(boundary_levels(cur, m.level_tables(), ids[a - 1] if a else None).tolist())
+
+    def advance(self, cache, n: int) -> int:
+        """Cut every chunk the first ``n`` tokens allow; returns the number of new chunks."""
+        if n <= self.upto:
+            return 0
+        self.upto = n
+        m = self.m
+        stop = n - m.buffer
+        if stop - self.frontier < m.max_chunk:
+            return 0
+        if m.chunking == "fixed":
+            k = (stop - self.frontier) // m.max_chunk
+            ends = [self.frontier + (i + 1) * m.max_chunk for i in range(k)]
+        else:
+            self._levels(cache, n)
+            ends = split_chunks(self.levels, self.frontier, stop, m.min_chunk, m.max_chunk)
+        if not ends:
+            return 0
+        first = self.n_chunks
+        old = self.frontier
+        self.bounds.extend(ends)
+        new_b = torch.tensor([old] + ends, dtype=torch.long, device=self.device)
+        self.starts = torch.cat([self.starts, new_b[1:]])
+        lens = new_b[1:] - new_b[:-1]
+        self.lens = torch.cat([self.lens, lens])
+        ids = torch.arange(first, first + len(ends), device=self.device).repeat_interleave(lens)
+        self.tok_chunk = torch.cat([self.tok_chunk, ids])
+        return len(ends)
+
+
+def spherical_kmeans(x: torch.Tensor, k: int, iters: int, valid: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spherical k-means of unit vectors x [B, H, M, D] into k clusters (cosine similarity), batched over B, H.
+    Init: k points spread evenly over the M inputs (deterministic). An emptied cluster keeps its centroid.
+    Returns (assignment [B, H, M], centroid directions [B, H, k, D])."""
+    b, h, m, d = x.shape
+    init = torch.linspace(0, m - 1, k, device=x.device).round().long()
+    c = x[:, :, init].clone()
+    for _ in range(iters):
+        a = torch.matmul(x, c.transpose(-1, -2)).argmax(-1)
+        s = torch.zeros_like(c).scatter_add_(2, a.unsqueeze(-1).expand(b, h, m, d), x)
+        norm = s.norm(dim=-1, keepdim=True)
+        c = torch.where(norm > 0, s / norm.clamp_min(1e-12), c)
+    a = torch.matmul(x, c.transpose(-1, -2)).argmax(-1)
+    return a, c
+
+
+def node_stats(x: torch.Tensor, a: torch.Tensor, k: int, weight: torch.Tensor | None = None):
+    """Per node of an assignment a [B, H, M] of points x [B, H, M, D]: count (or summed ``weight``) [B, H, k],
+    mean mu [B, H, k, D] (weighted) and radius r = max ||x - mu[a]|| [B, H, k]."""
+    b, h, m, d = x.shape
+    w = torch.ones(b, h, m, dtype=x.dtype, device=x.device) if weight is None else weight.to(x.dtype)
+    cnt = torch.zeros(b, h, k, dtype=x.dtype, device=x.device).scatter_add_(2, a, w)
+    s = torch.zeros(b, h, k, d, dtype=x.dtype, device=x.device).scatter_add_(
+        2, a.unsqueeze(-1).expand(b, h, m, d), x * w.unsqueeze(-1))
+    mu = s / cnt.clamp_min(1e-12).unsqueeze(-1)
+    dist = (x - mu.gather(2, a.unsqueeze(-1).expand(b, h, m, d))).norm(dim=-1)
+    r = torch.zeros(b, h, k, dtype=x.dtype, device=x.device).scatter_reduce_(2, a, dist, "amax", include_self=True)
+    return cnt, mu, r
+
+
+class LycheePolicy(LayerPolicy):
+    times_itself = True  # index_build / retrieval / update / attention, timed inside
+
+    def __init__(self, method: "Lychee", info: LayerInfo):
+        super().__init__(method, info)
+        self.built = False
+        self.M = 0  # chunks indexed
+        self.ck: torch.Tensor | None = None       # chunk keys [B, H, Mcap, D]
+        self.assign: torch.Tensor | None = None   # fine cluster of each chunk [B, H, Mcap]
+        self.chunk_len: torch.Tensor | None = None  # [Mcap]
+        self.mu_c = self.r_c = self.cnt_c = self.tok_c = self.parent = None  # fine clusters [B, H, L(, D)]
+        self.mu_g = self.r_g = self.cnt_g = self.tok_g = None                # coarse units [B, H, P(, D)]
+        self.last: dict | None = None  # what the last retrieval chose (attended(), tests)
+
+    # -- shared chunker ------------------------------------------------------------------------------------
+    def chunker(self, store) -> Chunker:
+        ch = store.cache.state.get("lychee_chunker")
+        if ch is None:
+            ch = store.cache.state["lychee_chunker"] = Chunker(self.method, store.device)
+        return ch
+
+    def extra_bytes(self) -> int:
+        if not self.built:
+            return 0
+        t = [self.ck[:, :, : self.M], self.assign[:, :, : self.M], self.mu_c, self.r_c, self.cnt_c, self.tok_c,
+             self.parent, self.mu_g, self.r_g, self.cnt_g, self.tok_g]
+        return sum(x.nbytes for x in t)
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def after_prefill(self, store) -> None:
+        if store.n > self.method.token_budget:
+            self._sync_index(store)
+
+    def attend(self, store, query, scaling):
+        cache, dev = store.cache, query.device
+        m = self.method
+        if query.shape[2] != 1 or cache.phase != "decode" or store.n <= m.token_budget:
+            self.last = None
+            with cache.span("attention", dev):
+                return exact_attention(store, query, scaling)
+        self._sync_index(store)
+        t0 = cache.mark(dev)
+        idx, valid = self.retrieve(store, query)
+        t1 = cache.mark(dev)
+        out = self.sparse_attention(store, query, scaling, idx, valid)
+        cache.add_span("retrieval", t0, t1)
+        cache.add_span("attention", t1, cache.mark(dev))
+        return out
+
+    def attended(self, store):
+        """Sinks + the retrieved chunks' tokens + the recent buffer of the last retrieval (None: exact)."""
+        if self.last is None:
+            return None
+        b, h = store.keys.shape[:2]
+        mask = torch.zeros(b, h, store.n, dtype=torch.bool, device=store.device)
+        return mask.scatter_(2, self.last["idx"], True)  # padding slots point at the newest token, attended anyway
+
+    # -- index ---------------------------------------------------------------------------------------------
+    def _sync_index(self, store) -> None:
+        """Chunk what the seen tokens allow; build the index the first time, else lazily add the new chunks."""
+        cache, dev = store.cache, store.device
+        ch = self.chunker(store)
+        ch.advance(cache, store.seen)
+        if ch.n_chunks == self.M:
+            return
+        if not self.built:
+            with cache.span("index_build", dev):
+                self.build(store, ch)
+        else:
+            with cache.span("update", dev):
+                self.lazy_update(store, ch)
+
+    def pool(self, store, ch: Chunker, first: int, last: int) -> torch.Tensor:
+        """Normalised keys of chunks first..last-1 [B, H, k, D] (mean or max of their tokens' keys)."""
+        lo, hi = int(ch.bounds[first]), int(ch.bounds[last])
+        k = store.keys[:, :, lo:hi].float()
+        b, h, _, d = k.shape
+        tc = (ch.tok_chunk[lo - self.method.sink: hi - self.method.sink] - first).view(1, 1, -1, 1)
+        tc = tc.expand(b, h, -1, d)
+        n = last - first
+        if self.method.pooling == "max":
+            out = torch.full((b, h, n, d), NEG, dtype=k.dtype, device=k.device).scatter_reduce_(
+                2, tc, k, "amax", include_self=True)
+        else:
+            lens = (ch.starts[first + 1: last + 1] - ch.starts[first: last]).to(k.dtype)
+            out = torch.zeros(b, h, n, d, dtype=k.dtype, device=k.device).scatter_add_(2, tc, k)
+            out = out / lens.view(1, 1, -1, 1)
+        return F.normalize(out, dim=-1)
+
+    def build(self, store, ch: Chunker) -> None:
+        m = self.method
+        M = ch.n_chunks
+        x = self.pool(store, ch, 0, M)
+        b, h, _, d = x.shape
+        cap = M + max(64, M // 4)
+        self.ck = x.new_zeros(b, h, cap, d)
+        self.ck[:, :, :M] = x
+        L = max(1, math.ceil(M / m.cluster_size))
+        a, _ = spherical_kmeans(x, L, m.kmeans_iters)
+        lens = (ch.starts[1:] - ch.starts[:-1]).to(x.dtype)
+        self.assign = torch.zeros(b, h, cap, dtype=torch.long, device=x.device)
+        self.assign[:, :, :M] = a
+        self.cnt_c, self.mu_c, self.r_c = node_stats(x, a, L)
+        self.tok_c = torch.zeros_like(self.cnt_c).scatter_add_(2, a, lens.view(1, 1, -1).expand(b, h, M))
+        P = max(1, min(m.max_coarse, math.ceil(math.sqrt(L))))
+        live = self.cnt_c > 0
+        dirs = F.normalize(self.mu_c, dim=-1)
+        self.parent, _ = spherical_kmeans(dirs, P, m.kmeans_iters)
+        # an empty fine cluster weighs nothing in its unit
+        self.cnt_g, self.mu_g, _ = node_stats(self.mu_c, self.parent, P, weight=self.cnt_c)
+        reach = (self.mu_c - self.mu_g.gather(2, self.parent.unsqueeze(-1).expand(-1, -1, -1, d))).norm(dim=-1)
+        reach = torch.where(live, reach + self.r_c, torch.zeros_like(reach))
+        self.r_g = torch.zeros_like(self.cnt_g).scatter_reduce_(2, self.parent, reach, "amax", include_self=True)
+        self.tok_g = torch.zeros_like(self.cnt_g).scatter_add_(2, self.parent, self.tok_c)
+        self.M = M
+        self.built = True
+
+    def lazy_update(self, store, ch: Chunker) -> None:
+        """Each new chunk joins its nearest fine cluster (and that cluster's coarse unit): centroid = new member
+        mean, radius = max(r + centroid shift, distance of the new chunk). Vectorised over the new chunks."""
+        M0, M1 = self.M, ch.n_chunks
+        x = self.pool(store, ch, M0, M1)  # [B, H, k, D]
+        b, h, k, d = x.shape
+        if M1 > self.ck.shape[2]:
+            cap = M1 + max(64, M1 // 4)
+            ck = x.new_zeros(b, h, cap, d)
+            ck[:, :, :M0] = self.ck[:, :, :M0]
+            asg = torch.zeros(b, h, cap, dtype=torch.long, device=x.device)
+            asg[:, :, :M0] = self.assign[:, :, :M0]
+            self.ck, self.assign = ck, asg
+        self.ck[:, :, M0:M1] = x
+        sim = torch.matmul(x, F.normalize(self.mu_c, dim=-1).transpose(-1, -2))
+        sim = sim.masked_fill((self.cnt_c == 0).unsqueeze(2), NEG)
+        c = sim.argmax(-1)  # [B, H, k]
+        self.assign[:, :, M0:M1] = c
+        g = self.parent.gather(2, c)
+        lens = (ch.starts[M0 + 1: M1 + 1] - ch.starts[M0: M1]).to(x.dtype).view(1, 1, -1).expand(b, h, k)
+        self.cnt_c, self.mu_c, self.r_c = self._grow(self.cnt_c, self.mu_c, self.r_c, c, x)
+        self.cnt_g, self.mu_g, self.r_g = self._grow(self.cnt_g, self.mu_g, self.r_g, g, x)
+        self.tok_c = self.tok_c.scatter_add(2, c, lens)
+        self.tok_g = self.tok_g.scatter_add(2, g, lens)
+        self.M = M1
+
+    @staticmethod
+    def _grow(cnt, mu, r, a, x):
+        """Add points x [B, H, k, D] to nodes a [B, H, k]: moving-average centroid, radius kept a true bound."""
+        b, h, k, d = x.shape
+        ones = torch.ones(b, h, k, dtype=cnt.dtype, device=cnt.device)
+        cnt2 = cnt.scatter_add(2, a, ones)
+        s = (mu * cnt.unsqueeze(-1)).scatter_add(2, a.unsqueeze(-1).expand(b, h, k, d), x)
+        mu2 = torch.where(cnt2.unsqueeze(-1) > 0, s / cnt2.clamp_min(1e-12).unsqueeze(-1), mu)
+        shift = (mu2 - mu).norm(dim=-1)
+        r2 = torch.where(cnt > 0, r + shift, torch.zeros_like(r))
+        dist = (x - mu2.gather(2, a.unsqueeze(-1).expand(b, h, k, d))).norm(dim=-1)
+        r2 = r2.scatter_reduce(2, a, dist, "amax", include_self=True)
+        return cnt2, mu2, r2
+
+    # -- retrieval -----------------------------------------------------------------------------------------
+    def scores(self, qs: torch.Tensor, qn: torch.Tensor, mu: torch.Tensor, r: torch.Tensor, cnt: torch.Tensor):
+        """UB = q_s.mu + ||q||_s.r per node (``ranking: qmu``: q_s.mu), -inf for empty nodes. qs [B, H, D]."""
+        s = torch.matmul(mu, qs.unsqueeze(-1)).squeeze(-1)
+        if self.method.ranking == "ub":
+            s = s + qn.unsqueeze(-1) * r
+        return s.masked_fill(cnt <= 0, NEG)
+
+    @staticmethod
+    def _prefix(score: torch.Tensor, tokens: torch.Tensor, limit: float | None, k: int | None) -> torch.Tensor:
+        """Nodes in descending score order: the top ``k``, or (k None) the longest prefix whose tokens fit ``limit``
+        (``limit`` given as an 'at least' cover: see ``retrieve``). Returns a bool mask [B, H, N]."""
+        order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+        live = score.gather(2, order) > NEG
+        if k is not None:
+            take = torch.arange(order.shape[-1], device=order.device) < k
+            take = take & live
+        else:
+            cum = tokens.gather(2, order).cumsum(-1)
+            take = (cum <= limit) & live
+        return torch.zeros_like(take).scatter(2, order, take)
+
+    def retrieve(self, store, query):
+        """Coarse-to-fine selection for one query [B, Hq, 1, D]. Returns the held-token indices to attend
+        [B, H, T] (sinks, the chosen chunks' tokens padded to ``max_chunk`` per chunk, the recent unchunked tokens)
+        and their validity [B, H, T] (a padding slot points at the newest token and is masked out)."""
+        m = self.method
+        ch = self.chunker(store)
+        b, hq, _, d = query.shape
+        hkv = store.keys.shape[1]
+        dev = query.device
+        n, fr, M = store.n, ch.frontier, self.M
+        qg = query.reshape(b, hkv, hq // hkv, d).float()
+        qs, qn = qg.sum(2), qg.norm(dim=-1).sum(2)
+        R = m.token_budget - m.sink - (n - fr)  # tokens left for retrieved chunks
+        ug = self.scores(qs, qn, self.mu_g, self.r_g, self.cnt_g)
+        if m.k_g is None:
+            # units in rank order until they hold coarse_factor x R tokens (the unit crossing the line included)
+            order = torch.sort(ug, dim=-1, descending=True, stable=True).indices
+            t = self.tok_g.gather(2, order)
+            take = (t.cumsum(-1) - t < m.coarse_factor * R) & (ug.gather(2, order) > NEG)
+            sel_g = torch.zeros_like(take).scatter(2, order, take)
+        else:
+            sel_g = self._prefix(ug, self.tok_g, None, m.k_g)
+        uc = self.scores(qs, qn, self.mu_c, self.r_c, self.cnt_c)
+        uc = uc.masked_fill(~sel_g.gather(2, self.parent), NEG)
+        sel_c = self._prefix(uc, self.tok_c, R, m.k_c)
+        chunk_sel = sel_c.gather(2, self.assign[:, :, :M])  # [B, H, M]
+        # compact the chosen chunks: at most R // min_chunk of them fit the budget (every chunk >= min_chunk)
+        cmax = M if m.k_c is not None else max(1, min(M, R // m.min_chunk))
+        slot = chunk_sel.long().cumsum(-1) - 1
+        slot = torch.where(chunk_sel, slot, torch.full_like(slot, cmax))
+        cid = torch.zeros(b, hkv, cmax + 1, dtype=torch.long, device=dev).scatter_(
+            2, slot, torch.arange(M, device=dev).view(1, 1, -1).expand(b, hkv, -1))[:, :, :cmax]
+        cvalid = torch.arange(cmax, device=dev).view(1, 1, -1) < chunk_sel.sum(-1, keepdim=True)
+        hi = m.max_chunk
+        within = torch.arange(hi, device=dev)
+        tok = ch.starts[cid].unsqueeze(-1) + within  # [B, H, cmax, hi]
+        tvalid = (within < ch.lens[cid].unsqueeze(-1)) & cvalid.unsqueeze(-1)
+        tok = torch.where(tvalid, tok, torch.full_like(tok, n - 1)).flatten(2)
+        idx = torch.cat([torch.arange(m.sink, device=dev).view(1, 1, -1).expand(b, hkv, -1), tok,
+                         torch.arange(fr, n, device=dev).view(1, 1, -1).expand(b, hkv, -1)], dim=2)
+        valid = torch.cat([torch.ones(b, hkv, m.sink, dtype=torch.bool, device=dev), tvalid.flatten(2),
+                           torch.ones(b, hkv, n - fr, dtype=torch.bool, device=dev)], dim=2)
+        self.last = {"sel_g": sel_g, "sel_c": sel_c, "chunk_sel": chunk_sel, "idx": idx, "valid": valid,
+                     "frontier": fr}
+        return idx, valid
+
+    def sparse_attention(self, store, query, scaling, idx, valid):
+        """Exact attention (fp32 softmax) of one query over the held tokens ``idx`` where ``valid``."""
+        K, V = store.keys, store.values
+        b, hq, _, d = query.shape
+        hkv = K.shape[1]
+        gk, gv = store.gather(idx)
+        q = query.reshape(b, hkv, hq // hkv, d)
+        logits = torch.matmul(q, gk.transpose(-1, -2)).float() * scaling  # [B, H, g, T]
+        logits = logits.masked_fill(~valid.unsqueeze(2), NEG)
+        w = torch.softmax(logits, dim=-1).to(gv.dtype)
+        return torch.matmul(w, gv).reshape(b, hq, 1, V.shape[-1])
+
+
+@dataclass
+class Lychee(KVMethod):
+    """token_budget: tokens attended per step (sinks + retrieved chunks + recent buffer; paper 1024); sink: first
+    tokens always attended (paper 16); buffer: most recent tokens never chunked, always attended (paper 128);
+    min_chunk / max_chunk: chunk length range (paper 8 / 16); chunking: structure | fixed (``max_chunk``-token
+    pages, the ablation); pooling: mean | max (ablation); cluster_size: average chunks per fine cluster (paper 2);
+    max_coarse: most coarse units (paper 64); kmeans_iters: spherical k-means iterations (paper 10); ranking: ub
+    (q.mu + |q|.r, eq. 2) | qmu (q.mu alone); k_g: coarse units kept (null: until they hold coarse_factor x the
+    retrieval budget in tokens); k_c: fine clusters kept (null: as many as fit the token budget); full_layers:
+    first layers with full attention (paper 2). ``budget`` must be 1.0: every raw token is kept."""
+
+    budget: float = 1.0
+    token_budget: int = 1024
+    sink: int = 16
+    buffer: int = 128
+    min_chunk: int = 8
+    max_chunk: int = 16
+    chunking: str = "structure"
+    pooling: str = "mean"
+    cluster_size: int = 2
+    max_coarse: int = 64
+    kmeans_iters: int = 10
+    ranking: str = "ub"
+    k_g: int | None = None
+    coarse_factor: float = 2.0
+    k_c: int | None = None
+    full_layers: int = 2
+
+    name: ClassVar[str] = "lychee"
+    policy_class: ClassVar[type[LayerPolicy]] = LycheePolicy
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.budget != 1.0:
+            raise MethodConfigError(
+                f"method.budget={self.budget:g} is not used by lychee (allowed: 1.0): it keeps every raw token; "
+                "the attended span is method.token_budget (tokens, paper 1024)")
+        ints = dict(token_budget=1, sink=0, buffer=1, min_chunk=1, max_chunk=1, cluster_size=1, max_coarse=1,
+                    kmeans_iters=0, full_layers=0)
+        for key, lo in ints.items():
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise MethodConfigError(f"method.{key}={v!r} must be an integer >= {lo}")
+        checks = [
+            (self.min_chunk <= self.max_chunk,
+             f"method.min_chunk={self.min_chunk} must be <= method.max_chunk={self.max_chunk}"),
+            (self.chunking in ("structure", "fixed"),
+             f"method.chunking={self.chunking!r} is unknown; allowed: structure, fixed"),
+            (self.pooling in ("mean", "max"), f"method.pooling={self.pooling!r} is unknown; allowed: mean, max"),
+            (self.ranking in ("ub", "qmu"), f"method.ranking={self.ranking!r} is unknown; allowed: ub, qmu"),
+            (self.k_g is None or (isinstance(self.k_g, int) and self.k_g >= 1),
+             f"method.k_g={self.k_g!r} must be null or an integer >= 1"),
+            (self.k_c is None or (isinstance(self.k_c, int) and self.k_c >= 1),
+             f"method.k_c={self.k_c!r} must be null or an integer >= 1"),
+            (isinstance(self.coarse_factor, (int, float)) and self.coarse_factor >= 1.0,
+             f"method.coarse_factor={self.coarse_factor!r} must be >= 1"),
+            (self.token_budget > self.sink + self.buffer + self.max_chunk,
+             f"method.token_budget={self.token_budget} must exceed sink + buffer + max_chunk = "
+             f"{self.sink + self.buffer + self.max_chunk} (the always-attended tokens)"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise MethodConfigError(msg)
+        self._tables = None
+
+    def bind(self, tokenizer) -> None:
+        if tokenizer is not self.tokenizer:
+            self._tables = None
+        self.tokenizer = tokenizer
+
+    def level_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._tables is None:
+            self._tables = vocab_levels(self.tokenizer)
+        return self._tables
+
+    def policy_for_layer(self, info: LayerInfo) -> LayerPolicy:
+        if info.layer_idx < self.full_layers:
+            return LayerPolicy(self, info)
+        return super().policy_for_layer(info)
+
+    def describe(self) -> str:
+        return (f"lychee(token_budget={self.token_budget}, chunking={self.chunking}, pooling={self.pooling}, "
+                f"ranking={self.ranking})")

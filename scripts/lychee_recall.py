@@ -1,0 +1,161 @@
+"""Retrieval recall of LycheeCluster per layer (the paper's Table 3 "Recall Rate"), for its ablations.
+
+Recall at a decode step = the share of the true top-k tokens (k = token_budget - sink; by exact attention
+weights over every held token except the sinks, summed over the query heads of each KV head) that the method's
+attention read at that step (retrieved chunks + recent buffer). Averaged over KV heads and teacher-forced decode
+steps after an N-token prompt of Paul Graham essays, per layer, for these variants (one setting changed each):
+
+    ub          the method's defaults (UB ranking, structure-aware chunks, mean pooling)
+    qmu         clusters ranked by q.mu alone (no radius)
+    fixed       fixed 16-token chunks (Quest-like pages)
+    max         max pooling of chunk keys
+
+    .venv/bin/python scripts/lychee_recall.py                         # N = 4096, budget 1024, 16 steps
+    .venv/bin/python scripts/lychee_recall.py --n 4096 --steps 16 --out results/summaries/lychee
+Writes recall.md (table: layer x variant), recall.csv, recall.json and recall_by_layer.png into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = {"ub": [], "qmu": ["ranking=qmu"], "fixed": ["chunking=fixed"], "max": ["pooling=max"]}
+
+
+def compose_method(sets: list[str]):
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=["method=lychee"] + [f"method.{s}" for s in sets])
+    return instantiate(cfg.method), cfg.model
+
+
+def true_top_recall(store, policy, query: torch.Tensor, top: int) -> torch.Tensor:
+    """Per KV head [H]: share of the top-``top`` non-sink tokens by exact attention (summed over the group's query
+    heads) that ``policy.attended`` read."""
+    k = store.keys
+    b, hq, _, d = query.shape
+    hkv, n = k.shape[1], k.shape[2]
+    q = query.reshape(b, hkv, hq // hkv, d).float()
+    w = torch.softmax((q @ k.float().transpose(-1, -2)) * d ** -0.5, dim=-1).sum(2)  # [B, H, n]
+    sink = policy.method.sink
+    idx = w[:, :, sink:].topk(min(top, n - sink), dim=-1).indices + sink
+    mask = policy.attended(store)
+    return mask.gather(2, idx).float().mean(-1)[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=4096, help="prompt tokens")
+    ap.add_argument("--steps", type=int, default=16, help="teacher-forced decode steps measured")
+    ap.add_argument("--variants", type=str, default=",".join(VARIANTS))
+    ap.add_argument("--set", nargs="*", default=[], help="overrides for every variant, e.g. token_budget=512")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=str, default="results/summaries/lychee")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from hydra.utils import instantiate
+
+    from luka_bench.data.pg19 import essays_text
+    from luka_bench.methods.hf import attach
+    from luka_bench.methods.lychee import LycheePolicy
+    from luka_bench.run import forward
+
+    names = [v for v in args.variants.split(",") if v]
+    _, model_cfg = compose_method(args.set)
+    lm = instantiate(model_cfg).load()
+    model, tok = lm.model, lm.tokenizer
+    ids = tok(essays_text(), add_special_tokens=False).input_ids[: args.n + args.steps]
+    # The prompt's keys/values do not depend on the variant (the prefill attends exactly): prefill once with full
+    # attention, then hand a copy to each variant's cache, whose end_prefill builds its index.
+    from luka_bench.methods.full import Full
+
+    t0 = time.perf_counter()
+    with attach(model, Full(), tok) as a:
+        base = a.new_cache()
+        base.reference_length = args.n
+        forward(model, ids[: args.n], base)
+    print(f"prefill {args.n} tokens: {time.perf_counter() - t0:.0f} s", flush=True)
+    results: dict[str, dict] = {}
+    for name in names:
+        method, _ = compose_method(args.set + VARIANTS[name])
+        top = method.token_budget - method.sink
+        per_layer: dict[int, list[torch.Tensor]] = {}
+        attended: list[float] = []
+        t0 = time.perf_counter()
+        with attach(model, method, tok) as a:
+            cache = a.new_cache()
+            cache.reference_length = args.n
+            cache.token_ids = list(base.token_ids)
+            for new, old in zip(cache.stores, base.stores):
+                new.update(old.keys.clone(), old.values.clone())
+            cache.end_prefill()
+            for store in cache.stores:
+                pol = store.policy
+                if not isinstance(pol, LycheePolicy):
+                    continue
+
+                def wrapped(st, query, scaling, _pol=pol, _orig=pol.attend):
+                    out = _orig(st, query, scaling)
+                    if _pol.last is not None:
+                        per_layer.setdefault(_pol.info.layer_idx, []).append(true_top_recall(st, _pol, query, top))
+                    return out
+
+                pol.attend = wrapped
+            for t in range(args.n, args.n + args.steps):
+                forward(model, ids[t: t + 1], cache)
+            attended = cache.attended_tokens
+        recall = {layer: float(torch.stack(v).mean()) for layer, v in sorted(per_layer.items())}
+        results[name] = {"settings": method.describe(), "recall_by_layer": recall,
+                         "mean_recall": sum(recall.values()) / len(recall),
+                         "attended_tokens_per_layer_step": sum(attended) / len(attended) / len(cache.stores),
+                         "seconds": time.perf_counter() - t0}
+        print(f"{name:6s} mean recall {results[name]['mean_recall']:.4f}  ({method.describe()}, "
+              f"{results[name]['seconds']:.0f} s)", flush=True)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    layers = sorted(next(iter(results.values()))["recall_by_layer"])
+    head = "| layer | " + " | ".join(names) + " |\n|---|" + "---|" * len(names) + "\n"
+    body = "".join(f"| {L} | " + " | ".join(f"{results[v]['recall_by_layer'][L]:.4f}" for v in names) + " |\n"
+                   for L in layers)
+    mean = "| **mean** | " + " | ".join(f"**{results[v]['mean_recall']:.4f}**" for v in names) + " |\n"
+    note = (f"\nRecall of the true top-{top} attention tokens (sinks excluded) at token_budget "
+            f"{method.token_budget}, SmolLM2-135M-Instruct, {args.n}-token Paul Graham essays prompt, mean over "
+            f"{args.steps} teacher-forced decode steps and the KV heads; layers < full_layers attend fully.\n")
+    (out / "recall.md").write_text(head + body + mean + note)
+    (out / "recall.csv").write_text("layer," + ",".join(names) + "\n" + "".join(
+        f"{L}," + ",".join(f"{results[v]['recall_by_layer'][L]:.6f}" for v in names) + "\n" for L in layers))
+    (out / "recall.json").write_text(json.dumps({"n": args.n, "steps": args.steps, "top": top,
+                                                 "results": results}, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for v in names:
+        ax.plot(layers, [results[v]["recall_by_layer"][L] for L in layers], marker="o", ms=3,
+                label=f"{v} (mean {results[v]['mean_recall']:.3f})")
+    ax.set_xlabel("layer")
+    ax.set_ylabel(f"recall of true top-{top}")
+    ax.set_title(f"LycheeCluster retrieval recall, budget {method.token_budget}, N={args.n}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "recall_by_layer.png", dpi=120)
+    print((out / "recall.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

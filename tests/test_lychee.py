@@ -1,0 +1,342 @@
+"""LycheeCluster: structure-aware chunker, index bounds under lazy updates, retrieval against a slow loop reference,
+equality with full attention when everything is retrieved, isolation between prompts and clones."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from luka_bench.methods.base import LayerInfo, LayerPolicy, MethodConfigError
+from luka_bench.methods.full import Full
+from luka_bench.methods.hf import MethodCache, attach
+from luka_bench.methods.lychee import (Chunker, Lychee, LycheePolicy, boundary_levels, split_chunks, token_levels,
+                                       vocab_levels)
+from luka_bench.models import byte_tokenizer
+from luka_bench.run import forward, prefill
+
+TEXT = ("The cat sat on the mat. It was happy, and calm; very calm!\n\nThen {x: [1, 2]} > 3 and more text "
+        "follows here without much structure at all for a while so that chunks are forced somewhere. ") * 6
+
+
+def run_logits(lm, method, ids, ctx):
+    """Prefill ids[:ctx] through the runner (token ids fed), then one token at a time; last-position logits."""
+    with attach(lm.model, method, lm.tokenizer) as a:
+        c = a.new_cache()
+        out = [prefill(lm.model, ids[:ctx], c)]
+        for t in range(ctx, len(ids)):
+            out.append(forward(lm.model, ids[t: t + 1], c))
+    return torch.stack(out), c
+
+
+# ------------------------------------------------------------------------------------------------ chunker
+
+def test_token_levels_of_crafted_strings():
+    assert token_levels("\n\n") == (1, 1)
+    assert token_levels(".\n\n") == (1, 5)
+    assert token_levels("}") == (1, 5) and token_levels("]") == (1, 5) and token_levels(">") == (1, 5)
+    assert token_levels("```") == (1, 5) and token_levels("---") == (1, 5)
+    assert token_levels(".") == (2, 5) and token_levels("?") == (2, 5) and token_levels("\u3002") == (2, 5)
+    assert token_levels("\n") == (2, 2)
+    assert token_levels(",") == (3, 5) and token_levels(";") == (3, 5) and token_levels("\uff0c") == (3, 5)
+    assert token_levels(" the") == (5, 4)      # whitespace: a boundary before the token, not inside a word
+    assert token_levels("izer") == (5, 5)
+    assert token_levels("a ") == (4, 5)
+
+
+def chunk_texts(text: str, lo=8, hi=16, buffer=1):
+    tok = byte_tokenizer()
+    ids = tok(text, add_special_tokens=False).input_ids
+    levels = boundary_levels(torch.tensor(ids), vocab_levels(tok)).tolist()
+    ends = split_chunks(levels, 0, len(ids) - buffer, lo, hi)
+    bounds = [0] + ends
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def test_chunker_crafted_strings():
+    # no separator at all: forced splits at max_chunk
+    assert chunk_texts("x" * 50) == ["x" * 16] * 3
+    # a sentence end beats a later comma; separators before min_chunk are ignored
+    assert chunk_texts("ab. cdefgh. ijk, lmnopqrstuvwxyz0123")[0] == "ab. cdefgh."
+    # a blank line beats a later sentence end
+    assert chunk_texts("abcdefghi\n\njk. lmnopqrstuvwxyz")[0] == "abcdefghi\n\n"
+    # only spaces: the latest space in the window, so words stay whole
+    assert chunk_texts("alpha beta gamma delta epsilon zeta")[:2] == ["alpha beta gamma", " delta epsilon "]
+    # code: closing brace (level 1) beats semicolons (level 3)
+    assert chunk_texts("f(x){a=1;b=2;} g(y){c=3;}zzzzzzzz")[0] == "f(x){a=1;b=2;}"
+    # every chunk within [8, 16]
+    parts = chunk_texts(TEXT)
+    assert all(8 <= len(p) <= 16 for p in parts)
+    assert "".join(parts) == TEXT[: len("".join(parts))]
+
+
+def test_chunker_decode_matches_one_pass():
+    """Chunks cut token by token (decode) are the chunks of one pass over the whole text."""
+    tok = byte_tokenizer()
+    ids = tok(TEXT, add_special_tokens=False).input_ids
+    m = Lychee(token_budget=200, sink=4, buffer=32)
+    m.bind(tok)
+
+    class C:
+        token_ids = ids
+
+    one = Chunker(m, torch.device("cpu"))
+    one.advance(C, len(ids))
+    step = Chunker(m, torch.device("cpu"))
+    step.advance(C, 100)
+    for n in range(101, len(ids) + 1):
+        step.advance(C, n)
+    assert step.bounds == one.bounds and one.n_chunks > 20
+    assert torch.equal(step.tok_chunk, one.tok_chunk)
+    assert len(ids) - one.frontier < m.buffer + m.max_chunk  # the buffer stays unchunked
+
+
+def test_fixed_chunking_is_fixed():
+    m = Lychee(token_budget=200, sink=4, buffer=32, chunking="fixed")
+    ch = Chunker(m, torch.device("cpu"))
+    ch.advance(None, 300)
+    assert all(b - a == 16 for a, b in zip(ch.bounds, ch.bounds[1:])) and ch.bounds[0] == 4
+
+
+def test_structure_chunking_without_token_ids_is_refused():
+    m = Lychee(token_budget=200, sink=4, buffer=32)
+    ch = Chunker(m, torch.device("cpu"))
+
+    class C:
+        token_ids: list = []
+
+    with pytest.raises(RuntimeError, match="token ids"):
+        ch.advance(C, 300)
+
+
+# ------------------------------------------------------------------------------------------------ index
+
+def synthetic_policy(method: Lychee, n: int, seed: int = 0, hkv: int = 2, g: int = 2, d: int = 16):
+    """A lone lychee layer holding n random keys with some cluster structure (fixed chunks: no tokenizer)."""
+    gen = torch.Generator().manual_seed(seed)
+    info = LayerInfo(layer_idx=5, num_layers=8, num_heads=hkv * g, num_kv_heads=hkv, head_dim=d)
+    cache = MethodCache(method, [info])
+    store = cache.stores[0]
+    centers = torch.randn(1, hkv, 6, d, generator=gen) * 2
+    pick = torch.randint(0, 6, (n,), generator=gen)
+    k = centers[:, :, pick] + 0.7 * torch.randn(1, hkv, n, d, generator=gen)
+    store.update(k, torch.randn(1, hkv, n, d, generator=gen))
+    cache.phase = "decode"
+    store.policy._sync_index(store)
+    return cache, store, store.policy, gen
+
+
+def check_bounds(pol: LycheePolicy, gen, naive_ok=False) -> float:
+    """Largest violation of ||v - mu|| <= r (fine and coarse) and q.v <= UB over random queries."""
+    M = pol.M
+    v = pol.ck[:, :, :M]
+    c = pol.assign[:, :, :M]
+    gidx = pol.parent.gather(2, c)
+    d = v.shape[-1]
+    worst = 0.0
+    for mu, r, a in ((pol.mu_c, pol.r_c, c), (pol.mu_g, pol.r_g, gidx)):
+        dist = (v - mu.gather(2, a.unsqueeze(-1).expand(-1, -1, -1, d))).norm(dim=-1)
+        worst = max(worst, float((dist - r.gather(2, a)).max()))
+        q = torch.randn(64, v.shape[1], 1, d, generator=gen)
+        qv = (q * v).sum(-1)  # [64, H, M]
+        ub = (q * mu.gather(2, a.unsqueeze(-1).expand(-1, -1, -1, d))).sum(-1) + q.norm(dim=-1) * r.gather(2, a)
+        worst = max(worst, float((qv - ub).max()))
+    return worst
+
+
+def test_upper_bound_holds_after_many_lazy_updates():
+    """220 lazy updates (one new chunk each, keys drifting away from the build-time clusters): every chunk stays
+    inside its fine cluster's and coarse unit's ball, so UB bounds q.v; centroids are the member means."""
+    m = Lychee(token_budget=200, sink=4, buffer=16, chunking="fixed")
+    cache, store, pol, gen = synthetic_policy(m, 600)
+    M0 = pol.M
+    hkv, d = store.keys.shape[1], store.keys.shape[-1]
+    drift = torch.randn(1, hkv, 1, d, generator=gen)
+    for step in range(220):
+        k = torch.randn(1, hkv, 16, d, generator=gen) + drift * (step / 40)
+        store.update(k, torch.randn(1, hkv, 16, d, generator=gen))
+        pol._sync_index(store)
+    assert pol.M - M0 >= 200
+    assert check_bounds(pol, gen) <= 1e-4
+    # centroid = exact mean of the member chunk keys (the moving average), token counts add up
+    one = F.one_hot(pol.assign[:, :, : pol.M], pol.mu_c.shape[2]).float()  # [B, H, M, L]
+    mean = (one.transpose(-1, -2) @ pol.ck[:, :, : pol.M]) / one.sum(2).clamp_min(1).unsqueeze(-1)
+    live = pol.cnt_c > 0
+    assert torch.allclose(mean[live], pol.mu_c[live], atol=1e-5)
+    assert (pol.tok_c.sum(-1) == pol.M * 16).all() and (pol.tok_g.sum(-1) == pol.M * 16).all()
+
+
+def test_naive_radius_rule_breaks_the_bound(monkeypatch):
+    """The rule 'grow r only to cover the new chunk' lets old members leave the ball once the centroid moves: the
+    property test above would catch it."""
+    def naive(cnt, mu, r, a, x):
+        b, h, k, d = x.shape
+        cnt2 = cnt.scatter_add(2, a, torch.ones(b, h, k))
+        s = (mu * cnt.unsqueeze(-1)).scatter_add(2, a.unsqueeze(-1).expand(b, h, k, d), x)
+        mu2 = s / cnt2.clamp_min(1e-12).unsqueeze(-1)
+        dist = (x - mu2.gather(2, a.unsqueeze(-1).expand(b, h, k, d))).norm(dim=-1)
+        return cnt2, mu2, r.scatter_reduce(2, a, dist, "amax", include_self=True)
+
+    monkeypatch.setattr(LycheePolicy, "_grow", staticmethod(naive))
+    m = Lychee(token_budget=200, sink=4, buffer=16, chunking="fixed")
+    cache, store, pol, gen = synthetic_policy(m, 600)
+    hkv, d = store.keys.shape[1], store.keys.shape[-1]
+    drift = torch.randn(1, hkv, 1, d, generator=gen)
+    for step in range(220):
+        store.update(torch.randn(1, hkv, 16, d, generator=gen) + drift * (step / 40), torch.zeros(1, hkv, 16, d))
+        pol._sync_index(store)
+    assert check_bounds(pol, gen) > 1e-3
+
+
+def test_build_matches_definitions():
+    """Chunk key = normalised mean of its keys (max with pooling=max); fine/coarse radii bound their members."""
+    for pooling in ("mean", "max"):
+        m = Lychee(token_budget=200, sink=4, buffer=16, chunking="fixed", pooling=pooling)
+        cache, store, pol, gen = synthetic_policy(m, 500)
+        ch = cache.state["lychee_chunker"]
+        for j in (0, 7, pol.M - 1):
+            a, b = ch.bounds[j], ch.bounds[j + 1]
+            keys = store.keys[:, :, a:b]
+            pooled = keys.mean(2) if pooling == "mean" else keys.max(2).values
+            assert torch.allclose(pol.ck[:, :, j], F.normalize(pooled, dim=-1), atol=1e-6)
+        L, P = pol.mu_c.shape[2], pol.mu_g.shape[2]
+        assert L == math.ceil(pol.M / 2) and P == min(64, math.ceil(math.sqrt(L)))
+        assert check_bounds(pol, gen) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ retrieval
+
+def slow_retrieval(pol: LycheePolicy, store, q: torch.Tensor):
+    """Loops over heads, units, clusters and chunks: the chosen clusters and the attended token set per head."""
+    m = pol.method
+    ch = store.cache.state["lychee_chunker"]
+    hkv = store.keys.shape[1]
+    g = q.shape[1] // hkv
+    R = m.token_budget - m.sink - (store.n - ch.frontier)
+    chosen_c, tokens = [], []
+    for h in range(hkv):
+        qs = q[0, h * g:(h + 1) * g, 0].sum(0)
+        qn = float(sum(q[0, i, 0].norm() for i in range(h * g, (h + 1) * g)))
+
+        def score(mu, r):
+            return float(qs @ mu) + (qn * float(r) if m.ranking == "ub" else 0.0)
+
+        units = [(score(pol.mu_g[0, h, u], pol.r_g[0, h, u]), u) for u in range(pol.mu_g.shape[2])
+                 if pol.cnt_g[0, h, u] > 0]
+        units.sort(key=lambda t: -t[0])
+        keep_u, held = [], 0.0
+        for s, u in units:
+            if m.k_g is not None:
+                if len(keep_u) < m.k_g:
+                    keep_u.append(u)
+            elif held < m.coarse_factor * R:
+                keep_u.append(u)
+                held += float(pol.tok_g[0, h, u])
+        cl = [(score(pol.mu_c[0, h, c], pol.r_c[0, h, c]), c) for c in range(pol.mu_c.shape[2])
+              if pol.cnt_c[0, h, c] > 0 and int(pol.parent[0, h, c]) in keep_u]
+        cl.sort(key=lambda t: -t[0])
+        keep_c, used = [], 0.0
+        for s, c in cl:
+            if m.k_c is not None:
+                if len(keep_c) < m.k_c:
+                    keep_c.append(c)
+            else:
+                if used + float(pol.tok_c[0, h, c]) > R:
+                    break
+                keep_c.append(c)
+                used += float(pol.tok_c[0, h, c])
+        toks = set(range(m.sink)) | set(range(ch.frontier, store.n))
+        for j in range(pol.M):
+            if int(pol.assign[0, h, j]) in keep_c:
+                toks |= set(range(ch.bounds[j], ch.bounds[j + 1]))
+        chosen_c.append(sorted(keep_c))
+        tokens.append(sorted(toks))
+    return chosen_c, tokens
+
+
+@pytest.mark.parametrize("opts", [{}, {"ranking": "qmu"}, {"k_g": 2}, {"k_g": 3, "k_c": 5},
+                                  {"pooling": "max", "coarse_factor": 1.0}])
+def test_retrieval_equals_slow_loop_reference(opts):
+    m = Lychee(token_budget=160, sink=4, buffer=16, chunking="fixed", **opts)
+    cache, store, pol, gen = synthetic_policy(m, 700, seed=3)
+    hq, d = pol.info.num_heads, pol.info.head_dim
+    for trial in range(3):
+        q = torch.randn(1, hq, 1, d, generator=gen)
+        out = pol.attend(store, q, d ** -0.5)
+        chosen, tokens = slow_retrieval(pol, store, q)
+        mask = pol.attended(store)
+        for h in range(store.keys.shape[1]):
+            assert torch.nonzero(pol.last["sel_c"][0, h]).flatten().tolist() == chosen[h], (opts, h)
+            assert torch.nonzero(mask[0, h]).flatten().tolist() == tokens[h]
+            assert len(tokens[h]) <= m.token_budget or m.k_c is not None
+            # exact softmax over the chosen tokens, head by head
+            g = hq // store.keys.shape[1]
+            for i in range(h * g, (h + 1) * g):
+                k = store.keys[0, h, tokens[h]]
+                w = torch.softmax((k @ q[0, i, 0]) * d ** -0.5, 0)
+                ref = w @ store.values[0, h, tokens[h]]
+                assert torch.allclose(out[0, i, 0], ref, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ model level
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+def test_budget_or_topk_covering_everything_equals_full(arch, request):
+    lm = request.getfixturevalue(arch)
+    ids = lm.tokenizer(TEXT, add_special_tokens=False).input_ids[:190]
+    ref, _ = run_logits(lm, Full(), ids, 165)
+    # token budget >= length: full attention throughout
+    got, c = run_logits(lm, Lychee(token_budget=400, sink=4, buffer=16, full_layers=0), ids, 165)
+    assert torch.allclose(got, ref, atol=1e-4, rtol=0)
+    assert all(s.policy.last is None for s in c.stores)
+    # retrieval active (budget < length) but top-k_g / top-k_c cover every unit and cluster
+    got, c = run_logits(lm, Lychee(token_budget=100, sink=4, buffer=16, full_layers=0, k_g=64, k_c=10**6),
+                        ids, 165)
+    assert torch.allclose(got, ref, atol=1e-4, rtol=0), (got - ref).abs().max()
+    assert all(s.policy.last is not None and s.policy.M >= 8 for s in c.stores)
+    # and with the token budget really binding, attention reads at most token_budget tokens per KV head
+    got, c = run_logits(lm, Lychee(token_budget=100, sink=4, buffer=16, full_layers=1), ids, 165)
+    assert type(c.stores[0].policy) is LayerPolicy  # first layer full
+    for s in c.stores[1:]:
+        assert int(s.policy.attended(s).sum(-1).max()) <= 100
+    st = c.attended_stats()
+    assert st["attended_ratio"] < 1.0
+    assert {"index_build", "retrieval", "update", "attention"} <= set(c.timings)
+    assert sum(s.policy.extra_bytes() for s in c.stores) > 0
+
+
+def test_nothing_leaks_between_prompts_or_clones(tiny_llama):
+    lm = tiny_llama
+    ids = lm.tokenizer(TEXT, add_special_tokens=False).input_ids
+    a, b = ids[:190], ids[300:490]
+    method = Lychee(token_budget=100, sink=4, buffer=16)
+    first, _ = run_logits(lm, method, b, 165)
+    run_logits(lm, method, a, 165)
+    again, _ = run_logits(lm, method, b, 165)
+    assert torch.equal(first, again)
+    with attach(lm.model, method, lm.tokenizer) as att:
+        c = att.new_cache()
+        prefill(lm.model, b[:165], c)
+        bounds, M = list(c.state["lychee_chunker"].bounds), c.stores[2].policy.M
+        outs = []
+        for _ in range(2):
+            cl = c.clone()
+            outs.append(torch.stack([forward(lm.model, b[t: t + 1], cl) for t in range(165, 190)]))
+        assert torch.equal(outs[0], outs[1])
+        assert c.state["lychee_chunker"].bounds == bounds and c.stores[2].policy.M == M
+        assert cl.stores[2].policy.M > M  # the clone's index grew by lazy updates, the original's did not
+
+
+def test_full_attends_everything(tiny_llama):
+    ids = tiny_llama.tokenizer(TEXT, add_special_tokens=False).input_ids[:120]
+    _, c = run_logits(tiny_llama, Full(), ids, 100)
+    assert c.attended_stats()["attended_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("bad", [dict(budget=0.5), dict(chunking="sentences"), dict(pooling="sum"),
+                                 dict(ranking="dot"), dict(min_chunk=20), dict(token_budget=100),
+                                 dict(k_g=0), dict(coarse_factor=0.5), dict(sink=-1)])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(MethodConfigError):
+        Lychee(**bad)
