@@ -63,7 +63,10 @@ def forward(model, ids: list[int] | torch.Tensor, cache: MethodCache, chunk: int
     logits = None
     for s in range(0, x.shape[1], step):
         cache.add_tokens(x[0, s: s + step])
-        logits = model(input_ids=x[:, s: s + step], past_key_values=cache, use_cache=True).logits[0, -1]
+        # logits_to_keep=1: only the last position goes through the LM head (a long prefill's N x vocab logits
+        # would cost ~1/5 of its compute and 6 GB at 32K)
+        logits = model(input_ids=x[:, s: s + step], past_key_values=cache, use_cache=True,
+                       logits_to_keep=1).logits[0, -1]
     return logits
 
 

@@ -1,20 +1,27 @@
-"""Decode speed of KV methods against full attention (SDPA), measured in one process.
+"""Prefill and decode speed of KV methods against full attention, measured in one process.
 
-For each context length N: prefill N tokens of real text (Paul Graham essays) once per method (`--methods`, any
-`conf/method` names; default `full,luka_clustered`), then decode the following tokens of the text
-(teacher-forced, so all see the same inputs) in alternating rounds — a round of the first method, a round of the
-second, ... — so machine noise hits all alike. Prints seconds per token (median over steps) for each, their ratio
-to the first, and each one's latency breakdown by component.
+References: ``stock`` is the model as users run it today — transformers' own SDPA attention and a
+``DynamicCache``, no luka_bench code at all, a bare greedy loop (``model(...)`` + argmax per token); ``full`` is
+our harness with exact attention. Every other method is any ``conf/method/<name>.yaml`` (its defaults, plus
+``--set`` overrides for luka_clustered).
 
-    .venv/bin/python scripts/bench_decode.py                      # N = 2K, 4K, 8K, 16K
-    .venv/bin/python scripts/bench_decode.py --lengths 8192 --steps 64 --threads 2
-    .venv/bin/python scripts/bench_decode.py --set refine.k=3 compressor=mean
-    .venv/bin/python scripts/bench_decode.py --methods full,lychee --lengths 8192 16384
+For each context length N: prefill N tokens of real text (Paul Graham essays) once per method, then decode the
+following tokens (teacher-forced, so every method sees the same inputs) in alternating rounds — ``--round``
+steps of each method in turn — so machine noise hits all alike. Prints per method: decode ms/token (median over
+steps), its ratio to stock and to our full, prefill seconds and ratio to full, peak RSS of its prefill (the
+process's high-water mark is reset before each prefill), and the component breakdown. ``full``'s ratio to
+stock is the harness overhead over a bare greedy loop. Ends with a markdown table of the ratios.
+
+    .venv/bin/python scripts/bench_decode.py                                # every method, N = 2K, 8K, 16K
+    .venv/bin/python scripts/bench_decode.py --lengths 8192 --methods luka_clustered --steps 64 --threads 2
+    .venv/bin/python scripts/bench_decode.py --methods luka_clustered --set refine.k=3 compressor=mean
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import sys
 import time
@@ -24,48 +31,99 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+REFS = ("stock", "full")
+
+
+def all_methods() -> list[str]:
+    return sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
 
 
 def compose_method(name: str, sets: list[str]):
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
+    overrides = [f"method={name}"] + ([f"method.{s}" for s in sets] if name == "luka_clustered" else [])
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=[f"method={name}"] + [f"method.{s}" for s in sets])
+        cfg = compose(config_name="config", overrides=overrides)
     return instantiate(cfg.method), cfg.model
+
+
+def _status(key: str) -> int:
+    """Bytes of a /proc/self/status memory line (VmRSS, VmHWM); ru_maxrss where /proc is missing."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's RSS high-water mark (Linux >= 4.0); False where it cannot."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+class Stock:
+    """transformers' own attention (SDPA) and DynamicCache: the bare greedy loop users run today."""
+
+    def __init__(self, model):
+        from transformers import DynamicCache
+
+        self.model, self.cache = model, DynamicCache(config=model.config)
+
+    def step(self, ids) -> torch.Tensor:
+        x = torch.as_tensor(ids, device=self.model.device).view(1, -1)
+        prev = self.model.config._attn_implementation
+        self.model.set_attn_implementation("sdpa")
+        try:
+            return self.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        finally:
+            self.model.set_attn_implementation(prev)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help=f"conf/method names (default: all, {' '.join(all_methods())}); stock and full always run")
     ap.add_argument("--steps", type=int, default=48, help="decode steps per method (a multiple of --round)")
     ap.add_argument("--round", type=int, default=16, help="steps per alternating round")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--methods", type=str, default="full,luka_clustered",
-                    help="comma-separated conf/method names; ratios are to the first")
-    ap.add_argument("--set", nargs="*", default=[], help="overrides of every method but the first, e.g. refine.k=3")
+    ap.add_argument("--set", nargs="*", default=[], help="luka_clustered overrides, e.g. refine.k=3")
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
+    ap.add_argument("--markdown", type=str, default=None, help="also write the ratio table here")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    from hydra.utils import instantiate
+    known = all_methods()
+    names = [m for m in (args.methods or known) if m not in REFS]
+    bad = [m for m in names if m not in known]
+    if bad:
+        sys.exit(f"--methods {' '.join(bad)}: unknown; allowed: stock, {', '.join(known)}")
 
     from luka_bench.data.pg19 import essays_text
     from luka_bench.methods.hf import attach
     from luka_bench.run import breakdown, forward, prefill
 
-    names = [x for x in args.methods.split(",") if x]
     methods, model_cfg = {}, None
-    for i, name in enumerate(names):
-        methods[name], model_cfg = compose_method(name, args.set if i else [])
+    for name in ["full"] + names:
+        methods[name], model_cfg = compose_method(name, args.set)
+    from hydra.utils import instantiate
+
     lm = instantiate(model_cfg).load()
     model, tok = lm.model, lm.tokenizer
+    model.eval()
     ids = tok(essays_text(), add_special_tokens=False).input_ids
-    print(f"model {lm.name} ({lm.info['device']}, {lm.info['dtype']}), torch threads {torch.get_num_threads()}, "
-          "methods: " + ", ".join(m.describe() for m in methods.values()))
+    order = ["stock", "full"] + names
+    print(f"model {lm.name} ({lm.info['device']}, {lm.info['dtype']}), torch threads {torch.get_num_threads()}; "
+          f"methods: " + "; ".join(f"{k}={v.describe()}" for k, v in methods.items()))
+    print(f"load: {os.getloadavg()}  (uptime load average; timings are ratios within this process)")
     rows = []
-    base = names[0]
     for n in args.lengths:
         if n + args.steps > len(ids):
             print(f"skip N={n}: the text has only {len(ids)} tokens")
@@ -73,43 +131,86 @@ def main() -> None:
         if n + args.steps > lm.max_context:  # fine for timing: RoPE positions are computed, not looked up
             print(f"note: N={n} + {args.steps} steps is beyond {lm.name}'s trained context ({lm.max_context}); "
                   "outputs are meaningless there, timings are not")
-        caches, prefill_s = {}, {}
-        for name, method in methods.items():
-            with attach(model, method, tok) as a:
-                c = a.new_cache()
-                t0 = time.perf_counter()
-                prefill(model, ids[:n], c)
-                prefill_s[name] = time.perf_counter() - t0
-                c.timings.clear()
-                caches[name] = (c, method)
-        times = {name: [] for name in methods}
+        runners, prefill_s, peak = {}, {}, {}
+        for name in order:
+            reset_peak_rss()
+            try:
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    if name == "stock":
+                        r = Stock(model)
+                        r.step(ids[:n])
+                    else:
+                        with attach(model, methods[name], tok) as a:
+                            c = a.new_cache()
+                            prefill(model, ids[:n], c)
+                        c.timings.clear()
+                        r = c
+                    prefill_s[name] = time.perf_counter() - t0
+            except ValueError as e:  # a method that cannot run at this length (MethodConfigError is one)
+                print(f"  {name}: skipped at N={n}: {e}")
+                continue
+            peak[name] = _status("VmHWM")
+            runners[name] = r
+        times = {name: [] for name in runners}
         pos = n
-        for r in range(0, args.steps, args.round):
-            for name in methods:
-                c, method = caches[name]
-                with attach(model, method, tok):
-                    for t in range(pos, pos + args.round):
-                        s = time.perf_counter()
-                        forward(model, ids[t: t + 1], c)
-                        times[name].append(time.perf_counter() - s)
-            pos += args.round
+        with torch.no_grad():
+            for _ in range(0, args.steps, args.round):
+                for name, r in runners.items():
+                    steps = ids[pos: pos + args.round]
+                    if name == "stock":
+                        for t in steps:
+                            s = time.perf_counter()
+                            r.step([t]).argmax()
+                            times[name].append(time.perf_counter() - s)
+                    else:
+                        with attach(model, methods[name], tok):
+                            for t in steps:
+                                s = time.perf_counter()
+                                forward(model, [t], r).argmax()
+                                times[name].append(time.perf_counter() - s)
+                pos += args.round
         med = {k: statistics.median(v) for k, v in times.items()}
-        comp = {name: breakdown(caches[name][0].timings, times[name]) for name in times}
-        row = {"N": n, "s_per_token": med, "ratio_to_" + base: {k: v / med[base] for k, v in med.items()},
-               "prefill_s": prefill_s, "breakdown_s_per_token": comp,
-               "attended": {k: caches[k][0].attended_stats() for k in methods}}
+        print(f"N={n}  (load {os.getloadavg()[0]:.1f})")
+        row = {"N": n, "load": os.getloadavg(), "methods": {}}
+        for name in runners:
+            d = {"decode_ms": med[name] * 1e3, "decode_vs_stock": med[name] / med["stock"],
+                 "decode_vs_full": med[name] / med["full"], "prefill_s": prefill_s[name],
+                 "prefill_vs_full": prefill_s[name] / prefill_s["full"], "prefill_peak_rss_gb": peak[name] / 1e9}
+            if name != "stock":
+                d["breakdown_ms"] = {k: v * 1e3 for k, v in breakdown(runners[name].timings, times[name]).items()}
+                d["attended_tokens"] = runners[name].attended_stats()["attended_tokens"]
+            row["methods"][name] = d
+            print(f"  {name:16s} decode {d['decode_ms']:7.1f} ms/token  x{d['decode_vs_stock']:.3f} stock  "
+                  f"x{d['decode_vs_full']:.3f} full   prefill {d['prefill_s']:6.1f} s  x{d['prefill_vs_full']:.2f} "
+                  f"full   peak RSS {d['prefill_peak_rss_gb']:.2f} GB"
+                  + ("" if name == "stock" else "   breakdown ms: "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in d["breakdown_ms"].items())))
+        print(f"  harness overhead of full over the bare greedy loop (stock): "
+              f"{(med['full'] / med['stock'] - 1) * 100:+.1f}%")
         rows.append(row)
-        print(f"N={n:6d}  " + "   ".join(f"{k} {v * 1e3:7.1f} ms/token" for k, v in med.items()) + "   ratio "
-              + ", ".join(f"{k}/{base} {v / med[base]:.3f}" for k, v in med.items() if k != base)
-              + "   (prefill s: " + ", ".join(f"{k} {v:.1f}" for k, v in prefill_s.items()) + ")")
-        for name in times:
-            att = row["attended"][name]["attended_tokens"]
-            print(f"          {name} breakdown ms/token: "
-                  + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in comp[name].items())
-                  + (f"; attended tokens/layer/step {att:.0f}" if att is not None else ""))
-        del caches
+        del runners
+    print(f"process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB; load {os.getloadavg()}")
+    table = markdown(rows, order)
+    print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+
+
+def markdown(rows: list[dict], order: list[str]) -> str:
+    """Decode time per token / stock's, prefill time / full's, peak RSS of the prefill (GB), per N."""
+    lines = ["| method | " + " | ".join(f"N={r['N']:,}: decode/stock, prefill/full, GB" for r in rows) + " |",
+             "|---" * (len(rows) + 1) + "|"]
+    for name in order:
+        cells = []
+        for r in rows:
+            d = r["methods"].get(name)
+            cells.append("—" if d is None else
+                         f"{d['decode_vs_stock']:.2f}, {d['prefill_vs_full']:.2f}, {d['prefill_peak_rss_gb']:.1f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -288,19 +288,67 @@ def exact_attention(store: "KVStore", query: torch.Tensor, scaling: float,
     return sdpa(query, store.keys, store.values, scaling, mask)
 
 
+def _flash_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Causal SDPA that also returns each query's log-sum-exp of its logits (torch's CPU flash kernel, which
+    computes it anyway), or None where that kernel is not available (other devices, other torch builds).
+    query/key/value [B, H, L, D] with the same head size and heads."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is None or query.device.type != "cpu":
+        return None
+    try:
+        out, lse = op(query, key, value, 0.0, True, scale=scale)
+    except RuntimeError:  # pragma: no cover - an unsupported dtype/shape in some build: the caller falls back
+        return None
+    return out, lse
+
+
+def _mass_by_transposed_flash(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scaling: float
+                              ) -> torch.Tensor | None:
+    """Column masses of a causal prefill, sum_i exp(s q_i.k_j - lse_i) over queries i >= j, without the N x N
+    weights: it is a log-sum-exp over *queries* for each *key*, i.e. attention with the roles swapped. The
+    -lse_i term rides in one extra head dimension (key j -> [s k_j, 1], query i -> [q_i, -lse_i], scale 1) and
+    reversing both sequences turns "i >= j" into a causal mask, so the flash kernel's own lse is log(mass).
+    q, k [B, H, N, D] (same heads), lse [B, H, N]. Returns mass [B, H, N] float32, or None (no kernel)."""
+    b, h, n, d = q.shape
+    dp = -(-(d + 1) // 8) * 8  # pad to a multiple of 8 (the kernel's vector width): same speed as d
+    qt = q.new_zeros(b, h, n, dp)
+    kt = q.new_zeros(b, h, n, dp)
+    qt[..., :d] = k.flip(2) * scaling
+    qt[..., d] = 1.0
+    kt[..., :d] = q.flip(2)
+    kt[..., d] = -lse.flip(2).to(q.dtype)
+    res = _flash_with_lse(qt, kt, torch.zeros_like(kt), 1.0)
+    if res is None:
+        return None
+    return res[1].flip(2).float().exp()
+
+
 def attention_with_mass(store: "KVStore", query: torch.Tensor, scaling: float,
                         chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of the last query chunk over everything held, and the attention mass each held token
     received, summed over the queries and over the query heads of each KV group (GQA): returns
-    (output [B, Hq, Lq, Dv], mass [B, Hkv, n] float32). Softmax in fp32. Queries are processed ``chunk`` at a
-    time so a long prefill never materialises the full N x N weights (a prefill-only loop; a decode step is one
-    chunk)."""
+    (output [B, Hq, Lq, Dv], mass [B, Hkv, n] float32).
+
+    A causal prefill (the queries are everything held) on CPU never materialises softmax weights: one flash
+    SDPA gives the output and each query's log-sum-exp, a second flash pass with queries and keys swapped gives
+    the column masses from them (``_mass_by_transposed_flash``); about twice an SDPA prefill's attention cost.
+    Otherwise (decode steps, query chunks after a prefix, other devices) the weights are computed explicitly:
+    fp32 softmax, queries ``chunk`` at a time so a long prefill never holds the N x N weights."""
     k, v = store.keys, store.values
     b, hq, lq, d = query.shape
     hkv, n = k.shape[1], k.shape[2]
     g = hq // hkv
-    q = query.view(b, hkv, g, lq, d)
     past = n - lq
+    if past == 0 and lq > 1 and v.shape[-1] == d:
+        ke = k.repeat_interleave(g, dim=1) if g > 1 else k
+        ve = v.repeat_interleave(g, dim=1) if g > 1 else v
+        res = _flash_with_lse(query, ke, ve, scaling)
+        if res is not None:
+            mass = _mass_by_transposed_flash(query, ke, res[1], scaling)
+            if mass is not None:
+                return res[0], mass.view(b, hkv, g, n).sum(2)
+    q = query.view(b, hkv, g, lq, d)
     out = query.new_empty(b, hkv, g, lq, v.shape[-1])
     mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=query.device)
     for s in range(0, lq, chunk):

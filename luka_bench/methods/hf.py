@@ -131,7 +131,10 @@ class KVStore(CacheLayerMixin):
             self._allocate(key_states, value_states, cap)
         self._k[:, :, self.n : need] = key_states
         self._v[:, :, self.n : need] = value_states
-        self._pos[:, :, self.n : need] = torch.arange(self.seen, self.seen + L, device=key_states.device)
+        if L == 1:  # a decode step: one op, no temporary
+            self._pos[:, :, self.n].fill_(self.seen)
+        else:
+            self._pos[:, :, self.n : need] = torch.arange(self.seen, self.seen + L, device=key_states.device)
         for a in self._aux.values():
             a[:, :, self.n : need] = 0
         self.n = need

@@ -67,7 +67,9 @@ class LuKAPolicy(LayerPolicy):
         self.imp: list[torch.Tensor | None] = [None] * (method.levels + 1)  # accumulated mass per level-l node
         self.P = [0] * (method.levels + 2)  # P[l]: number of level-l nodes; P[levels+1] = 0
         self.steps = 0
-        self.last_masses: torch.Tensor | None = None  # for tests: sum of resolved masses per (head, query)
+        self._last_p: torch.Tensor | None = None  # the fast path's resolved masses (last_masses, for tests)
+        self._last_total: torch.Tensor | None = None
+        self.last_refined: torch.Tensor | None = None  # pages the last decode step refined [B, Hkv, K] (fast path)
         # Decode fast path (one query, one level): the cover's keys/values [sink | page summaries | raw tail] in
         # one buffer, rebuilt when pages are made and appended to as tokens arrive, so a step is one matmul over
         # the cover instead of one per part.
@@ -131,7 +133,12 @@ class LuKAPolicy(LayerPolicy):
         return hit > 0
 
     def attended_extra(self) -> int:
-        return 0 if self._att is None else self._att[3]
+        if self._att is None:
+            return 0
+        x = self._att[3]
+        if isinstance(x, torch.Tensor):  # the decode path's refined-page mask [B, Hkv, K]: pages not refined
+            return self.P[1] - int(x.sum(-1).float().mean().round())
+        return x
 
     def after_prefill(self, store) -> None:
         with store.cache.span("segment_compress", store.device):
@@ -264,9 +271,14 @@ class LuKAPolicy(LayerPolicy):
 
     def decode_step(self, store, query, scaling):
         """The per-token path (one query, one summary level): the same computation as ``clustered``, in the
-        fewest tensor operations — logits over the whole cover in one matmul, one gather per K/V of the chosen
-        pages (whole pages through a [pages, page_size * D] view of the raw storage), one softmax, two output
-        matmuls. ``tests/test_luka_clustered.py`` checks it against ``clustered``."""
+        fewest tensor operations (per layer and step ~20 small ops, so the fixed cost stays well below the
+        attention it saves) — the query pre-scaled once; logits over the whole cover in one matmul; the page
+        masses for the rule from one fused softmax; one gather per K/V of the chosen pages (whole pages through a
+        [pages, page_size * D] view of the raw storage); the refined parents masked in place; one softmax over
+        cover + children; two output matmuls. Importance is accumulated only where it will be read: the raw
+        tokens not yet in a page (sinks are never summarised, paged tokens never again; page importance is
+        read only by level-2 nodes, which this path does not serve). ``tests/test_luka_clustered.py`` checks it
+        against ``clustered``."""
         m = self.method
         S, s0, P, fr = m.page_size, m.sink, self.P[1], self.frontier
         cache, dev = store.cache, query.device
@@ -275,37 +287,41 @@ class LuKAPolicy(LayerPolicy):
         K, V = store.keys, store.values
         hkv, n = K.shape[1], K.shape[2]
         g = hq // hkv
-        q = query.reshape(b, hkv, g, d)
+        q = query.reshape(b, hkv, g, d) * scaling
         ck, cv = self._cover(store)
         C = ck.shape[2]
-        logit = torch.matmul(q, ck.transpose(-1, -2)).float() * scaling  # [B, Hkv, g, C]
+        logit = torch.matmul(q, ck.transpose(-1, -2)).float()  # [B, Hkv, g, C]
         if m.summary_bias != "none":
             logit[..., s0: s0 + P] += m.bias(1)
         t1 = cache.mark(dev)
         sel = None
         if m.refine.rule != "none":
-            lse = torch.logsumexp(logit, -1, keepdim=True)
-            sel = self._select(torch.exp(logit[..., s0: s0 + P] - lse).sum(2).unsqueeze(2))
+            sel = self._select(torch.softmax(logit, -1)[..., s0: s0 + P].sum(2, keepdim=True))
+        self.last_refined = None if sel is None else sel[0][:, :, 0]
         if sel is not None:
-            idx, valid = sel[0][:, :, 0], sel[1][:, :, 0]  # [B, Hkv, K]
+            idx = sel[0][:, :, 0]  # [B, Hkv, K] page ids
             k_sel = idx.shape[-1]
             dv = V.shape[-1]
             gi = idx.unsqueeze(-1)
             kk = K[:, :, s0: s0 + P * S].reshape(b, hkv, P, S * d).gather(2, gi.expand(-1, -1, -1, S * d))
             vv = V[:, :, s0: s0 + P * S].reshape(b, hkv, P, S * dv).gather(2, gi.expand(-1, -1, -1, S * dv))
             kk, vv = kk.view(b, hkv, k_sel * S, d), vv.view(b, hkv, k_sel * S, dv)
-            cl = torch.matmul(q, kk.transpose(-1, -2)).float() * scaling  # [B, Hkv, g, K*S]
-            pidx = (idx + s0).unsqueeze(2).expand(-1, -1, g, -1)
-            parent = logit.gather(-1, pidx)  # [B, Hkv, g, K]
-            cl5 = cl.view(b, hkv, g, k_sel, S)
+            cl = torch.matmul(q, kk.transpose(-1, -2)).float()  # [B, Hkv, g, K*S]
+            pidx = (idx + s0 if s0 else idx).unsqueeze(2).expand(-1, -1, g, -1)
             if m.refine.mass == "parent":
-                cl5 = cl5 + (parent - torch.logsumexp(cl5, -1)).unsqueeze(-1)
-            vmask = valid.unsqueeze(2).expand(-1, -1, g, -1)
-            cl = cl5.masked_fill(~vmask.unsqueeze(-1), NEG).view(b, hkv, g, k_sel * S)
-            logit = logit.scatter(-1, pidx, parent.masked_fill(vmask, NEG))
+                parent = logit.gather(-1, pidx)  # [B, Hkv, g, K]
+                cl5 = cl.view(b, hkv, g, k_sel, S)
+                cl = (cl5 + (parent - torch.logsumexp(cl5, -1)).unsqueeze(-1)).view(b, hkv, g, k_sel * S)
+            valid = sel[1][:, :, 0]  # [B, Hkv, K]: False for padding in a threshold rule's top-K
+            if m.refine.rule == "threshold":  # pages below the threshold in a padded top-K stay unrefined
+                vmask = valid.unsqueeze(2).expand(-1, -1, g, -1)
+                cl = cl.view(b, hkv, g, k_sel, S).masked_fill(~vmask.unsqueeze(-1), NEG).view(b, hkv, g, -1)
+                logit = logit.scatter(-1, pidx, logit.gather(-1, pidx).masked_fill(vmask, NEG))
+            else:
+                logit.scatter_(-1, pidx, NEG)
             raw_ids = ((idx * S + s0).unsqueeze(-1) + torch.arange(S, device=dev))
-            self._att = (fr, n, [(raw_ids, valid.unsqueeze(-1).expand_as(raw_ids))],
-                         P - int(valid.sum(-1).float().mean().round()))
+            # what this step read (LayerPolicy.attended): resolved lazily, so it costs nothing unless asked
+            self._att = (fr, n, [(raw_ids, valid.unsqueeze(-1).expand_as(raw_ids))], valid)
             t2 = cache.mark(dev)
             p = torch.softmax(torch.cat([logit, cl], -1), -1)
             out = torch.matmul(p[..., :C].to(cv.dtype), cv) + torch.matmul(p[..., C:].to(vv.dtype), vv)
@@ -314,22 +330,21 @@ class LuKAPolicy(LayerPolicy):
             t2 = cache.mark(dev)
             p = torch.softmax(logit, -1)
             out = torch.matmul(p.to(cv.dtype), cv)
-        self.last_masses = p.sum(-1).unsqueeze(-1)  # [B, Hkv, g, 1]
-        if self._needs_mass():
-            pm = p.sum(2)  # per KV head [B, Hkv, C (+ K*S)]
-            acc = store.aux(MASS)
-            if s0:
-                acc[:, :, :s0] += pm[..., :s0]
-            acc[:, :, fr:n] += pm[..., s0 + P: C]
-            self.imp[1][:, :, :P] += pm[..., s0: s0 + P]
-            if sel is not None:
-                raw = ((idx * S + s0).unsqueeze(-1) + torch.arange(S, device=idx.device)).view(b, hkv, -1)
-                acc.scatter_add_(2, raw, pm[..., C:])
+        self._last_p, self._last_total = p, None
+        if self._needs_mass() and C > s0 + P:
+            store.aux(MASS)[:, :, fr:n] += p[..., s0 + P: C].sum(2)
         t3 = cache.mark(dev)
         cache.add_span("attention", t0, t1)
         cache.add_span("attention", t2, t3)
         cache.add_span("refinement", t1, t2)
         return out.reshape(b, hq, 1, -1).to(query.dtype)
+
+    @property
+    def last_masses(self) -> torch.Tensor | None:
+        """For tests: the sum of the resolved masses per (KV head, query head, query) of the last attend."""
+        if self._last_p is not None:
+            return self._last_p.sum(-1).unsqueeze(-1)  # [B, Hkv, g, 1]
+        return self._last_total
 
     def clustered(self, store, query, scaling):
         m = self.method
@@ -426,7 +441,7 @@ class LuKAPolicy(LayerPolicy):
                     ids = p.ids if p.ids is not None else \
                         torch.arange(p.lo, p.lo + mass.shape[-1], device=dev).expand(b, hkv, lq, -1)
                     self.imp[1].scatter_add_(2, ids.reshape(b, hkv, -1), mass.reshape(b, hkv, -1))
-        self.last_masses = total
+        self._last_p, self._last_total = None, total
         t3 = cache.mark(dev)
         cache.add_span("attention", t0, t1)
         cache.add_span("attention", t2, t3)
