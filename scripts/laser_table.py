@@ -108,11 +108,21 @@ def main() -> None:
             if v.startswith(("exact", "lsh", "laser")):
                 over += [f"method.block_size={args.block}", f"method.budget={args.r}"]
             elif v != "full":
-                over += [f"method.budget={budgets[length]}"]
+                # a folder started earlier keeps its budget (the mean over fewer samples differs in the 5th
+                # decimal, and a run folder is never rewritten with another config); the table prints each's
+                over += [f"method.budget={started_budget(sweep / f'{length}_{v}') or budgets[length]}"]
             print(f"[laser_table] {length} {v}: {' '.join(over)}", flush=True)
             run(compose(over), sweep / f"{length}_{v}")
     table(sweep, lengths, variants, args.tasks.split(","), budgets, Path(args.out),
           {k: int(v) for k, v in limits.items()})
+
+
+def started_budget(folder: Path) -> float | None:
+    """method.budget of a run folder already started (None if there is none)."""
+    import yaml
+
+    cfg = folder / "config.yaml"
+    return yaml.safe_load(cfg.read_text())["method"]["budget"] if cfg.exists() else None
 
 
 def table(sweep: Path, lengths, variants, tasks, budgets, out: Path, limits: dict[str, int]) -> None:
