@@ -100,10 +100,12 @@ class Capture:
     q: list[torch.Tensor]
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    ids: list[int] | None = None  # token ids in the stored order (context, then each continuation's)
 
     def to(self, dtype: torch.dtype, device) -> "Capture":
         f = (lambda xs: [x.to(device=device, dtype=dtype) for x in xs])
-        return Capture(self.infos, self.scaling, self.context, self.lengths, f(self.q), f(self.k), f(self.v))
+        return Capture(self.infos, self.scaling, self.context, self.lengths, f(self.q), f(self.k), f(self.v),
+                       self.ids)
 
 
 def _key(model_cfg: dict, prompt: Prompt) -> str:
@@ -142,8 +144,9 @@ def capture(lm, prompt: Prompt, cache_dir: str | Path | None = None, model_cfg: 
         path = Path(cache_dir).expanduser() / f"{_key(model_cfg or {'name': lm.name}, prompt)}.pt"
         if path.exists():
             d = torch.load(path, weights_only=False)
-            d["infos"] = [LayerInfo(**i) for i in d["infos"]]
-            return Capture(**d)
+            if d.get("ids") is not None:  # captures stored before token ids were kept are redone
+                d["infos"] = [LayerInfo(**i) for i in d["infos"]]
+                return Capture(**d)
     model = lm.model
     with attach(model, _Record()) as att:
         cache = att.new_cache()
@@ -152,17 +155,18 @@ def capture(lm, prompt: Prompt, cache_dir: str | Path | None = None, model_cfg: 
         qs = [torch.cat(s.policy.queries, 2) for s in cache.stores]
         ks = [s.keys.clone() for s in cache.stores]
         vs = [s.values.clone() for s in cache.stores]
-        lengths = []
+        lengths, ids = [], list(cache.token_ids)
         for j in range(len(prompt.chunks)):
             c = cache.clone()
             lengths.append(_continue(model, c, prompt, j))
+            ids += c.token_ids[n_ctx:]
             for i, s in enumerate(c.stores):
                 qs[i] = torch.cat([qs[i], torch.cat(s.policy.queries, 2)[:, :, n_ctx:]], 2)
                 ks[i] = torch.cat([ks[i], s.keys[:, :, n_ctx:]], 2)
                 vs[i] = torch.cat([vs[i], s.values[:, :, n_ctx:]], 2)
         infos = [s.policy.info for s in cache.stores]
         scaling = float(cache.stores[0].policy.scaling)
-    cap = Capture(infos, scaling, n_ctx, lengths, qs, ks, vs)
+    cap = Capture(infos, scaling, n_ctx, lengths, qs, ks, vs, ids)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         store_dtype = torch.float16 if qs[0].dtype == torch.float32 else qs[0].dtype
@@ -245,7 +249,11 @@ class Observer:
 
 
 def replay(method: KVMethod, cap: Capture, topk: int, tag: tuple = (0,)) -> Observer:
-    """Replay one capture through ``method`` without the model; returns the observer with its rows."""
+    """Replay one capture through ``method`` without the model, forward by forward as the runner feeds it: the
+    context in the method's prefill chunks (``KVMethod.prefill_chunk``, e.g. LASER-KV's blocks; else at once),
+    each forward's token ids announced first (``add_tokens``) and ``after_forward`` after its last layer, then
+    ``end_prefill``. No question ids are given (a replay cannot run the scratch forward a question-aware method
+    would): LASER-KV is probed question-agnostic. Returns the observer with its rows."""
     from luka_bench.methods.hf import MethodCache, replay_forward
 
     obs = Observer(topk)
@@ -253,18 +261,25 @@ def replay(method: KVMethod, cap: Capture, topk: int, tag: tuple = (0,)) -> Obse
     cache.observer = obs
     cache.reference_length = cap.context
     n = cap.context
-    with torch.no_grad():
+
+    def one(c: MethodCache, sl: slice) -> None:
+        if cap.ids is not None:
+            c.add_tokens(cap.ids[sl])
         for i in range(len(cap.infos)):
-            replay_forward(cache, i, cap.k[i][:, :, :n], cap.v[i][:, :, :n], cap.q[i][:, :, :n], cap.scaling)
+            replay_forward(c, i, cap.k[i][:, :, sl], cap.v[i][:, :, sl], cap.q[i][:, :, sl], cap.scaling)
+        c.after_forward()
+
+    with torch.no_grad():
+        step = int(method.prefill_chunk() or 0) or n
+        for s in range(0, n, step):
+            one(cache, slice(s, min(n, s + step)))
         cache.end_prefill()
         off = n
         for j, lengths in enumerate(cap.lengths):
             c = cache.clone()
             for t, L in enumerate(lengths):
                 obs.tag = tag + (j, t)
-                for i in range(len(cap.infos)):
-                    sl = slice(off, off + L)
-                    replay_forward(c, i, cap.k[i][:, :, sl], cap.v[i][:, :, sl], cap.q[i][:, :, sl], cap.scaling)
+                one(c, slice(off, off + L))
                 off += L
     return obs
 
@@ -276,7 +291,7 @@ def closed_loop(lm, method: KVMethod, prompt: Prompt, topk: int, tag: tuple = (0
     from luka_bench.run import forward, prefill
 
     obs = Observer(topk)
-    with attach(lm.model, method) as att:
+    with attach(lm.model, method, lm.tokenizer) as att:
         cache = att.new_cache()
         cache.observer = obs
         prefill(lm.model, prompt.context, cache)
@@ -475,6 +490,8 @@ def probe(cfg, out_dir: str | Path, overrides: list[str] | None = None):
         raise MethodConfigError(f"probe.steps={steps} and probe.topk={topk} must be integers >= 1")
     task = instantiate(cfg.data)
     lm = instantiate(cfg.model).load()
+    for _, method in methods:  # methods that read token strings (LycheeCluster) need the tokenizer
+        method.bind(lm.tokenizer)
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     todo = prompts(lm, task, steps, int(p.questions))
     out_dir = Path(out_dir)

@@ -72,9 +72,10 @@ def forward(model, ids: list[int] | torch.Tensor, cache: MethodCache, chunk: int
 
 @torch.no_grad()
 def prefill(model, ids: list[int], cache: MethodCache, chunk: int = 0) -> torch.Tensor:
-    """Prefill the context and let the method compress it. Returns the last position's logits."""
+    """Prefill the context (in chunks of the method's ``prefill_chunk()`` if it asks, else of ``chunk``; 0: at
+    once) and let the method compress it. Returns the last position's logits."""
     cache.reference_length = len(ids)
-    logits = forward(model, ids, cache, chunk)
+    logits = forward(model, ids, cache, cache.method.prefill_chunk() or chunk)
     cache.end_prefill()
     return logits
 

@@ -126,3 +126,23 @@ def test_command_writes_tables(tmp_path, monkeypatch):
             assert (tmp_path / "out" / f).exists()
         with pytest.raises(MethodConfigError, match="h20"):
             P.compose_method("h20", [])
+
+
+def test_block_prefill_is_replayed_block_by_block(cap):
+    # LASER-KV selects after each prefill block (after_forward); a replay that fed the context at once would
+    # compress once at the end (or not at all). After the prefill every layer holds the closed form's count.
+    from luka_bench.methods.laser_kv import held_tokens
+
+    m = _method("laser_kv", "method.block_size=64", "method.budget=0.25")
+    df = _df(P.replay(m, cap, topk=8))
+    first = df[df["step"] == df["step"].min()]
+    seen = cap.context + sum(cap.lengths[0][: int(first["step"].iloc[0]) + 1])
+    held = first["held"] * seen
+    expect = held_tokens(cap.context, 64, 0.25, 4) + seen - cap.context
+    assert held_tokens(cap.context, 64, 0.25, 4) != held_tokens(cap.context, cap.context, 0.25, 4)  # blocks matter
+    assert (held - expect).abs().max() < 1e-3, (held.unique(), expect)
+
+
+def test_capture_keeps_the_token_ids(cap):
+    pr = _prompt()
+    assert cap.ids == pr.context + pr.chunks[0] + pr.forced[0]
