@@ -21,8 +21,10 @@ class RunConfigError(ValueError):
 
 
 def writable_dir_problem(path: str | Path) -> str | None:
-    """Why ``path`` cannot be (or become) a writable folder, or None when it can. Nothing is created: the
-    nearest existing ancestor must be a folder this process may write into."""
+    """Why ``path`` cannot be (or become) a writable folder, or None when it can. Nothing is left behind: the
+    nearest existing folder on the way (``path`` itself or an ancestor) must be one this process may write into,
+    checked by making a hidden empty folder there and removing it at once (``os.access`` says yes to root
+    everywhere, also in ``/proc``, which refuses new files and folders)."""
     p = Path(os.path.abspath(os.path.expanduser(str(path))))
     probe = p
     while not probe.exists():
@@ -33,6 +35,12 @@ def writable_dir_problem(path: str | Path) -> str | None:
         return f"{probe} is a file, not a folder"
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{probe} is not writable"
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".luka_bench_probe_", dir=probe))
+    except OSError as e:
+        return f"{probe} does not accept new folders ({type(e).__name__}: {e.strerror})"
     return None
 
 

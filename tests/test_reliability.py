@@ -180,6 +180,32 @@ def test_unwritable_logger_dir_is_one_line(finished, tmp_path, capsys):
                       f"hydra.run.dir={finished}"], finished, capsys, "logger.dir=", "is a file")
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+@pytest.mark.parametrize("key", ["hydra.run.dir", "hydra.sweep.dir", "logger.dir"])
+def test_output_dir_in_proc_is_one_line(finished, capsys, key):
+    """/proc refuses new folders even to root, for whom os.access says it is writable: Hydra's own mkdir used
+    to end in a traceback (exit 1)."""
+    args = [*TINY, f"{key}=/proc/luka_bench_x/y", f"hydra.run.dir={finished}"]
+    if key == "hydra.run.dir":
+        args = [*TINY, f"{key}=/proc/luka_bench_x/y"]
+    elif key == "hydra.sweep.dir":
+        args = ["-m", *TINY, f"{key}=/proc/luka_bench_x/y"]
+    else:
+        args = [*TINY, "logger=wandb", "logger.mode=offline", *args[len(TINY):]]
+    assert_bad_input(args, finished, capsys, f"{key}=/proc/luka_bench_x/y", "/proc")
+    assert not Path("/proc/luka_bench_x").exists()
+
+
+def test_writable_dir_probe_leaves_nothing(tmp_path):
+    from luka_bench.errors import writable_dir_problem
+
+    assert writable_dir_problem(tmp_path / "a" / "b") is None
+    assert writable_dir_problem(tmp_path) is None
+    assert list(tmp_path.iterdir()) == []
+    if Path("/proc/self").is_dir():
+        assert "/proc" in writable_dir_problem("/proc")  # exists, but takes no new folders (root included)
+
+
 def test_unwritable_logger_dir_set_in_a_config_is_one_line(finished, tmp_path, capsys, monkeypatch):
     """The same check when the folder does not come from the command line (the tracker checks it)."""
     from luka_bench.errors import RunConfigError

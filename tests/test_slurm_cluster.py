@@ -81,7 +81,10 @@ def _report(sweep: Path):
 def test_sweep_on_a_real_slurm_cluster_kill_one_job_rerun_and_report(slurm_env, tmp_path):
     sweep = tmp_path / "sweeps" / "slurm_grid"
     cmd = [sys.executable, "-m", "luka_bench", *SWEEP, f"hydra.sweep.dir={sweep}"]
-    # 1. submit the array and kill one job (SIGKILL to every step: no chance to finish) once it is evaluating
+    # 1. submit the array and kill one job once it is evaluating: SIGKILL to its step 0 (submitit's `srun`), so it
+    #    has no chance to finish. Not `scancel --full --signal=KILL <job>`: SLURM turns a job-level KILL into a
+    #    cancel (SIGCONT + SIGTERM, SIGKILL only after KillWait, 5 s here), submitit ignores the SIGTERM, and a
+    #    job that needs less than that to finish (tiny_llama on an idle machine) finished before the kill
     first = subprocess.Popen(cmd, cwd=ROOT, env=slurm_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
     victim = sweep / JOBS[KILLED]
@@ -91,7 +94,7 @@ def test_sweep_on_a_real_slurm_cluster_kill_one_job_rerun_and_report(slurm_env, 
         if (victim / "env.json").exists() and not (victim / "metrics.json").exists():
             job = next((p.name for p in (sweep / ".submitit").glob(f"*_{KILLED}")), None)
             if job is not None:
-                subprocess.run(["scancel", "--full", "--signal=KILL", job], env=slurm_env, check=True, timeout=30)
+                subprocess.run(["scancel", "--signal=KILL", f"{job}.0"], env=slurm_env, check=True, timeout=30)
                 killed = job
         time.sleep(0.1)
     out1, _ = first.communicate(timeout=300)
