@@ -13,7 +13,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from em_with_se import paired, summary  # noqa: E402
 
-SETTINGS = {  # run-folder suffix (Hydra override dirname) -> label; the first is the base of the differences
+SETTINGS = {  # run-folder suffix (Hydra override dirname) -> label; differences are to lined at 1/8
+    "method=full": "full attention",
     "method=luka_lined": "luka_lined (1/8)",
     "method.budget=0.3,method=luka_lined": "luka_lined budget 0.3",
     "method=luka_clustered": "luka_clustered (paper: k 3, sink 0)",
