@@ -31,6 +31,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import _conf  # noqa: E402  (scripts/_conf.py)
 REFS = ("stock", "full")
 
 
@@ -39,13 +41,8 @@ def all_methods() -> list[str]:
 
 
 def compose_method(name: str, sets: list[str]):
-    from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
-
-    overrides = [f"method={name}"] + ([f"method.{s}" for s in sets] if name == "luka_clustered" else [])
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-    return instantiate(cfg.method), cfg.model
+    """The method ``name`` (``--set`` overrides apply to luka_clustered only) and the model config."""
+    return _conf.compose_method([f"method={name}"] + ([f"method.{s}" for s in sets] if name == "luka_clustered" else []))
 
 
 def _status(key: str) -> int:

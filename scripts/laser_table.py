@@ -24,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import _conf  # noqa: E402  (scripts/_conf.py: the scripts' Hydra composition)
+
 VARIANTS = {  # name -> method overrides (block size and budget added below)
     "full": ["method=full"],
     "exact": ["method=laser_kv", "method.alpha=1.0"],
@@ -35,19 +37,7 @@ VARIANTS = {  # name -> method overrides (block size and budget added below)
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hcompose
-    from hydra import initialize_config_dir
-    from omegaconf import open_dict
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = hcompose(config_name="config", overrides=overrides, return_hydra_config=True)
-    choices = cfg.hydra.runtime.choices
-    with open_dict(cfg):
-        for g in ("model", "method", "data"):
-            cfg[f"{g}_name"] = choices[g]
-        del cfg["hydra"]
-        cfg.pop("sweep_name", None)
-    return cfg
+    return _conf.compose(overrides, run_names=True)
 
 
 def context_lengths(data_overrides: list[str]) -> list[int]:

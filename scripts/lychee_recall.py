@@ -27,16 +27,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import _conf  # noqa: E402  (scripts/_conf.py)
+
 VARIANTS = {"ub": [], "qmu": ["ranking=qmu"], "fixed": ["chunking=fixed"], "max": ["pooling=max"]}
 
 
 def compose_method(sets: list[str]):
-    from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=["method=lychee"] + [f"method.{s}" for s in sets])
-    return instantiate(cfg.method), cfg.model
+    return _conf.compose_method(["method=lychee"] + [f"method.{s}" for s in sets])
 
 
 def true_top_recall(store, policy, query: torch.Tensor, top: int) -> torch.Tensor:

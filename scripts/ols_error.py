@@ -33,7 +33,7 @@ import torch
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, attention_with_extra, attention_with_mass, \
     exact_attention, top_indices
 from luka_bench.methods.entropy_ols import EntropyOLS
-from luka_bench.methods.hf import MethodCache, attach, layer_infos
+from luka_bench.methods.hf import MethodCache, attach
 
 
 # -- capture (small and general: a probe can absorb it) ------------------------------------------------------
@@ -154,7 +154,7 @@ def summarise(rows: list[dict], out: Path, meta: str, prefix_tokens: int) -> str
              for m in METHODS for rho in rhos}
     fairr = {(m, rho): sum(r["fair_ratio"] for r in rows if r["method"] == m and r["keep_ratio"] == rho) / len(layers)
              for m in METHODS for rho in rhos}
-    lines = [f"# Attention-output relative error vs keep ratio (held-out queries)\n", meta, "",
+    lines = ["# Attention-output relative error vs keep ratio (held-out queries)\n", meta, "",
              "Mean over layers of the relative error on held-out queries (in brackets: on the fitted reference "
              "queries); FAIR = held entries / prefix tokens, REAL = bytes held (keys, values, synthetic entries, "
              "biases, reference-query buffer) / the prefix's full KV bytes.", "",
