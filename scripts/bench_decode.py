@@ -5,12 +5,16 @@ References: ``stock`` is the model as users run it today — transformers' own S
 our harness with exact attention. Every other method is any ``conf/method/<name>.yaml`` (its defaults, plus
 ``--set`` overrides for luka_clustered).
 
-For each context length N: prefill N tokens of real text (Paul Graham essays) once per method, then decode the
-following tokens (teacher-forced, so every method sees the same inputs) in alternating rounds — ``--round``
-steps of each method in turn — so machine noise hits all alike. Prints per method: decode ms/token (median over
-steps), its ratio to stock and to our full, prefill seconds and ratio to full, peak RSS of its prefill (the
-process's high-water mark is reset before each prefill), and the component breakdown. ``full``'s ratio to
-stock is the harness overhead over a bare greedy loop. Ends with a markdown table of the ratios.
+For each context length N: prefill N tokens of real text (Paul Graham essays) once per method (``--prefill-reps``
+times in turn, the fastest kept), then decode the following tokens (teacher-forced, so every method sees the
+same inputs) in alternating rounds — ``--round`` steps of each method in turn — so machine noise hits all alike.
+From ``--isolate-from`` on (default 32K) the methods run one at a time instead: prefill, decode, free, so that
+every method's cache need not fit at once and each peak RSS is the method's own. Prints per method: decode
+ms/token (median over steps), its ratio to stock and to our full, prefill seconds and ratio to full, peak RSS of
+its prefill (the process's high-water mark is reset before each prefill; "from" is the RSS just before it, which
+in the interleaved mode holds the caches of the methods before it), and the component breakdown. ``full``'s
+ratio to stock is the harness overhead over a bare greedy loop. ``--json`` is rewritten after every method, so a
+long run that is stopped keeps what it measured. Ends with a markdown table of the ratios.
 
     .venv/bin/python scripts/bench_decode.py                                # every method, N = 2K, 8K, 16K
     .venv/bin/python scripts/bench_decode.py --lengths 8192 --methods luka_clustered --steps 64 --threads 2
@@ -19,6 +23,7 @@ stock is the harness overhead over a bare greedy loop. Ends with a markdown tabl
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -91,10 +96,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48, help="decode steps per method (a multiple of --round)")
     ap.add_argument("--round", type=int, default=16, help="steps per alternating round")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--table-from", nargs="+", default=None, metavar="JSON",
+                    help="measure nothing: merge earlier --json outputs into the markdown table (--markdown), one "
+                         "column per N, a later file's N replacing an earlier's (runs made at different lengths)")
+    ap.add_argument("--prefill-reps", type=int, default=1,
+                    help="prefill every method this many times, in turn; its fastest is reported")
+    ap.add_argument("--isolate-from", type=int, default=32768, metavar="N",
+                    help="at N and longer, one method at a time (prefill, decode, free), so each peak RSS is the "
+                         "method's own and every method's cache held at once need not fit (default 32768)")
     ap.add_argument("--set", nargs="*", default=[], help="luka_clustered overrides, e.g. refine.k=3")
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
     ap.add_argument("--markdown", type=str, default=None, help="also write the ratio table here")
     args = ap.parse_args()
+    if args.table_from:
+        rows = merge_rows([json.loads(Path(f).read_text()) for f in args.table_from])
+        order = ["stock", "full"] + sorted({m for r in rows for m in r["methods"]} - set(REFS))
+        table = markdown(rows, order)
+        print(table)
+        if args.markdown:
+            Path(args.markdown).write_text(table + "\n")
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     known = all_methods()
@@ -128,8 +149,14 @@ def main() -> None:
         if n + args.steps > lm.max_context:  # fine for timing: RoPE positions are computed, not looked up
             print(f"note: N={n} + {args.steps} steps is beyond {lm.name}'s trained context ({lm.max_context}); "
                   "outputs are meaningless there, timings are not")
-        runners, prefill_s, peak = {}, {}, {}
-        for name in order:
+        isolate = n >= args.isolate_from
+        row = {"N": n, "load": None, "mode": "isolate" if isolate else "interleaved", "methods": {}}
+        rows.append(row)
+
+        def run_prefill(name):
+            """Prefill ``name`` on the first n tokens: (runner, seconds, peak RSS bytes, RSS before), or None."""
+            gc.collect()
+            before = _status("VmRSS")
             reset_peak_rss()
             try:
                 with torch.no_grad():
@@ -139,54 +166,99 @@ def main() -> None:
                         r.step(ids[:n])
                     else:
                         with attach(model, methods[name], tok) as a:
-                            c = a.new_cache()
-                            prefill(model, ids[:n], c)
-                        c.timings.clear()
-                        r = c
-                    prefill_s[name] = time.perf_counter() - t0
+                            r = a.new_cache()
+                            prefill(model, ids[:n], r)
+                        r.timings.clear()
+                    sec = time.perf_counter() - t0
             except ValueError as e:  # a method that cannot run at this length (MethodConfigError is one)
                 print(f"  {name}: skipped at N={n}: {e}")
-                continue
-            peak[name] = _status("VmHWM")
-            runners[name] = r
-        times = {name: [] for name in runners}
-        pos = n
-        with torch.no_grad():
-            for _ in range(0, args.steps, args.round):
-                for name, r in runners.items():
-                    steps = ids[pos: pos + args.round]
-                    if name == "stock":
-                        for t in steps:
-                            s = time.perf_counter()
-                            r.step([t]).argmax()
-                            times[name].append(time.perf_counter() - s)
-                    else:
-                        with attach(model, methods[name], tok):
-                            for t in steps:
-                                s = time.perf_counter()
-                                forward(model, [t], r).argmax()
-                                times[name].append(time.perf_counter() - s)
-                pos += args.round
-        med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"N={n}  (load {os.getloadavg()[0]:.1f})")
-        row = {"N": n, "load": os.getloadavg(), "methods": {}}
-        for name in runners:
-            d = {"decode_ms": med[name] * 1e3, "decode_vs_stock": med[name] / med["stock"],
-                 "decode_vs_full": med[name] / med["full"], "prefill_s": prefill_s[name],
-                 "prefill_vs_full": prefill_s[name] / prefill_s["full"], "prefill_peak_rss_gb": peak[name] / 1e9}
+                return None
+            return r, sec, _status("VmHWM"), before
+
+        def decode(name, r, pos, count, out):
+            with torch.no_grad():
+                if name == "stock":
+                    for t in ids[pos: pos + count]:
+                        s = time.perf_counter()
+                        r.step([t]).argmax()
+                        out.append(time.perf_counter() - s)
+                    return
+                with attach(model, methods[name], tok):
+                    for t in ids[pos: pos + count]:
+                        s = time.perf_counter()
+                        forward(model, [t], r).argmax()
+                        out.append(time.perf_counter() - s)
+
+        def ratios():
+            """Every method's ratios to the references measured so far (NaN until a reference is)."""
+            ms = row["methods"]
+            for d in ms.values():
+                d["decode_vs_stock"] = d["decode_ms"] / ms["stock"]["decode_ms"] if "stock" in ms else float("nan")
+                d["decode_vs_full"] = d["decode_ms"] / ms["full"]["decode_ms"] if "full" in ms else float("nan")
+                d["prefill_vs_full"] = d["prefill_s"] / ms["full"]["prefill_s"] if "full" in ms else float("nan")
+
+        def record(name, r, sec, hwm, before, times):
+            d = {"decode_ms": statistics.median(times) * 1e3, "prefill_s": sec, "prefill_peak_rss_gb": hwm / 1e9,
+                 "rss_before_prefill_gb": before / 1e9}
             if name != "stock":
-                d["breakdown_ms"] = {k: v * 1e3 for k, v in breakdown(runners[name].timings, times[name]).items()}
-                d["attended_tokens"] = runners[name].attended_stats()["attended_tokens"]
+                d["breakdown_ms"] = {k: v * 1e3 for k, v in breakdown(r.timings, times).items()}
+                d["attended_tokens"] = r.attended_stats()["attended_tokens"]
             row["methods"][name] = d
+            row["load"] = os.getloadavg()
+            ratios()
+            if args.json:  # after every method: a long run that is stopped keeps what it measured
+                Path(args.json).write_text(json.dumps(rows, indent=2))
+
+        def show(name):
+            d = row["methods"][name]
             print(f"  {name:16s} decode {d['decode_ms']:7.1f} ms/token  x{d['decode_vs_stock']:.3f} stock  "
                   f"x{d['decode_vs_full']:.3f} full   prefill {d['prefill_s']:6.1f} s  x{d['prefill_vs_full']:.2f} "
-                  f"full   peak RSS {d['prefill_peak_rss_gb']:.2f} GB"
+                  f"full   peak RSS {d['prefill_peak_rss_gb']:.2f} GB (from {d['rss_before_prefill_gb']:.2f})"
                   + ("" if name == "stock" else "   breakdown ms: "
-                     + ", ".join(f"{k} {v:.1f}" for k, v in d["breakdown_ms"].items())))
-        print(f"  harness overhead of full over the bare greedy loop (stock): "
-              f"{(med['full'] / med['stock'] - 1) * 100:+.1f}%")
-        rows.append(row)
-        del runners
+                     + ", ".join(f"{k} {v:.1f}" for k, v in d["breakdown_ms"].items())), flush=True)
+
+        print(f"N={n}  (load {os.getloadavg()[0]:.1f})", flush=True)
+        def best_of(name, got, new):
+            """Keep the newest runner, the fastest prefill and the highest peak over ``--prefill-reps``."""
+            if got is None or new is None:
+                return new if got is None else got
+            return new[0], min(got[1], new[1]), max(got[2], new[2]), min(got[3], new[3])
+
+        if isolate:
+            # one method at a time: its prefill, all its decode steps, then it is freed, so its peak RSS is its own
+            for name in order:
+                got = None
+                for _ in range(args.prefill_reps):
+                    got = best_of(name, got, run_prefill(name))
+                if got is None:
+                    continue
+                times = []
+                decode(name, got[0], n, args.steps, times)
+                record(name, *got, times)
+                show(name)  # ratios to the references measured before it (stock and full come first)
+                del got
+        else:
+            runners = {}
+            for _ in range(args.prefill_reps):  # repeated in turn, like the decode rounds
+                for name in order:
+                    if name in runners:  # free the last repetition's cache before the next prefill
+                        runners[name] = (None,) + runners[name][1:]
+                    got = best_of(name, runners.get(name), run_prefill(name))
+                    if got is not None:
+                        runners[name] = got
+            times = {name: [] for name in runners}
+            for pos in range(n, n + args.steps, args.round):  # alternating rounds: noise hits all alike
+                for name, got in runners.items():
+                    decode(name, got[0], pos, args.round, times[name])
+            for name, got in runners.items():
+                record(name, *got, times[name])
+            for name in runners:
+                show(name)
+            del runners
+        med = {k: v["decode_ms"] for k, v in row["methods"].items()}
+        if "stock" in med and "full" in med:
+            print(f"  harness overhead of full over the bare greedy loop (stock): "
+                  f"{(med['full'] / med['stock'] - 1) * 100:+.1f}%")
     print(f"process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB; load {os.getloadavg()}")
     table = markdown(rows, order)
     print(table)
@@ -194,6 +266,13 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
+
+
+def merge_rows(runs: list[list[dict]]) -> list[dict]:
+    """Rows of several runs, one per N (ascending); a later run's row for an N replaces an earlier one's whole,
+    so every column of the table comes from one process (its ratios are to that process's references)."""
+    by_n = {r["N"]: r for rows in runs for r in rows}
+    return [by_n[n] for n in sorted(by_n)]
 
 
 def markdown(rows: list[dict], order: list[str]) -> str:

@@ -40,3 +40,25 @@ def test_pg19_streaming_budget_one_equals_full(tmp_path):
     s1 = R.run(compose("data=pg19", "data.max_tokens=96", "method=streaming_llm", "method.budget=1.0",
                        "progress=false"), tmp_path / "s")
     assert f"{full['perplexity']:.4g}" == f"{s1['perplexity']:.4g}"
+
+
+def test_bench_decode_both_modes_and_table(tmp_path):
+    """scripts/bench_decode.py (the README's speed table): interleaved at the short length, one method at a time
+    from --isolate-from on; every method has its ratios to the references, full's are exactly 1, its JSON is
+    written as it goes and the markdown table has a row per method."""
+    js, md = tmp_path / "b.json", tmp_path / "b.md"
+    proc = subprocess.run([sys.executable, "scripts/bench_decode.py", "--lengths", "64", "128", "--isolate-from",
+                           "128", "--methods", "streaming_llm", "luka_clustered", "--steps", "2", "--round", "1",
+                           "--prefill-reps", "2", "--threads", "1", "--json", str(js), "--markdown", str(md)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(js.read_text())
+    assert [(r["N"], r["mode"]) for r in rows] == [(64, "interleaved"), (128, "isolate")]
+    for r in rows:
+        assert list(r["methods"]) == ["stock", "full", "streaming_llm", "luka_clustered"]
+        assert r["methods"]["full"]["decode_vs_full"] == 1.0 and r["methods"]["stock"]["decode_vs_stock"] == 1.0
+        for d in r["methods"].values():
+            assert d["decode_ms"] > 0 and d["prefill_s"] > 0 and d["prefill_vs_full"] > 0
+            assert d["prefill_peak_rss_gb"] >= d["rss_before_prefill_gb"] > 0.1  # the model alone is ~0.5 GB
+    assert len(md.read_text().splitlines()) == 2 + 4
+    assert "harness overhead of full" in proc.stdout

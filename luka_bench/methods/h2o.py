@@ -7,8 +7,8 @@ later step, a layer keeps its ``recent`` most recent tokens plus the ``capacity 
 highest accumulated mass (the heavy hitters) and physically evicts the rest.
 
 GQA: scores are per KV head, the mass summed over the query heads of its group; each KV head keeps its own set.
-Attention and the masses come from ``base.attention_with_mass`` (a CPU prefill: two flash SDPA passes, no
-softmax weights; decode steps and other devices: grouped matmul + fp32 softmax, query-chunked) only on the layers
+Attention and the masses come from ``base.attention_with_mass`` (a CPU prefill: one flash SDPA pass for the
+output and each query's log-sum-exp, the masses from those in cache-sized tiles, no softmax matrix; decode steps and other devices: grouped matmul + fp32 softmax, query-chunked) only on the layers
 this method runs on; the model's other layers keep SDPA.
 
 Budget: ``capacity = ceil(budget * max(seen, reference_length))`` tokens held per layer, recent window
