@@ -11,7 +11,6 @@ from luka_bench.methods.entropy_ols import (EntropyOLS, bin_attention, fit_bias,
                                             fit_values, kmeans)
 from luka_bench.methods.hf import attach
 
-from conftest import tiny
 
 G = torch.Generator().manual_seed(0)
 

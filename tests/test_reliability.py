@@ -77,7 +77,6 @@ def assert_bad_input(args: list[str], folder: Path, capsys, *needles: str) -> st
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """A finished tiny run (2 WikiSalad examples = 8 questions) and its file hashes."""
-    from _pytest.capture import CaptureFixture  # noqa: F401 - capsys is function-scoped: run via subprocess-free main
     import subprocess
 
     d = tmp_path_factory.mktemp("finished")
