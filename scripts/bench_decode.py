@@ -96,6 +96,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48, help="decode steps per method (a multiple of --round)")
     ap.add_argument("--round", type=int, default=16, help="steps per alternating round")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--refs", nargs="*", default=list(REFS), choices=REFS,
+                    help="references to measure in this process (default: stock full); without them the ratio "
+                         "columns are NaN — for a method's absolute times and peak RSS alone")
     ap.add_argument("--table-from", nargs="+", default=None, metavar="JSON",
                     help="measure nothing: merge earlier --json outputs into the markdown table (--markdown), one "
                          "column per N, a later file's N replacing an earlier's (runs made at different lengths)")
@@ -129,7 +132,7 @@ def main() -> None:
     from luka_bench.run import breakdown, forward, prefill
 
     methods, model_cfg = {}, None
-    for name in ["full"] + names:
+    for name in ["full"] + names:  # full's config also gives the model's
         methods[name], model_cfg = compose_method(name, args.set)
     from hydra.utils import instantiate
 
@@ -137,7 +140,7 @@ def main() -> None:
     model, tok = lm.model, lm.tokenizer
     model.eval()
     ids = tok(essays_text(), add_special_tokens=False).input_ids
-    order = ["stock", "full"] + names
+    order = [r for r in REFS if r in args.refs] + names
     print(f"model {lm.name} ({lm.info['device']}, {lm.info['dtype']}), torch threads {torch.get_num_threads()}; "
           f"methods: " + "; ".join(f"{k}={v.describe()}" for k, v in methods.items()))
     print(f"load: {os.getloadavg()}  (uptime load average; timings are ratios within this process)")

@@ -375,6 +375,27 @@ def attention_with_mass(store: "KVStore", query: torch.Tensor, scaling: float,
     return out.view(b, hq, lq, v.shape[-1]), mass
 
 
+def _prefill_with_entropy(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
+    """A causal prefill's (output, column mass [B, Hkv, N], normalised entropy [B, Hkv, N]) without softmax
+    weights, or None (no flash kernel). Entropy from flash outputs: H_i = lse_i - sum_j p_ij s_ij and
+    sum_j p_ij s_ij = s q_i . (sum_j p_ij k_j), the attention output with the keys as values: a second flash
+    pass. The mass follows from lse (``_mass_from_lse``). Query i saw i + 1 entries."""
+    b, hq, n, d = query.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    ke = k.repeat_interleave(g, dim=1) if g > 1 else k
+    ve = v.repeat_interleave(g, dim=1) if g > 1 else v
+    res = _flash_with_lse(query, ke, ve, scaling)
+    resk = None if res is None else _flash_with_lse(query, ke, ke, scaling)
+    if resk is None:
+        return None
+    out, lse = res
+    h = (lse.float() - scaling * (query.float() * resk[0].float()).sum(-1)).clamp_min(0.0)  # [B, Hq, N]
+    seen = torch.arange(1, n + 1, device=query.device, dtype=torch.float32)
+    ent = (h / seen.log().clamp_min(1e-12)).view(b, hkv, g, n).mean(2) * (seen > 1)
+    return out, _mass_from_lse(query, k, lse, scaling), ent
+
+
 def attention_with_extra(store: "KVStore", query: torch.Tensor, scaling: float,
                          extra_k: torch.Tensor | None = None, extra_v: torch.Tensor | None = None,
                          extra_bias: torch.Tensor | None = None, causal: bool = True, chunk: int = 256,
@@ -400,11 +421,15 @@ def attention_with_extra(store: "KVStore", query: torch.Tensor, scaling: float,
     S = 0 if extra_k is None else extra_k.shape[2]
     q = query.view(b, hkv, g, lq, d)
     past = n - lq if causal else n
+    emass = torch.zeros(b, hkv, S, dtype=torch.float32, device=query.device)
+    ew = query.new_zeros(b, hkv, g, lq, S, dtype=torch.float32)
+    if S == 0 and causal and past == 0 and lq > 1 and v.shape[-1] == d:
+        fast = _prefill_with_entropy(query, k, v, scaling)
+        if fast is not None:
+            return fast[0], fast[1], emass, fast[2], ew
     out = query.new_empty(b, hkv, g, lq, v.shape[-1])
     mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=query.device)
-    emass = torch.zeros(b, hkv, S, dtype=torch.float32, device=query.device)
     ent = torch.zeros(b, hkv, lq, dtype=torch.float32, device=query.device)
-    ew = query.new_zeros(b, hkv, g, lq, S, dtype=torch.float32)
     for s in range(0, lq, chunk):
         qc = q[:, :, :, s: s + chunk]
         c = qc.shape[3]
