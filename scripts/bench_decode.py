@@ -61,6 +61,18 @@ def _status(key: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def release_memory() -> None:
+    """Free what the last method left (its cache) and hand the allocator's free pages back to the OS (glibc),
+    so the next method's peak RSS does not start from the last one's high-water mark."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def reset_peak_rss() -> bool:
     """Reset the process's RSS high-water mark (Linux >= 4.0); False where it cannot."""
     try:
@@ -158,7 +170,7 @@ def main() -> None:
 
         def run_prefill(name):
             """Prefill ``name`` on the first n tokens: (runner, seconds, peak RSS bytes, RSS before), or None."""
-            gc.collect()
+            release_memory()
             before = _status("VmRSS")
             reset_peak_rss()
             try:
@@ -286,8 +298,9 @@ def markdown(rows: list[dict], order: list[str]) -> str:
         cells = []
         for r in rows:
             d = r["methods"].get(name)
-            cells.append("—" if d is None else
-                         f"{d['decode_vs_stock']:.2f}, {d['prefill_vs_full']:.2f}, {d['prefill_peak_rss_gb']:.1f}")
+            cells.append("—" if d is None else ", ".join(
+                "—" if x != x else f"{x:.{p}f}"  # NaN: that reference was not measured in the run
+                for x, p in ((d["decode_vs_stock"], 2), (d["prefill_vs_full"], 2), (d["prefill_peak_rss_gb"], 1))))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
