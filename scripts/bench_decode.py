@@ -233,7 +233,7 @@ def main() -> None:
                      + ", ".join(f"{k} {v:.1f}" for k, v in d["breakdown_ms"].items())), flush=True)
 
         print(f"N={n}  (load {os.getloadavg()[0]:.1f})", flush=True)
-        def best_of(name, got, new):
+        def best_of(got, new):
             """Keep the newest runner, the fastest prefill and the highest peak over ``--prefill-reps``."""
             if got is None or new is None:
                 return new if got is None else got
@@ -244,7 +244,7 @@ def main() -> None:
             for name in order:
                 got = None
                 for _ in range(args.prefill_reps):
-                    got = best_of(name, got, run_prefill(name))
+                    got = best_of(got, run_prefill(name))
                 if got is None:
                     continue
                 times = []
@@ -258,7 +258,7 @@ def main() -> None:
                 for name in order:
                     if name in runners:  # free the last repetition's cache before the next prefill
                         runners[name] = (None,) + runners[name][1:]
-                    got = best_of(name, runners.get(name), run_prefill(name))
+                    got = best_of(runners.get(name), run_prefill(name))
                     if got is not None:
                         runners[name] = got
             times = {name: [] for name in runners}

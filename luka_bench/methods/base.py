@@ -303,6 +303,16 @@ def _flash_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out, lse
 
 
+def _flash_prefill(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
+    """A causal prefill's flash pass with KV heads repeated over their query group: (output, lse, repeated keys),
+    or None where the kernel is missing. query [B, Hq, N, D], k/v [B, Hkv, N, D]."""
+    g = query.shape[1] // k.shape[1]
+    ke = k.repeat_interleave(g, dim=1) if g > 1 else k
+    ve = v.repeat_interleave(g, dim=1) if g > 1 else v
+    res = _flash_with_lse(query, ke, ve, scaling)
+    return None if res is None else (res[0], res[1], ke)
+
+
 def _mass_from_lse(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scaling: float,
                    chunk: int = 64, tile: int = 512) -> torch.Tensor:
     """Column masses of a causal prefill from each query's log-sum-exp: mass_j = sum over queries i >= j (and
@@ -352,9 +362,7 @@ def attention_with_mass(store: "KVStore", query: torch.Tensor, scaling: float,
     g = hq // hkv
     past = n - lq
     if past == 0 and lq > 1 and v.shape[-1] == d:
-        ke = k.repeat_interleave(g, dim=1) if g > 1 else k
-        ve = v.repeat_interleave(g, dim=1) if g > 1 else v
-        res = _flash_with_lse(query, ke, ve, scaling)
+        res = _flash_prefill(query, k, v, scaling)
         if res is not None:
             return res[0], _mass_from_lse(query, k, res[1], scaling)
     q = query.view(b, hkv, g, lq, d)
@@ -383,13 +391,11 @@ def _prefill_with_entropy(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     b, hq, n, d = query.shape
     hkv = k.shape[1]
     g = hq // hkv
-    ke = k.repeat_interleave(g, dim=1) if g > 1 else k
-    ve = v.repeat_interleave(g, dim=1) if g > 1 else v
-    res = _flash_with_lse(query, ke, ve, scaling)
-    resk = None if res is None else _flash_with_lse(query, ke, ke, scaling)
+    res = _flash_prefill(query, k, v, scaling)
+    resk = None if res is None else _flash_with_lse(query, res[2], res[2], scaling)
     if resk is None:
         return None
-    out, lse = res
+    out, lse, _ = res
     h = (lse.float() - scaling * (query.float() * resk[0].float()).sum(-1)).clamp_min(0.0)  # [B, Hq, N]
     seen = torch.arange(1, n + 1, device=query.device, dtype=torch.float32)
     ent = (h / seen.log().clamp_min(1e-12)).view(b, hkv, g, n).mean(2) * (seen > 1)
