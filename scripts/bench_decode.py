@@ -113,7 +113,7 @@ def main() -> None:
                          "columns are NaN — for a method's absolute times and peak RSS alone")
     ap.add_argument("--table-from", nargs="+", default=None, metavar="JSON",
                     help="measure nothing: merge earlier --json outputs into the markdown table (--markdown), one "
-                         "column per N, a later file's N replacing an earlier's (runs made at different lengths)")
+                         "column per N, merged per method: a later file's cell for (N, method) replacing an earlier's")
     ap.add_argument("--prefill-reps", type=int, default=1,
                     help="prefill every method this many times, in turn; its fastest is reported")
     ap.add_argument("--isolate-from", type=int, default=32768, metavar="N",
@@ -284,15 +284,22 @@ def main() -> None:
 
 
 def merge_rows(runs: list[list[dict]]) -> list[dict]:
-    """Rows of several runs, one per N (ascending); a later run's row for an N replaces an earlier one's whole,
-    so every column of the table comes from one process (its ratios are to that process's references)."""
-    by_n = {r["N"]: r for rows in runs for r in rows}
+    """Rows of several runs, one per N (ascending), merged per method: a later run's cell for (N, method)
+    replaces an earlier one's. Each cell keeps the ratios of the process that measured it (to that process's
+    references), so cells from runs made one method at a time sit beside each other."""
+    by_n: dict[int, dict] = {}
+    for rows in runs:
+        for r in rows:
+            merged = by_n.setdefault(r["N"], {"N": r["N"], "methods": {}})
+            merged["methods"].update(r["methods"])
     return [by_n[n] for n in sorted(by_n)]
 
 
 def markdown(rows: list[dict], order: list[str]) -> str:
-    """Decode time per token / stock's, prefill time / full's, peak RSS of the prefill (GB), per N."""
-    lines = ["| method | " + " | ".join(f"N={r['N']:,}: decode/stock, prefill/full, GB" for r in rows) + " |",
+    """Decode time per token / our full's, prefill time / full's, peak RSS of the prefill (GB), per N. Full is
+    measured in every process, stock not always: stock's row (stock / full) converts a ratio to full into one to
+    stock (x / stock's)."""
+    lines = ["| method | " + " | ".join(f"N={r['N']:,}: decode/full, prefill/full, GB" for r in rows) + " |",
              "|---" * (len(rows) + 1) + "|"]
     for name in order:
         cells = []
@@ -300,7 +307,7 @@ def markdown(rows: list[dict], order: list[str]) -> str:
             d = r["methods"].get(name)
             cells.append("—" if d is None else ", ".join(
                 "—" if x != x else f"{x:.{p}f}"  # NaN: that reference was not measured in the run
-                for x, p in ((d["decode_vs_stock"], 2), (d["prefill_vs_full"], 2), (d["prefill_peak_rss_gb"], 1))))
+                for x, p in ((d["decode_vs_full"], 2), (d["prefill_vs_full"], 2), (d["prefill_peak_rss_gb"], 1))))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -1,6 +1,7 @@
 """attention_with_mass (base.py): the column masses H2O and LuKA's attention-weighted compressor read, computed
-without softmax weights on a causal prefill (a flash pass, then tiles from its log-sum-exp), equal the explicit float64 softmax's; outputs
-equal exact attention. The explicit fallback (decode steps, chunks after a prefix, no kernel) too."""
+by the blocked single pass on a CPU prefill (one block of logits at a time), equal the explicit float64
+softmax's; outputs equal exact attention. The batched explicit path (decode steps, short chunks, other devices)
+too."""
 import pytest
 import torch
 
@@ -25,10 +26,11 @@ def _reference(q, k, v, scaling):
 
 
 @pytest.mark.parametrize("n,lq,hq,hkv", [(300, 300, 6, 2), (257, 257, 4, 4), (300, 40, 6, 2), (300, 1, 6, 3)])
-@pytest.mark.parametrize("kernel", [True, False])
-def test_masses_equal_explicit_softmax(n, lq, hq, hkv, kernel, monkeypatch):
-    if not kernel:  # the explicit path (other devices / torch builds without the CPU flash kernel)
-        monkeypatch.setattr(base, "_flash_with_lse", lambda *a, **k: None)
+@pytest.mark.parametrize("blocked", [True, False])
+def test_masses_equal_explicit_softmax(n, lq, hq, hkv, blocked, monkeypatch):
+    # blocked: every chunk of 2+ queries takes the single pass (also the 40 queries after a 260-token prefix);
+    # otherwise the batched explicit path (other devices)
+    monkeypatch.setattr(base, "BLOCKED_MIN_QUERIES", 2 if blocked else 10 ** 9)
     torch.manual_seed(n + lq)
     q = torch.randn(1, hq, lq, 32) * 3  # peaked attention: masses over many orders of magnitude
     k, v = torch.randn(1, hkv, n, 32) * 3, torch.randn(1, hkv, n, 32)
@@ -40,25 +42,31 @@ def test_masses_equal_explicit_softmax(n, lq, hq, hkv, kernel, monkeypatch):
     torch.testing.assert_close(mass.sum(), torch.tensor(float(hq * lq)), rtol=1e-5, atol=0)
 
 
-def test_flash_path_is_taken_on_a_cpu_prefill(monkeypatch):
-    """The prefill must not fall back to the explicit weights silently (that was 3x full's prefill)."""
+def test_blocked_path_is_taken_on_a_cpu_prefill(monkeypatch):
+    """A CPU prefill must not fall back to the batched explicit weights silently (that was 3x full's prefill)."""
     calls = []
-    real = base._flash_with_lse
-    monkeypatch.setattr(base, "_flash_with_lse", lambda *a, **k: calls.append(1) or real(*a, **k))
-    q, k, v = torch.randn(1, 4, 50, 16), torch.randn(1, 2, 50, 16), torch.randn(1, 2, 50, 16)
+    real = base._blocked_attention
+    monkeypatch.setattr(base, "_blocked_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q, k, v = torch.randn(1, 4, 150, 16), torch.randn(1, 2, 150, 16), torch.randn(1, 2, 150, 16)
     out, mass = base.attention_with_mass(_Store(k, v), q, 0.25)
     assert len(calls) == 1
     torch.testing.assert_close(out, base.sdpa(q, k, v, 0.25), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("chunk,tile", [(64, 256), (16, 48), (7, 7), (32, 1024)])
-def test_tiled_masses_from_lse_equal_explicit_softmax(chunk, tile):
-    """The tiled column-mass pass: any tiling, a batch of two, group heads, a length no tile size divides."""
-    torch.manual_seed(chunk + tile)
+@pytest.mark.parametrize("block,past", [(64, 0), (16, 0), (7, 0), (1024, 0), (16, 45), (7, 1)])
+def test_blocked_pass_any_block_and_prefix(block, past):
+    """The single pass: any block size (one that divides nothing, one longer than the chunk), a batch of two,
+    group heads, queries after a prefix; output, masses and entropies against float64."""
+    torch.manual_seed(block + past)
     b, hq, hkv, n, d = 2, 6, 2, 301, 16
-    q, k, v = torch.randn(b, hq, n, d) * 3, torch.randn(b, hkv, n, d) * 3, torch.randn(b, hkv, n, d)
-    ke = k.repeat_interleave(hq // hkv, 1)
-    lse = ((q @ ke.transpose(-1, -2)) * 0.25).masked_fill(
-        torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")).logsumexp(-1)
-    mass = base._mass_from_lse(q, k, lse, 0.25, chunk=chunk, tile=tile)
-    torch.testing.assert_close(mass.double(), _reference(q, k, v, 0.25)[1], rtol=1e-4, atol=1e-6)
+    q = torch.randn(b, hq, n - past, d) * 3
+    k, v = torch.randn(b, hkv, n, d) * 3, torch.randn(b, hkv, n, d)
+    out, mass, ent = base._blocked_attention(q, k, v, 0.25, past, block=block, entropy=True)
+    ref_out, ref_mass = _reference(q, k, v, 0.25)
+    torch.testing.assert_close(mass.double(), ref_mass, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-4, atol=1e-5)
+    ke = k.double().repeat_interleave(hq // hkv, 1)
+    logp = ((q.double() @ ke.transpose(-1, -2)) * 0.25).masked_fill(
+        torch.ones(n - past, n, dtype=torch.bool).triu(past + 1), float("-inf")).log_softmax(-1)
+    ref_ent = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-4, atol=2e-5)

@@ -62,3 +62,16 @@ def test_bench_decode_both_modes_and_table(tmp_path):
             assert d["prefill_peak_rss_gb"] >= d["rss_before_prefill_gb"] > 0.1  # the model alone is ~0.5 GB
     assert len(md.read_text().splitlines()) == 2 + 4
     assert "harness overhead of full" in proc.stdout
+    # --table-from merges per (N, method): a later run of one method at 128 replaces that cell only
+    later = tmp_path / "later.json"
+    cell = {"decode_vs_full": 0.25, "prefill_vs_full": 1.5, "prefill_peak_rss_gb": 9.0}
+    later.write_text(json.dumps([{"N": 128, "methods": {"luka_clustered": cell, "h2o": cell}}]))
+    md2 = tmp_path / "merged.md"
+    proc = subprocess.run([sys.executable, "scripts/bench_decode.py", "--table-from", str(js), str(later),
+                           "--markdown", str(md2)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = {ln.split(" | ")[0].strip("| "): ln for ln in md2.read_text().splitlines()[2:]}
+    assert list(table) == ["stock", "full", "h2o", "luka_clustered", "streaming_llm"]
+    assert table["luka_clustered"].endswith("| 0.25, 1.50, 9.0 |") and table["h2o"].startswith("| h2o | — |")
+    assert table["full"].endswith("| 1.00, 1.00, " + f"{rows[1]['methods']['full']['prefill_peak_rss_gb']:.1f} |")
+    assert not table["streaming_llm"].endswith("| 0.25, 1.50, 9.0 |")

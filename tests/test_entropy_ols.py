@@ -245,21 +245,22 @@ def test_no_state_leaks_between_prompts(tiny_llama):
 
 
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4)])
-def test_prefill_entropy_from_flash_equals_the_explicit_softmax(hq, hkv, monkeypatch):
-    """A causal prefill with no extra entries takes the flash path (output, lse, a pass with the keys as values
-    for the entropy, masses from lse): the same output, masses and normalised entropies as the explicit softmax."""
+def test_prefill_entropy_from_the_blocked_pass_equals_the_explicit_softmax(hq, hkv, monkeypatch):
+    """A CPU prefill with no extra entries takes the blocked single pass (entropy from P @ K: H_i = m_i + log l_i
+    - s q_i . sum_j p_ij k_j): the same output, masses and normalised entropies as the explicit softmax."""
     from luka_bench.methods import base
 
     torch.manual_seed(hq)
     n, d = 300, 16
     k, v, q = torch.randn(1, hkv, n, d) * 2, torch.randn(1, hkv, n, d), torch.randn(1, hq, n, d) * 2
     calls = []
-    real = base._flash_with_lse
-    monkeypatch.setattr(base, "_flash_with_lse", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = base._blocked_attention
+    monkeypatch.setattr(base, "_blocked_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     fast = attention_with_extra(Held(k, v), q, 0.25)
-    assert len(calls) == 2  # the fast path ran
-    monkeypatch.setattr(base, "_flash_with_lse", lambda *a, **kw: None)
+    assert len(calls) == 1  # the blocked path ran
+    monkeypatch.setattr(base, "BLOCKED_MIN_QUERIES", 10 ** 9)
     slow = attention_with_extra(Held(k, v), q, 0.25)
+    assert len(calls) == 1
     for a, b_ in zip(fast, slow):
         assert a.shape == b_.shape
         torch.testing.assert_close(a, b_, rtol=1e-4, atol=2e-5)

@@ -288,61 +288,57 @@ def exact_attention(store: "KVStore", query: torch.Tensor, scaling: float,
     return sdpa(query, store.keys, store.values, scaling, mask)
 
 
-def _flash_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Causal SDPA that also returns each query's log-sum-exp of its logits (torch's CPU flash kernel, which
-    computes it anyway), or None where that kernel is not available (other devices, other torch builds).
-    query/key/value [B, H, L, D] with the same head size and heads."""
-    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if op is None or query.device.type != "cpu":
-        return None
-    try:
-        out, lse = op(query, key, value, 0.0, True, scale=scale)
-    except RuntimeError:  # pragma: no cover - an unsupported dtype/shape in some build: the caller falls back
-        return None
-    return out, lse
+BLOCKED_MIN_QUERIES = 64  # query chunks at least this long (prefills) take the blocked single pass on CPU
 
 
-def _flash_prefill(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
-    """A causal prefill's flash pass with KV heads repeated over their query group: (output, lse, repeated keys),
-    or None where the kernel is missing. query [B, Hq, N, D], k/v [B, Hkv, N, D]."""
-    g = query.shape[1] // k.shape[1]
-    ke = k.repeat_interleave(g, dim=1) if g > 1 else k
-    ve = v.repeat_interleave(g, dim=1) if g > 1 else v
-    res = _flash_with_lse(query, ke, ve, scaling)
-    return None if res is None else (res[0], res[1], ke)
+def _blocked(query: torch.Tensor, lq: int) -> bool:
+    """Whether a query chunk takes ``_blocked_attention``: long chunks on CPU, where it was measured fastest.
+    Other devices keep the batched explicit path (one kernel per op for all heads)."""
+    return query.device.type == "cpu" and lq >= BLOCKED_MIN_QUERIES
 
 
-def _mass_from_lse(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scaling: float,
-                   chunk: int = 64, tile: int = 512) -> torch.Tensor:
-    """Column masses of a causal prefill from each query's log-sum-exp: mass_j = sum over queries i >= j (and
-    over the query heads of j's KV group) of exp(s q_i.k_j - lse_i), the softmax weights' column sums without
-    normalising any row. Tiles of ``chunk`` queries (all heads of a KV group at once, keys never repeated) x
-    ``tile`` keys keep the logits in cache: one fused matmul-with-bias, an in-place exp and a column sum each;
-    only the diagonal tile is masked and tiles above it are skipped. On a 2-core CPU at N = 8K (SmolLM2's
-    9 query / 3 KV heads) it costs 0.8-1.0x the flash pass itself: a matmul and an exp per logit, like flash,
-    minus its P @ V (1 thread: 1.06 s against 1.64 s for the same sums as a transposed flash pass).
-    q [B, Hq, N, D], k [B, Hkv, N, D], lse [B, Hq, N]. Returns mass [B, Hkv, N] float32."""
-    assert tile % chunk == 0, "a key tile must start at or before the diagonal block it holds"
-    b, hq, n, d = q.shape
-    hkv = k.shape[1]
+def _blocked_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, past: int,
+                       block: int = 64, entropy: bool = False):
+    """Exact causal attention of a query chunk, the column masses it gives every held key and, with
+    ``entropy``, each query's Shannon entropy — in one pass over the logits, never more than one block of them
+    alive. Per KV head and block of ``block`` queries (all query heads of the group at once): the logits of the
+    keys it may see, keys-major [keys, group queries] (one GEMM whose long side is the key axis, which both
+    cores split well), the row max, an in-place exp, the normaliser, then P @ V for the output and P @ (1/l)
+    for the masses (a GEMV); the entropy adds P @ K: H_i = m_i + log l_i - s q_i . (sum_j p_ij k_j).
+    Measured on this 2-core CPU at N = 8K (SmolLM2's 9 query / 3 KV heads): output and masses for 1.4-1.5x a
+    flash SDPA pass, where a flash pass followed by a second pass for the masses from its log-sum-exp cost 1.9-2x.
+
+    query [B, Hq, Lq, D] (the last Lq held tokens), k/v [B, Hkv, past + Lq, D]. Returns (out [B, Hq, Lq, Dv],
+    mass [B, Hkv, n] float32, entropy [B, Hq, Lq] float32 in nats or None)."""
+    b, hq, lq, d = query.shape
+    hkv, n = k.shape[1], k.shape[2]
     g = hq // hkv
-    qg = q.float().reshape(b * hkv, g, n, d)
-    kt = k.float().reshape(b * hkv, n, d).transpose(-1, -2)
-    nl = -lse.float().reshape(b * hkv, g, n, 1)
-    mass = torch.zeros(b * hkv, n, dtype=torch.float32, device=q.device)
-    above = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # key after query: invisible
-    for s in range(0, n, chunk):
-        c = min(chunk, n - s)
-        qc = qg[:, :, s: s + c].reshape(b * hkv, g * c, d)
-        bias = nl[:, :, s: s + c].reshape(b * hkv, g * c, 1)
-        for t in range(0, s + c, tile):
-            e = min(t + tile, s + c)
-            w = torch.baddbmm(bias, qc, kt[:, :, t:e], alpha=scaling).exp_()
-            if e > s:  # the tile holds the diagonal block: zero the keys after each query
-                w.view(b * hkv, g, c, e - t)[..., s - t:].masked_fill_(above[:c, : e - s], 0.0)
-            mass[:, t:e] += w.sum(1)
-    return mass.view(b, hkv, n)
+    dv = v.shape[-1]
+    dev = query.device
+    qs = (query * scaling).reshape(b * hkv, g, lq, d)
+    kk, vv = k.reshape(b * hkv, n, d), v.reshape(b * hkv, n, dv)
+    out = query.new_empty(b * hkv, g, lq, dv)
+    mass = torch.zeros(b * hkv, n, dtype=torch.float32, device=dev)
+    ent = torch.empty(b * hkv, g, lq, dtype=torch.float32, device=dev) if entropy else None
+    after = torch.ones(block, block, dtype=torch.bool, device=dev).tril(-1)[:, None, :]  # [key, -, query]
+    for h in range(b * hkv):
+        for s in range(0, lq, block):
+            c = min(block, lq - s)
+            e = past + s + c  # keys this block may see
+            qc = qs[h, :, s: s + c].reshape(g * c, d)
+            w = (kk[h, :e] @ qc.t()).float()  # scaled logits [e, g*c]; columns: (group head, query)
+            w[e - c:].view(c, g, c).masked_fill_(after[:c, :, :c], float("-inf"))  # the chunk's own future keys
+            mx = w.amax(0)
+            w.sub_(mx).exp_()
+            inv = w.sum(0).reciprocal_()  # 1 / normaliser per (head, query)
+            o = (w.t().to(vv.dtype) @ vv[h, :e]).mul_(inv[:, None])
+            out[h, :, s: s + c] = o.view(g, c, dv)
+            mass[h, :e].addmv_(w, inv)
+            if entropy:
+                kbar = (w.t() @ kk[h, :e].float()).mul_(inv[:, None])  # sum_j p_ij k_j
+                ent[h, :, s: s + c] = (mx - inv.log() - (qc.float() * kbar).sum(-1)).view(g, c)
+    ent = None if ent is None else ent.view(b, hq, lq)
+    return out.view(b, hq, lq, dv), mass.view(b, hkv, n), ent
 
 
 def attention_with_mass(store: "KVStore", query: torch.Tensor, scaling: float,
@@ -351,20 +347,18 @@ def attention_with_mass(store: "KVStore", query: torch.Tensor, scaling: float,
     received, summed over the queries and over the query heads of each KV group (GQA): returns
     (output [B, Hq, Lq, Dv], mass [B, Hkv, n] float32).
 
-    A causal prefill (the queries are everything held) on CPU never materialises softmax weights: one flash
-    SDPA gives the output and each query's log-sum-exp, and the column masses follow from them in cache-sized tiles
-    (``_mass_from_lse``); about 1.8-2x an SDPA prefill's attention cost.
-    Otherwise (decode steps, query chunks after a prefix, other devices) the weights are computed explicitly:
-    fp32 softmax, queries ``chunk`` at a time so a long prefill never holds the N x N weights."""
+    Long query chunks (a prefill) on CPU take ``_blocked_attention``: one pass over the logits, a block of
+    queries at a time (about 1.4-1.5x an SDPA prefill's attention cost). Otherwise (decode steps, short chunks,
+    other devices) the weights are computed explicitly for all heads at once: fp32 softmax, queries ``chunk`` at
+    a time so a long prefill never holds the N x N weights."""
     k, v = store.keys, store.values
     b, hq, lq, d = query.shape
     hkv, n = k.shape[1], k.shape[2]
     g = hq // hkv
     past = n - lq
-    if past == 0 and lq > 1 and v.shape[-1] == d:
-        res = _flash_prefill(query, k, v, scaling)
-        if res is not None:
-            return res[0], _mass_from_lse(query, k, res[1], scaling)
+    if _blocked(query, lq):
+        out, mass, _ = _blocked_attention(query, k, v, scaling, past)
+        return out, mass
     q = query.view(b, hkv, g, lq, d)
     out = query.new_empty(b, hkv, g, lq, v.shape[-1])
     mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=query.device)
@@ -381,25 +375,6 @@ def attention_with_mass(store: "KVStore", query: torch.Tensor, scaling: float,
         out[:, :, :, s: s + c] = (w.to(v.dtype) @ v[:, :, :m].unsqueeze(2))
         mass[:, :, :m] += w.sum(dim=(2, 3))
     return out.view(b, hq, lq, v.shape[-1]), mass
-
-
-def _prefill_with_entropy(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float):
-    """A causal prefill's (output, column mass [B, Hkv, N], normalised entropy [B, Hkv, N]) without softmax
-    weights, or None (no flash kernel). Entropy from flash outputs: H_i = lse_i - sum_j p_ij s_ij and
-    sum_j p_ij s_ij = s q_i . (sum_j p_ij k_j), the attention output with the keys as values: a second flash
-    pass. The mass follows from lse (``_mass_from_lse``). Query i saw i + 1 entries."""
-    b, hq, n, d = query.shape
-    hkv = k.shape[1]
-    g = hq // hkv
-    res = _flash_prefill(query, k, v, scaling)
-    resk = None if res is None else _flash_with_lse(query, res[2], res[2], scaling)
-    if resk is None:
-        return None
-    out, lse, _ = res
-    h = (lse.float() - scaling * (query.float() * resk[0].float()).sum(-1)).clamp_min(0.0)  # [B, Hq, N]
-    seen = torch.arange(1, n + 1, device=query.device, dtype=torch.float32)
-    ent = (h / seen.log().clamp_min(1e-12)).view(b, hkv, g, n).mean(2) * (seen > 1)
-    return out, _mass_from_lse(query, k, lse, scaling), ent
 
 
 def attention_with_extra(store: "KVStore", query: torch.Tensor, scaling: float,
@@ -429,10 +404,11 @@ def attention_with_extra(store: "KVStore", query: torch.Tensor, scaling: float,
     past = n - lq if causal else n
     emass = torch.zeros(b, hkv, S, dtype=torch.float32, device=query.device)
     ew = query.new_zeros(b, hkv, g, lq, S, dtype=torch.float32)
-    if S == 0 and causal and past == 0 and lq > 1 and v.shape[-1] == d:
-        fast = _prefill_with_entropy(query, k, v, scaling)
-        if fast is not None:
-            return fast[0], fast[1], emass, fast[2], ew
+    if S == 0 and causal and _blocked(query, lq):
+        out, mass, h = _blocked_attention(query, k, v, scaling, past, entropy=True)
+        seen = torch.arange(past + 1, n + 1, device=query.device, dtype=torch.float32)  # entries query i saw
+        ent = (h.clamp_min(0.0) / seen.log().clamp_min(1e-12)).view(b, hkv, g, lq).mean(2) * (seen > 1)
+        return out, mass, emass, ent, ew
     out = query.new_empty(b, hkv, g, lq, v.shape[-1])
     mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=query.device)
     ent = torch.zeros(b, hkv, lq, dtype=torch.float32, device=query.device)
