@@ -1,62 +1,10 @@
 """``python -m luka_bench [overrides]``: one run (or a sweep with ``-m``). See README.md."""
 from __future__ import annotations
 
-import difflib
 import sys
 from pathlib import Path
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("model", "method", "data")
-
-
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-
-
-def check_group_overrides(argv: list[str]) -> str | None:
-    """One-line message for an unknown model/method/data name in the command line, else None. Hydra's own
-    message for this is many lines; this one names the bad value, the closest match and the allowed values."""
-    for arg in argv:
-        if "=" not in arg or arg.startswith("-"):
-            continue
-        key, value = arg.split("=", 1)
-        key = key.lstrip("+~")
-        if key not in GROUPS:
-            continue
-        allowed = group_options(key)
-        if value.startswith("glob(") or value.startswith("choice(") or value.startswith("range("):
-            names = [v.strip(" '\"") for v in value[value.index("(") + 1: -1].split(",")] \
-                if value.startswith("choice(") else []
-        else:
-            names = [v.strip() for v in value.split(",")]
-        for name in names:
-            if name and name not in allowed:
-                close = difflib.get_close_matches(name, allowed, n=1)
-                hint = f" Did you mean '{close[0]}'?" if close else ""
-                return f"Unknown {key} '{name}'.{hint} Available: {', '.join(allowed)}"
-    return None
-
-
-OUTPUT_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "logger.dir")
-
-
-def check_output_dirs(argv: list[str]) -> str | None:
-    """One-line message for an output folder in the command line (``hydra.run.dir``, ``hydra.sweep.dir``,
-    ``logger.dir``) that cannot be written, else None. Checked before Hydra starts: Hydra creates the run folder
-    itself and would fail with a traceback. Values with interpolations are left to the run."""
-    from luka_bench.errors import writable_dir_problem
-
-    for arg in argv:
-        if "=" not in arg or arg.startswith("-"):
-            continue
-        key, value = arg.split("=", 1)
-        key = key.lstrip("+~")
-        value = value.strip().strip("'\"")
-        if key in OUTPUT_DIR_KEYS and value and value != "null" and "${" not in value:
-            problem = writable_dir_problem(value)
-            if problem is not None:
-                return f"{key}={value} cannot be written: {problem}; pick a folder you can write to"
-    return None
+from luka_bench.errors import CONF_DIR, GROUPS, check_group_overrides, check_output_dirs
 
 
 def _drop_empty_run_folder(run_dir: str) -> None:

@@ -3,10 +3,13 @@
 Each layer raises its own one-line error type (data: ``DataError``, methods: ``MethodConfigError``, models:
 ``ModelUnavailable`` / ``ModelConfigError``, run folders: ``RunFolderError``, prompts: ``PromptTooLong``, the
 run's own settings and output folders: ``RunConfigError``); the command line (``__main__``) and a sweep job
-(``run.run``) both ask ``one_line_errors()`` which of them to print as one line.
+(``run.run``) both ask ``one_line_errors()`` which of them to print as one line. The command line's own checks,
+made before Hydra starts (unknown model/method/data names, output folders that cannot be written), are here
+too, for every entry point (``python -m luka_bench``, ``python -m luka_bench.probe``).
 """
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 
@@ -70,3 +73,55 @@ def unwrap(e: BaseException) -> BaseException:
     while isinstance(e, InstantiationException) and e.__cause__ is not None:
         e = e.__cause__
     return e
+
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("model", "method", "data")
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_group_overrides(argv: list[str]) -> str | None:
+    """One-line message for an unknown model/method/data name in the command line, else None. Hydra's own
+    message for this is many lines; this one names the bad value, the closest match and the allowed values."""
+    for arg in argv:
+        if "=" not in arg or arg.startswith("-"):
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if key not in GROUPS:
+            continue
+        allowed = group_options(key)
+        if value.startswith("glob(") or value.startswith("choice(") or value.startswith("range("):
+            names = [v.strip(" '\"") for v in value[value.index("(") + 1: -1].split(",")] \
+                if value.startswith("choice(") else []
+        else:
+            names = [v.strip() for v in value.split(",")]
+        for name in names:
+            if name and name not in allowed:
+                close = difflib.get_close_matches(name, allowed, n=1)
+                hint = f" Did you mean '{close[0]}'?" if close else ""
+                return f"Unknown {key} '{name}'.{hint} Available: {', '.join(allowed)}"
+    return None
+
+
+OUTPUT_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "logger.dir")
+
+
+def check_output_dirs(argv: list[str]) -> str | None:
+    """One-line message for an output folder in the command line (``hydra.run.dir``, ``hydra.sweep.dir``,
+    ``logger.dir``) that cannot be written, else None. Checked before Hydra starts: Hydra creates the run folder
+    itself and would fail with a traceback. Values with interpolations are left to the run."""
+    for arg in argv:
+        if "=" not in arg or arg.startswith("-"):
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        value = value.strip().strip("'\"")
+        if key in OUTPUT_DIR_KEYS and value and value != "null" and "${" not in value:
+            problem = writable_dir_problem(value)
+            if problem is not None:
+                return f"{key}={value} cannot be written: {problem}; pick a folder you can write to"
+    return None

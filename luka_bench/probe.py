@@ -344,7 +344,7 @@ def prompts(lm, task, steps: int, questions: int) -> list[Prompt]:
 
 def method_entries(spec) -> list[str]:
     """``probe.methods`` as a list of entries "name [key=value ...]"."""
-    from luka_bench.__main__ import group_options
+    from luka_bench.errors import group_options
 
     if spec is None:
         return []
@@ -358,7 +358,7 @@ def compose_method(entry: str, base_overrides: list[str]):
     from hydra import compose
     from hydra.utils import instantiate
 
-    from luka_bench.__main__ import check_group_overrides
+    from luka_bench.errors import check_group_overrides
 
     name, *settings = shlex.split(entry)
     msg = check_group_overrides([f"method={name}"])
@@ -519,7 +519,7 @@ def probe(cfg, out_dir: str | Path, overrides: list[str] | None = None):
 
 
 def main() -> None:
-    from luka_bench.__main__ import CONF_DIR, GROUPS, check_group_overrides
+    from luka_bench.errors import CONF_DIR, GROUPS, check_group_overrides
     from luka_bench.errors import one_line_errors, unwrap
 
     msg = check_group_overrides(sys.argv[1:])

@@ -141,6 +141,55 @@ def test_h2o_evicts_at_every_decode_step(tiny_llama):
     assert c.held_bytes() / c.full_bytes() == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("ties", [False, True], ids=["masses", "tied_masses"])
+def test_h2o_one_token_eviction_equals_the_full_top_k(ties, tiny_llama, monkeypatch):
+    """A decode step one token over capacity drops the single least-mass older token in place (``drop_one``):
+    held positions (their order), keys, values, masses and logits equal the general top-k + keep path's at every
+    step, also when masses tie (the later of equal tokens goes, as the stable top-k keeps the earlier)."""
+    from luka_bench.methods.hf import KVStore
+
+    model = tiny_llama.model
+    ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(12))
+    drops = []
+    real = KVStore.drop_one
+    monkeypatch.setattr(KVStore, "drop_one", lambda self, i: drops.append(1) or real(self, i))
+    if ties:  # coarse masses right before each eviction: many equal ones among the older tokens
+        attend = H2OPolicy.attend
+
+        def coarse(self, store, query, scaling):
+            out = attend(self, store, query, scaling)
+            store.aux(MASS).copy_(store.aux(MASS).floor())
+            return out
+
+        monkeypatch.setattr(H2OPolicy, "attend", coarse)
+
+    def run(incremental):
+        monkeypatch.setattr(H2OPolicy, "incremental", incremental)
+        states, logits = [], []
+        with attach(model, H2O(budget=0.25)) as a, torch.no_grad():
+            c = a.new_cache()
+            c.reference_length = 60
+            model(ids[:, :60], past_key_values=c)
+            c.end_prefill()
+            for t in range(60, 90):
+                logits.append(model(ids[:, t: t + 1], past_key_values=c).logits[0, -1])
+                states.append([(s.positions.clone(), s.keys.clone(), s.values.clone(), s.aux(MASS).clone())
+                               for s in c.stores])
+        return states, logits
+
+    fast, fast_logits = run(True)
+    assert len(drops) > 30  # most steps took the in-place path (capacity grows every 4th step)
+    del drops[:]
+    slow, slow_logits = run(False)
+    assert not drops
+    for a_, b_ in zip(fast, slow):
+        for sa, sb in zip(a_, b_):
+            for x, y in zip(sa, sb):
+                assert torch.equal(x, y)
+    for x, y in zip(fast_logits, slow_logits):
+        assert torch.equal(x, y)
+
+
 def test_luka_lined_is_h2o_with_the_paper_settings():
     cfg = compose("method=luka_lined")
     m = instantiate(cfg.method)

@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import open_dict
 
 from luka_bench import probe as P
-from luka_bench.__main__ import group_options
+from luka_bench.errors import group_options
 from luka_bench.methods.base import MethodConfigError
 
 from conftest import CONF, compose, tiny

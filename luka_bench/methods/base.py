@@ -281,6 +281,22 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: f
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=g > 1)
 
 
+def group_logits(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Logits of grouped queries q [B, Hkv, g, Lq, D] against their KV head's keys k [B, Hkv, m, D]:
+    [B, Hkv, g, Lq, m] float32. The group's query heads are folded into the rows of one matmul per KV head; a
+    matmul broadcasting k over the group axis copies the keys g times first (one decode query over 4K keys: 6.9 ms
+    against 0.37 ms here)."""
+    b, h, g, lq, d = q.shape
+    return (q.reshape(b, h, g * lq, d) @ k.transpose(-1, -2)).float().mul_(scaling).view(b, h, g, lq, k.shape[2])
+
+
+def group_apply(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Weights w [B, Hkv, g, Lq, m] applied to their KV head's values v [B, Hkv, m, Dv]: [B, Hkv, g, Lq, Dv], the
+    group folded into the rows as in ``group_logits``."""
+    b, h, g, lq, m = w.shape
+    return (w.reshape(b, h, g * lq, m).to(v.dtype) @ v).view(b, h, g, lq, v.shape[-1])
+
+
 def exact_attention(store: "KVStore", query: torch.Tensor, scaling: float,
                     sliding_window: int | None = None) -> torch.Tensor:
     """Exact attention of the last query chunk over everything the store holds."""
@@ -366,13 +382,13 @@ def attention_with_mass(store: "KVStore", query: torch.Tensor, scaling: float,
         qc = q[:, :, :, s: s + chunk]
         c = qc.shape[3]
         m = past + s + c  # keys visible to this chunk: the causal part only (halves a long prefill's work)
-        logits = (qc @ k[:, :, :m].transpose(-1, -2).unsqueeze(2)).float() * scaling  # [B, Hkv, g, c, m]
+        logits = group_logits(qc, k[:, :, :m], scaling)  # [B, Hkv, g, c, m]
         if c > 1:
             qi = torch.arange(s, s + c, device=query.device)
             visible = torch.arange(m, device=query.device)[None, :] <= (past + qi)[:, None]
             logits = logits.masked_fill(~visible, float("-inf"))
         w = torch.softmax(logits, dim=-1)
-        out[:, :, :, s: s + c] = (w.to(v.dtype) @ v[:, :, :m].unsqueeze(2))
+        out[:, :, :, s: s + c] = group_apply(w, v[:, :, :m])
         mass[:, :, :m] += w.sum(dim=(2, 3))
     return out.view(b, hq, lq, v.shape[-1]), mass
 
@@ -416,7 +432,7 @@ def attention_with_extra(store: "KVStore", query: torch.Tensor, scaling: float,
         qc = q[:, :, :, s: s + chunk]
         c = qc.shape[3]
         m = min(n, past + s + c) if causal else n
-        logits = (qc @ k[:, :, :m].transpose(-1, -2).unsqueeze(2)).float() * scaling  # [B, Hkv, g, c, m]
+        logits = group_logits(qc, k[:, :, :m], scaling)  # [B, Hkv, g, c, m]
         seen = torch.full((c,), float(m + S), device=query.device)
         if causal and c > 1:
             qi = torch.arange(s, s + c, device=query.device)
@@ -424,7 +440,7 @@ def attention_with_extra(store: "KVStore", query: torch.Tensor, scaling: float,
             logits = logits.masked_fill(~visible, float("-inf"))
             seen = visible.sum(-1).float() + S
         if S:
-            el = (qc @ extra_k.transpose(-1, -2).unsqueeze(2)).float() * scaling
+            el = group_logits(qc, extra_k, scaling)
             if extra_bias is not None:
                 el = el + extra_bias[:, :, None, None, :].float()
             logits = torch.cat([logits, el], dim=-1)
@@ -432,9 +448,9 @@ def attention_with_extra(store: "KVStore", query: torch.Tensor, scaling: float,
         w = logp.exp()
         h = -torch.where(w > 0, w * logp, torch.zeros_like(w)).sum(-1)  # [B, Hkv, g, c]
         ent[:, :, s: s + c] = (h / seen.log().clamp_min(1e-12)).mean(2) * (seen > 1)
-        o = w[..., :m].to(v.dtype) @ v[:, :, :m].unsqueeze(2)
+        o = group_apply(w[..., :m], v[:, :, :m])
         if S:
-            o = o + w[..., m:].to(extra_v.dtype) @ extra_v.unsqueeze(2)
+            o = o + group_apply(w[..., m:], extra_v)
             emass += w[..., m:].sum(dim=(2, 3))
             ew[:, :, :, s: s + c] = w[..., m:]
         out[:, :, :, s: s + c] = o

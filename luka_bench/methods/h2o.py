@@ -7,8 +7,9 @@ later step, a layer keeps its ``recent`` most recent tokens plus the ``capacity 
 highest accumulated mass (the heavy hitters) and physically evicts the rest.
 
 GQA: scores are per KV head, the mass summed over the query heads of its group; each KV head keeps its own set.
-Attention and the masses come from ``base.attention_with_mass`` (a CPU prefill: one flash SDPA pass for the
-output and each query's log-sum-exp, the masses from those in cache-sized tiles, no softmax matrix; decode steps and other devices: grouped matmul + fp32 softmax, query-chunked) only on the layers
+Attention and the masses come from ``base.attention_with_mass`` (a CPU prefill: one pass over the logits a block
+of queries at a time, output and masses from the same exp, no N x N matrix; decode steps and other devices:
+grouped matmul + fp32 softmax, query-chunked) only on the layers
 this method runs on; the model's other layers keep SDPA.
 
 Budget: ``capacity = ceil(budget * max(seen, reference_length))`` tokens held per layer, recent window
@@ -27,6 +28,8 @@ MASS = "h2o_mass"
 
 
 class H2OPolicy(LayerPolicy):
+    incremental = True  # a step one token over capacity drops one token in place (False: always top-k + keep)
+
     def attend(self, store, query, scaling):
         out, mass = attention_with_mass(store, query, scaling)
         acc = store.aux(MASS)
@@ -48,6 +51,14 @@ class H2OPolicy(LayerPolicy):
             return
         heavy, recent = self.split(cap)
         older = n - recent
+        if n == cap + 1 and self.incremental:
+            # one token more than fits (a decode step): the kept set, the top `heavy` of the `heavy + 1` older
+            # tokens plus the tail, drops exactly the older token of least mass — the latest of equal ones, as
+            # the stable top-k below keeps the earlier. An argmin and an in-place shift instead of two sorts and
+            # a copy of the whole cache.
+            least = older - 1 - store.aux(MASS)[:, :, :older].flip(-1).argmin(-1)
+            store.drop_one(least)
+            return
         b, h = store.keys.shape[:2]
         tail = torch.arange(older, n, device=store.device).expand(b, h, recent)
         if heavy > 0:

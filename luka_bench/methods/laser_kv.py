@@ -35,7 +35,8 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, exact_attention, top_indices
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, exact_attention, group_logits, \
+    top_indices
 
 STATE = "laser_kv"
 QUERY_CHUNK = 256  # scoring queries are processed this many at a time: never a [L, L] weight matrix
@@ -112,7 +113,7 @@ class LaserKVPolicy(LayerPolicy):
         if self.method.alpha > 0:
             for s in range(0, nq, QUERY_CHUNK):
                 qc = qg[:, :, :, s: s + QUERY_CHUNK]
-                logits = (qc @ k.transpose(-1, -2).unsqueeze(2)).float() * scaling  # [B, Hkv, g, c, M]
+                logits = group_logits(qc, k, scaling)  # [B, Hkv, g, c, M]
                 if causal:
                     qpos = mlen - nq + torch.arange(s, s + qc.shape[3], device=k.device)
                     visible = torch.arange(mlen, device=k.device)[None, :] <= qpos[:, None]

@@ -40,7 +40,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, attention_with_mass, exact_attention
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, attention_with_mass, exact_attention, \
+    group_apply, group_logits
 
 MASS = "luka_mass"
 RULES = ("none", "threshold", "top_k", "top_frac")
@@ -358,7 +359,7 @@ class LuKAPolicy(LayerPolicy):
         q = query.reshape(b, hkv, g, lq, d)
 
         def logits(keys):  # shared keys [B, Hkv, m, D] -> [B, Hkv, g, Lq, m]
-            return torch.matmul(q, keys.transpose(-1, -2).unsqueeze(2)).float() * scaling
+            return group_logits(q, keys, scaling)
 
         # The resolved set, as parts: logits [B, Hkv, g, Lq, m] (effective), values ([B, Hkv, m, Dv] shared or
         # [B, Hkv, Lq, m, Dv] per query), level (0 = raw) and ids (raw index / node index, [B, Hkv, Lq, m]).
@@ -425,7 +426,7 @@ class LuKAPolicy(LayerPolicy):
         for p in parts:
             pr = torch.exp(p.logit - z)
             if p.ids is None:
-                o = torch.matmul(pr.to(p.value.dtype), p.value.unsqueeze(2))
+                o = group_apply(pr, p.value)
             else:
                 o = torch.einsum("bhgqm,bhqmd->bhgqd", pr.to(p.value.dtype), p.value)
             out = o if out is None else out + o

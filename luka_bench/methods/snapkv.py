@@ -28,7 +28,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, exact_attention, top_indices
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, exact_attention, group_logits, \
+    top_indices
 
 
 POOLINGS = ("avg", "max", "avg_inrange")
@@ -42,7 +43,7 @@ def window_scores(q_window: torch.Tensor, keys: torch.Tensor, scaling: float, ca
     hkv, n = keys.shape[1], keys.shape[2]
     g = hq // hkv
     q = q_window.reshape(b, hkv, g, w, d)
-    logits = (q @ keys.transpose(-1, -2).unsqueeze(2)).float() * scaling  # [B, Hkv, g, w, n]
+    logits = group_logits(q, keys, scaling)  # [B, Hkv, g, w, n]
     if causal:
         qpos = n - w + torch.arange(w, device=keys.device)
         visible = torch.arange(n, device=keys.device)[None, :] <= qpos[:, None]
