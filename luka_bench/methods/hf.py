@@ -176,7 +176,7 @@ class KVStore(CacheLayerMixin):
     def drop_one(self, index: torch.Tensor) -> None:
         """Drop one held token per KV head, ``index`` [B, Hkv] (into the current ``n``), keeping time order: the
         tokens after it move one slot left, in place (a decode step's eviction; ``keep`` copies the whole cache)."""
-        b, h = self._k.shape[:2]
+        h = self._k.shape[1]
         for i, j in enumerate(index.reshape(-1).tolist()):  # one host sync for all heads
             bi, hi = divmod(i, h)
             for t in (self._k, self._v, self._pos, *self._aux.values()):
