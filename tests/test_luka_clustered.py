@@ -275,3 +275,37 @@ def test_decode_fast_path_equals_general_path(kw, tiny_qwen3):
         fr = a.policy.frontier
         assert torch.allclose(a.aux(MASS)[..., fr:], b.aux(MASS)[..., fr:], atol=1e-4) \
             if a.policy._needs_mass() else True
+
+
+@pytest.mark.parametrize("kw", [
+    dict(refine={"rule": "top_k", "k": 2}),
+    dict(refine={"rule": "top_k", "k": 2}, sink=4),
+    dict(refine={"rule": "threshold", "threshold": 0.03}),
+    dict(refine={"rule": "none"}),
+], ids=["topk", "topk_sink", "threshold", "none"])
+def test_decode_attended_count_equals_the_mask(kw, tiny_qwen3):
+    """The decode path's closed-form count of tokens read (sinks + tail + the chosen pages' tokens), which the
+    harness records after every step, equals the count of the ``attended`` mask over the store."""
+    from luka_bench.methods.base import LayerPolicy
+
+    model = tiny_qwen3.model
+    seen = []
+
+    def observe(store, query, out, scaling):
+        pol = store.policy
+        if query.shape[2] == 1 and pol.P[1] > 0:
+            seen.append((pol.attended_count(store), LayerPolicy.attended_count(pol, store), pol._att_count))
+
+    with attach(model, luka(**kw)) as a, torch.no_grad():
+        c = a.new_cache()
+        c.reference_length = 90
+        model(IDS[:, :90], past_key_values=c)
+        c.end_prefill()
+        c.observer = observe
+        for t in range(90, IDS.shape[1]):
+            model(IDS[:, t: t + 1], past_key_values=c)
+    assert len(seen) == (IDS.shape[1] - 90) * len(c.stores)
+    for fast, mask, closed in seen:
+        assert fast == pytest.approx(mask)
+    # the closed form is what is used where it applies (every rule but the threshold's padded top-K)
+    assert all(x[2] is not None for x in seen) == (kw["refine"]["rule"] != "threshold")

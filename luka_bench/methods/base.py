@@ -138,6 +138,13 @@ class LayerPolicy:
         LycheeCluster's retrieved chunks) override it; positions are ``store.positions[mask]``."""
         return None
 
+    def attended_count(self, store: "KVStore") -> float:
+        """How many held tokens the last ``attend`` read, per KV head (mean over batch and heads): the harness
+        records it after every decode forward. From the ``attended`` mask; a policy that knows the count without
+        building the mask overrides it (it must equal the mask's count: see LuKA clustered's test)."""
+        mask = self.attended(store)
+        return float(store.n) if mask is None else float(mask.sum()) / (mask.shape[0] * mask.shape[1])
+
     def attended_extra(self) -> int:
         """Entries held outside the store that the last ``attend`` call read, per KV head (LuKA's unrefined
         summaries, synthetic key/value pairs): counted as attended entries, but they have no position."""

@@ -40,12 +40,12 @@ ATTN_NAME = "luka_bench"
 _pending: "KVStore | None" = None
 
 
-def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``t[b, h, index[b, h, i]]`` for storage t [B, Hkv, cap, ...] (contiguous) and index [B, Hkv, m]: one
-    index_select over the flattened rows."""
+def _rows(t: torch.Tensor, flat: torch.Tensor, m: int) -> torch.Tensor:
+    """``t[b, h, index[b, h, i]]`` for storage t [B, Hkv, cap, ...] (contiguous) and ``flat`` the row ids of
+    ``index`` [B, Hkv, m] in t flattened to [B * Hkv * cap, ...] (``KVStore._flat``): one index_select, [B, Hkv,
+    m, ...]."""
     b, h, cap = t.shape[:3]
-    flat = (index + (torch.arange(b * h, device=index.device) * cap).view(b, h, 1)).reshape(-1)
-    return t.reshape(b * h * cap, *t.shape[3:]).index_select(0, flat).view(b, h, index.shape[-1], *t.shape[3:])
+    return t.reshape(b * h * cap, *t.shape[3:]).index_select(0, flat).view(b, h, m, *t.shape[3:])
 
 
 class KVStore(CacheLayerMixin):
@@ -66,6 +66,7 @@ class KVStore(CacheLayerMixin):
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None
+        self._row_base: tuple | None = None  # _flat's per-head row offsets, keyed by storage shape
         self._aux: dict[str, torch.Tensor] = {}  # per-token method state [B, Hkv, cap], kept aligned with keys
         self.n = 0
         self.seen = 0
@@ -160,8 +161,9 @@ class KVStore(CacheLayerMixin):
             aux = {name: a[:, :, : self.n].index_select(2, index) for name, a in self._aux.items()}
         else:  # per KV head: one row gather from each storage (torch.gather over an expanded index is ~6x slower)
             m = index.shape[-1]
-            k, v, pos = _rows(self._k, index), _rows(self._v, index), _rows(self._pos, index)
-            aux = {name: _rows(a, index) for name, a in self._aux.items()}
+            flat = self._flat(index)
+            k, v, pos = _rows(self._k, flat, m), _rows(self._v, flat, m), _rows(self._pos, flat, m)
+            aux = {name: _rows(a, flat, m) for name, a in self._aux.items()}
         if m < self._k.shape[2] // 2:
             self._k, self._v, self._pos = k.contiguous(), v.contiguous(), pos.contiguous()
             self._aux = {name: a.contiguous() for name, a in aux.items()}
@@ -187,7 +189,17 @@ class KVStore(CacheLayerMixin):
         """Keys and values of the held tokens at ``index`` [B, Hkv, m] (per KV head; any order, repeats allowed):
         ([B, Hkv, m, Dk], [B, Hkv, m, Dv]). One row gather from the storage (much faster than ``torch.gather``
         with an index expanded over the head dimension)."""
-        return _rows(self._k, index), _rows(self._v, index)
+        flat, m = self._flat(index), index.shape[-1]
+        return _rows(self._k, flat, m), _rows(self._v, flat, m)
+
+    def _flat(self, index: torch.Tensor) -> torch.Tensor:
+        """Row ids of ``index`` [B, Hkv, m] in the storage flattened to [B * Hkv * cap, ...] (the per-head row
+        offsets made once per storage shape: a decode step's gather is then one add)."""
+        b, h, cap = self._k.shape[:3]
+        key = (b, h, cap, index.device)
+        if self._row_base is None or self._row_base[0] != key:
+            self._row_base = (key, (torch.arange(b * h, device=index.device) * cap).view(b, h, 1))
+        return (index + self._row_base[1]).reshape(-1)
 
     def keep_ends(self, head: int, tail: int) -> None:
         """Keep the first ``head`` and the last ``tail`` held tokens, drop the rest (all heads alike)."""
@@ -302,10 +314,7 @@ class MethodCache(Cache):
         for s in self.stores:
             if s._k is None:
                 continue
-            mask = s.policy.attended(s)
-            h = s._k.shape[1] * s._k.shape[0]
-            per_head = float(s.n) if mask is None else float(mask.sum()) / h
-            per_head += s.policy.attended_extra()
+            per_head = s.policy.attended_count(s) + s.policy.attended_extra()
             toks += per_head
             byts += per_head * s.token_bytes()
             held += s.n

@@ -83,6 +83,8 @@ class LuKAPolicy(LayerPolicy):
         # What the last attend read (``attended``): None = every held token (exact attention), else
         # (frontier, n, [(raw ids [B, Hkv, ...], valid [B, Hkv, ...])], summaries read per KV head)
         self._att: tuple | None = None
+        self._att_count: float | None = None  # the decode path's attended count, when known without a mask
+        self._offsets: torch.Tensor | None = None  # _page_offsets
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
     @property
@@ -106,7 +108,7 @@ class LuKAPolicy(LayerPolicy):
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def attend(self, store, query, scaling):
-        self._att = None
+        self._att = self._att_count = None
         if self.P[1] > 0 and query.shape[2] == 1 and self.method.levels == 1 and self.use_fast_path:
             return self.decode_step(store, query, scaling)
         if self.P[1] == 0:
@@ -130,8 +132,16 @@ class LuKAPolicy(LayerPolicy):
         hit[:, :, : self.method.sink] = 1
         hit[:, :, fr:n] = 1
         for ids, valid in raw:
-            hit.scatter_add_(2, ids.reshape(b, h, -1), valid.reshape(b, h, -1).to(torch.int32))
+            src = torch.ones_like(ids, dtype=torch.int32) if valid is None else valid.to(torch.int32)
+            hit.scatter_add_(2, ids.reshape(b, h, -1), src.reshape(b, h, -1))
         return hit > 0
+
+    def attended_count(self, store) -> float:
+        """The decode path knows it: sinks + raw tail + the chosen pages' tokens (distinct pages, all older than
+        the tail) — no mask over the store built after every step."""
+        if self._att_count is not None:
+            return self._att_count
+        return super().attended_count(store)
 
     def attended_extra(self) -> int:
         if self._att is None:
@@ -221,7 +231,8 @@ class LuKAPolicy(LayerPolicy):
     # -- attention over the cover with refinement ----------------------------------------------------------
     def _select(self, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Refinement rule over candidate nodes. score: mass per KV head [B, Hkv, Lq, C]. Returns (indices
-        [B, Hkv, Lq, K], valid [B, Hkv, Lq, K]) or None when nothing is refined."""
+        [B, Hkv, Lq, K], valid [B, Hkv, Lq, K] or None when every chosen node is refined) or None when nothing
+        is refined."""
         r = self.method.refine
         C = score.shape[-1]
         if r.rule == "none" or C == 0:
@@ -235,8 +246,7 @@ class LuKAPolicy(LayerPolicy):
         if K <= 0:
             return None
         top = torch.topk(score, K, dim=-1)
-        valid = top.values > r.threshold if r.rule == "threshold" else torch.ones_like(top.values, dtype=torch.bool)
-        return top.indices, valid
+        return top.indices, (top.values > r.threshold if r.rule == "threshold" else None)
 
     def _cover(self, store) -> tuple[torch.Tensor, torch.Tensor]:
         """The cover buffer [sink | level-1 summaries | raw tail] in sync with the store (see __init__)."""
@@ -257,80 +267,97 @@ class LuKAPolicy(LayerPolicy):
             self.cov_n, self.cov_pages, self.cov_raw = size, P, n
         elif self.cov_raw < n:
             add = n - self.cov_raw
-            if self.cov_n + add > self.cov_k.shape[2]:
-                cap = int((self.cov_n + add) * 1.25) + 64
-                nk = self.cov_k.new_empty(self.cov_k.shape[0], self.cov_k.shape[1], cap, self.cov_k.shape[3])
-                nv = self.cov_v.new_empty(self.cov_v.shape[0], self.cov_v.shape[1], cap, self.cov_v.shape[3])
-                nk[:, :, : self.cov_n] = self.cov_k[:, :, : self.cov_n]
-                nv[:, :, : self.cov_n] = self.cov_v[:, :, : self.cov_n]
-                self.cov_k, self.cov_v = nk, nv
+            self._grow(self.cov_n + add)
             self.cov_k[:, :, self.cov_n: self.cov_n + add] = K[:, :, self.cov_raw: n]
             self.cov_v[:, :, self.cov_n: self.cov_n + add] = V[:, :, self.cov_raw: n]
             self.cov_n += add
             self.cov_raw = n
         return self.cov_k[:, :, : self.cov_n], self.cov_v[:, :, : self.cov_n]
 
+    def _grow(self, need: int) -> None:
+        """Make the cover buffers hold at least ``need`` entries (contents kept; beyond ``cov_n`` is scratch)."""
+        if need > self.cov_k.shape[2]:
+            cap = int(need * 1.25) + 64
+            nk = self.cov_k.new_empty(self.cov_k.shape[0], self.cov_k.shape[1], cap, self.cov_k.shape[3])
+            nv = self.cov_v.new_empty(self.cov_v.shape[0], self.cov_v.shape[1], cap, self.cov_v.shape[3])
+            nk[:, :, : self.cov_n] = self.cov_k[:, :, : self.cov_n]
+            nv[:, :, : self.cov_n] = self.cov_v[:, :, : self.cov_n]
+            self.cov_k, self.cov_v = nk, nv
+
+    def _page_offsets(self, S: int, s0: int, dev) -> torch.Tensor:
+        """``s0 + arange(S)``: a page's raw ids relative to ``page * S`` (made once per device)."""
+        if self._offsets is None or self._offsets.device != dev:
+            self._offsets = torch.arange(s0, s0 + S, device=dev)
+        return self._offsets
+
     def decode_step(self, store, query, scaling):
         """The per-token path (one query, one summary level): the same computation as ``clustered``, in the
-        fewest tensor operations (per layer and step ~20 small ops, so the fixed cost stays well below the
-        attention it saves) — the query pre-scaled once; logits over the whole cover in one matmul; the page
-        masses for the rule from one fused softmax; one gather per K/V of the chosen pages (whole pages through a
-        [pages, page_size * D] view of the raw storage); the refined parents masked in place; one softmax over
-        cover + children; two output matmuls. Importance is accumulated only where it will be read: the raw
-        tokens not yet in a page (sinks are never summarised, paged tokens never again; page importance is
-        read only by level-2 nodes, which this path does not serve). ``tests/test_luka_clustered.py`` checks it
-        against ``clustered``."""
+        fewest tensor operations (per layer and step ~20 small ops, so the fixed cost stays below the attention
+        it saves) — the query pre-scaled once; logits over the whole cover in one matmul; the page masses for the
+        rule from one fused softmax; one row gather per K/V of the chosen pages' raw tokens
+        (``KVStore.gather``); the refined parents masked in place; one softmax over cover + children; two
+        output matmuls. Every matmul is a 3-D ``bmm`` over (batch x KV head): a 4-D ``matmul`` costs about twice
+        as much at these sizes (its reshapes around the same bmm), and a decode step is made of such small ops.
+        Importance is accumulated only where it will be read: the raw tokens not yet in a page (sinks are never
+        summarised, paged tokens never again; page importance is read only by level-2 nodes, which this path
+        does not serve). ``tests/test_luka_clustered.py`` checks it against ``clustered``."""
         m = self.method
         S, s0, P, fr = m.page_size, m.sink, self.P[1], self.frontier
         cache, dev = store.cache, query.device
         t0 = cache.mark(dev)
         b, hq, _, d = query.shape
-        K, V = store.keys, store.values
-        hkv, n = K.shape[1], K.shape[2]
-        g = hq // hkv
-        q = query.reshape(b, hkv, g, d) * scaling
+        hkv, n = store.keys.shape[1], store.n
+        g, bh = hq // hkv, b * hkv
+        q = query.reshape(bh, g, d) * scaling
         ck, cv = self._cover(store)
         C = ck.shape[2]
-        logit = torch.matmul(q, ck.transpose(-1, -2)).float()  # [B, Hkv, g, C]
+        ck, cv = ck.reshape(bh, C, d), cv.reshape(bh, C, -1)  # views: (batch, head) merge in the buffer
+        logit = torch.bmm(q, ck.transpose(1, 2)).float()  # [B*Hkv, g, C]
         if m.summary_bias != "none":
             logit[..., s0: s0 + P] += m.bias(1)
         t1 = cache.mark(dev)
         sel = None
         if m.refine.rule != "none":
-            sel = self._select(torch.softmax(logit, -1)[..., s0: s0 + P].sum(2, keepdim=True))
+            sel = self._select(torch.softmax(logit, -1)[..., s0: s0 + P].sum(1).view(b, hkv, 1, P))
         self.last_refined = None if sel is None else sel[0][:, :, 0]
         if sel is not None:
             idx = sel[0][:, :, 0]  # [B, Hkv, K] page ids
             k_sel = idx.shape[-1]
-            dv = V.shape[-1]
-            gi = idx.unsqueeze(-1)
-            kk = K[:, :, s0: s0 + P * S].reshape(b, hkv, P, S * d).gather(2, gi.expand(-1, -1, -1, S * d))
-            vv = V[:, :, s0: s0 + P * S].reshape(b, hkv, P, S * dv).gather(2, gi.expand(-1, -1, -1, S * dv))
-            kk, vv = kk.view(b, hkv, k_sel * S, d), vv.view(b, hkv, k_sel * S, dv)
-            cl = torch.matmul(q, kk.transpose(-1, -2)).float()  # [B, Hkv, g, K*S]
-            pidx = (idx + s0 if s0 else idx).unsqueeze(2).expand(-1, -1, g, -1)
+            # the chosen pages' raw tokens: one row gather per K and V from the store
+            raw_ids = (idx.unsqueeze(-1) * S + self._page_offsets(S, s0, dev)).view(b, hkv, k_sel * S)
+            kk, vv = store.gather(raw_ids)
+            kk, vv = kk.view(bh, k_sel * S, d), vv.view(bh, k_sel * S, -1)
+            cl = torch.bmm(q, kk.transpose(1, 2)).float()  # [B*Hkv, g, K*S]
+            pidx = (idx + s0 if s0 else idx).view(bh, 1, k_sel).expand(-1, g, -1)
             if m.refine.mass == "parent":
-                parent = logit.gather(-1, pidx)  # [B, Hkv, g, K]
-                cl5 = cl.view(b, hkv, g, k_sel, S)
-                cl = (cl5 + (parent - torch.logsumexp(cl5, -1)).unsqueeze(-1)).view(b, hkv, g, k_sel * S)
-            valid = sel[1][:, :, 0]  # [B, Hkv, K]: False for padding in a threshold rule's top-K
-            if m.refine.rule == "threshold":  # pages below the threshold in a padded top-K stay unrefined
-                vmask = valid.unsqueeze(2).expand(-1, -1, g, -1)
-                cl = cl.view(b, hkv, g, k_sel, S).masked_fill(~vmask.unsqueeze(-1), NEG).view(b, hkv, g, -1)
+                parent = logit.gather(-1, pidx)  # [B*Hkv, g, K]
+                cl4 = cl.view(bh, g, k_sel, S)
+                cl = (cl4 + (parent - torch.logsumexp(cl4, -1)).unsqueeze(-1)).view(bh, g, k_sel * S)
+            valid = sel[1]  # [B, Hkv, 1, K] (threshold rule: False for padding in its top-K), else None
+            if valid is not None:  # pages below the threshold in a padded top-K stay unrefined
+                vmask = valid.view(bh, 1, k_sel).expand(-1, g, -1)
+                cl = cl.view(bh, g, k_sel, S).masked_fill(~vmask.unsqueeze(-1), NEG).view(bh, g, -1)
                 logit = logit.scatter(-1, pidx, logit.gather(-1, pidx).masked_fill(vmask, NEG))
             else:
                 logit.scatter_(-1, pidx, NEG)
-            raw_ids = ((idx * S + s0).unsqueeze(-1) + torch.arange(S, device=dev))
-            # what this step read (LayerPolicy.attended): resolved lazily, so it costs nothing unless asked
-            self._att = (fr, n, [(raw_ids, valid.unsqueeze(-1).expand_as(raw_ids))], valid)
+            # what this step read (LayerPolicy.attended)
+            self._att = (fr, n, [(raw_ids, None if valid is None else valid[:, :, 0].repeat_interleave(S, -1))],
+                         P - k_sel if valid is None else valid[:, :, 0])
+            if valid is None:
+                self._att_count = float(s0 + n - fr + k_sel * S)
             t2 = cache.mark(dev)
             p = torch.softmax(torch.cat([logit, cl], -1), -1)
-            out = torch.matmul(p[..., :C].to(cv.dtype), cv) + torch.matmul(p[..., C:].to(vv.dtype), vv)
+            # the children's values in the buffer's scratch right after the cover: one output matmul
+            self._grow(C + k_sel * S)
+            self.cov_v[:, :, C: C + k_sel * S] = vv.view(b, hkv, k_sel * S, -1)
+            out = torch.bmm(p.to(cv.dtype), self.cov_v[:, :, : C + k_sel * S].reshape(bh, C + k_sel * S, -1))
         else:
             self._att = (fr, n, [], P)
+            self._att_count = float(s0 + n - fr)
             t2 = cache.mark(dev)
             p = torch.softmax(logit, -1)
-            out = torch.matmul(p.to(cv.dtype), cv)
+            out = torch.bmm(p.to(cv.dtype), cv)
+        p = p.view(b, hkv, g, -1)
         self._last_p, self._last_total = p, None
         if self._needs_mass() and C > s0 + P:
             store.aux(MASS)[:, :, fr:n] += p[..., s0 + P: C].sum(2)
@@ -393,6 +420,8 @@ class LuKAPolicy(LayerPolicy):
             if sel is None:
                 continue
             idx, valid = sel
+            if valid is None:
+                valid = torch.ones_like(idx, dtype=torch.bool)
             k_sel = idx.shape[-1]
             node = cand.ids.gather(-1, idx)  # [B, Hkv, Lq, K] level-l node ids
             child = (node.unsqueeze(-1) * S + torch.arange(S, device=dev)).reshape(b, hkv, lq * k_sel * S)
