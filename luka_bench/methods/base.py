@@ -382,21 +382,7 @@ def attention_with_mass(store: "KVStore", query: torch.Tensor, scaling: float,
     if _blocked(query, lq):
         out, mass, _ = _blocked_attention(query, k, v, scaling, past)
         return out, mass
-    q = query.view(b, hkv, g, lq, d)
-    out = query.new_empty(b, hkv, g, lq, v.shape[-1])
-    mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=query.device)
-    for s in range(0, lq, chunk):
-        qc = q[:, :, :, s: s + chunk]
-        c = qc.shape[3]
-        m = past + s + c  # keys visible to this chunk: the causal part only (halves a long prefill's work)
-        logits = group_logits(qc, k[:, :, :m], scaling)  # [B, Hkv, g, c, m]
-        if c > 1:
-            qi = torch.arange(s, s + c, device=query.device)
-            visible = torch.arange(m, device=query.device)[None, :] <= (past + qi)[:, None]
-            logits = logits.masked_fill(~visible, float("-inf"))
-        w = torch.softmax(logits, dim=-1)
-        out[:, :, :, s: s + c] = group_apply(w, v[:, :, :m])
-        mass[:, :, :m] += w.sum(dim=(2, 3))
+    out, mass, _, _, _ = _explicit_attention(query.view(b, hkv, g, lq, d), k, v, scaling, past, chunk)
     return out.view(b, hq, lq, v.shape[-1]), mass
 
 
@@ -425,36 +411,61 @@ def attention_with_extra(store: "KVStore", query: torch.Tensor, scaling: float,
     S = 0 if extra_k is None else extra_k.shape[2]
     q = query.view(b, hkv, g, lq, d)
     past = n - lq if causal else n
-    emass = torch.zeros(b, hkv, S, dtype=torch.float32, device=query.device)
-    ew = query.new_zeros(b, hkv, g, lq, S, dtype=torch.float32)
     if S == 0 and causal and _blocked(query, lq):
         out, mass, h = _blocked_attention(query, k, v, scaling, past, entropy=True)
         seen = torch.arange(past + 1, n + 1, device=query.device, dtype=torch.float32)  # entries query i saw
         ent = (h.clamp_min(0.0) / seen.log().clamp_min(1e-12)).view(b, hkv, g, lq).mean(2) * (seen > 1)
-        return out, mass, emass, ent, ew
-    out = query.new_empty(b, hkv, g, lq, v.shape[-1])
-    mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=query.device)
-    ent = torch.zeros(b, hkv, lq, dtype=torch.float32, device=query.device)
+    else:
+        out, mass, emass, ent, ew = _explicit_attention(q, k, v, scaling, past, chunk, causal=causal, entropy=True,
+                                                        extra=(extra_k, extra_v, extra_bias) if S else None)
+        out = out.view(b, hq, lq, v.shape[-1])
+        if S:
+            return out, mass, emass, ent, ew
+    return (out, mass, torch.zeros(b, hkv, 0, dtype=torch.float32, device=query.device), ent,
+            torch.zeros(b, hkv, g, lq, 0, dtype=torch.float32, device=query.device))
+
+
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, past: int, chunk: int,
+                        causal: bool = True, entropy: bool = False, extra: tuple | None = None):
+    """The explicit-weights pass of ``attention_with_mass`` and ``attention_with_extra``: q [B, Hkv, g, Lq, D]
+    over held keys/values [B, Hkv, n, D] (+ ``extra`` = (keys [B, Hkv, S, D], values, logit bias [B, Hkv, S] or
+    None)), fp32 softmax for all heads at once, queries ``chunk`` at a time so a long chunk never holds the
+    N x N weights; with ``causal`` query i sees the held tokens up to ``past + i`` only (halves a prefill's
+    work). Returns (out [B, Hkv, g, Lq, Dv], mass [B, Hkv, n], extra mass [B, Hkv, S], normalised entropy
+    [B, Hkv, Lq], extra weights [B, Hkv, g, Lq, S]) — see ``attention_with_extra``; None for the entropy
+    unless asked, for the extra ones without extra entries."""
+    b, hkv, g, lq, _ = q.shape
+    n, dev = k.shape[2], q.device
+    extra_k, extra_v, extra_bias = extra if extra is not None else (None, None, None)
+    S = 0 if extra_k is None else extra_k.shape[2]
+    out = q.new_empty(b, hkv, g, lq, v.shape[-1])
+    mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=dev)
+    emass = torch.zeros(b, hkv, S, dtype=torch.float32, device=dev) if S else None
+    ew = torch.zeros(b, hkv, g, lq, S, dtype=torch.float32, device=dev) if S else None
+    ent = torch.zeros(b, hkv, lq, dtype=torch.float32, device=dev) if entropy else None
     for s in range(0, lq, chunk):
         qc = q[:, :, :, s: s + chunk]
         c = qc.shape[3]
-        m = min(n, past + s + c) if causal else n
+        m = min(n, past + s + c) if causal else n  # keys visible to this chunk
         logits = group_logits(qc, k[:, :, :m], scaling)  # [B, Hkv, g, c, m]
-        seen = torch.full((c,), float(m + S), device=query.device)
+        seen = torch.full((c,), float(m + S), device=dev) if entropy else None
         if causal and c > 1:
-            qi = torch.arange(s, s + c, device=query.device)
-            visible = torch.arange(m, device=query.device)[None, :] <= (past + qi)[:, None]
+            qi = torch.arange(s, s + c, device=dev)
+            visible = torch.arange(m, device=dev)[None, :] <= (past + qi)[:, None]
             logits = logits.masked_fill(~visible, float("-inf"))
-            seen = visible.sum(-1).float() + S
+            seen = visible.sum(-1).float() + S if entropy else None
         if S:
             el = group_logits(qc, extra_k, scaling)
             if extra_bias is not None:
                 el = el + extra_bias[:, :, None, None, :].float()
             logits = torch.cat([logits, el], dim=-1)
-        logp = torch.log_softmax(logits, dim=-1)
-        w = logp.exp()
-        h = -torch.where(w > 0, w * logp, torch.zeros_like(w)).sum(-1)  # [B, Hkv, g, c]
-        ent[:, :, s: s + c] = (h / seen.log().clamp_min(1e-12)).mean(2) * (seen > 1)
+        if entropy:
+            logp = torch.log_softmax(logits, dim=-1)
+            w = logp.exp()
+            h = -torch.where(w > 0, w * logp, torch.zeros_like(w)).sum(-1)  # [B, Hkv, g, c]
+            ent[:, :, s: s + c] = (h / seen.log().clamp_min(1e-12)).mean(2) * (seen > 1)
+        else:
+            w = torch.softmax(logits, dim=-1)
         o = group_apply(w[..., :m], v[:, :, :m])
         if S:
             o = o + group_apply(w[..., m:], extra_v)
@@ -462,7 +473,7 @@ def attention_with_extra(store: "KVStore", query: torch.Tensor, scaling: float,
             ew[:, :, :, s: s + c] = w[..., m:]
         out[:, :, :, s: s + c] = o
         mass[:, :, :m] += w[..., :m].sum(dim=(2, 3))
-    return out.view(b, hq, lq, v.shape[-1]), mass, emass, ent, ew
+    return out, mass, emass, ent, ew
 
 
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

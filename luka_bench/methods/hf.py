@@ -66,7 +66,7 @@ class KVStore(CacheLayerMixin):
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None
-        self._row_base: tuple | None = None  # _flat's per-head row offsets, keyed by storage shape
+        self._row_base: tuple | None = None  # row_offsets(), keyed by storage shape
         self._aux: dict[str, torch.Tensor] = {}  # per-token method state [B, Hkv, cap], kept aligned with keys
         self.n = 0
         self.seen = 0
@@ -189,17 +189,25 @@ class KVStore(CacheLayerMixin):
         """Keys and values of the held tokens at ``index`` [B, Hkv, m] (per KV head; any order, repeats allowed):
         ([B, Hkv, m, Dk], [B, Hkv, m, Dv]). One row gather from the storage (much faster than ``torch.gather``
         with an index expanded over the head dimension)."""
-        flat, m = self._flat(index), index.shape[-1]
+        return self.gather_flat(self._flat(index), index.shape[-1])
+
+    def gather_flat(self, flat: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gather`` for row ids already in the flattened storage (index + ``row_offsets()``, flattened; [B *
+        Hkv * m]), for a policy that builds them in fewer ops on its per-step path."""
         return _rows(self._k, flat, m), _rows(self._v, flat, m)
 
-    def _flat(self, index: torch.Tensor) -> torch.Tensor:
-        """Row ids of ``index`` [B, Hkv, m] in the storage flattened to [B * Hkv * cap, ...] (the per-head row
-        offsets made once per storage shape: a decode step's gather is then one add)."""
+    def row_offsets(self) -> torch.Tensor:
+        """[B, Hkv, 1]: the first row of each head in the storage flattened to rows [B * Hkv * cap, D]; the
+        same tensor until the storage is reallocated (made once per storage shape)."""
         b, h, cap = self._k.shape[:3]
-        key = (b, h, cap, index.device)
+        key = (b, h, cap, self._k.device)
         if self._row_base is None or self._row_base[0] != key:
-            self._row_base = (key, (torch.arange(b * h, device=index.device) * cap).view(b, h, 1))
-        return (index + self._row_base[1]).reshape(-1)
+            self._row_base = (key, (torch.arange(b * h, device=self._k.device) * cap).view(b, h, 1))
+        return self._row_base[1]
+
+    def _flat(self, index: torch.Tensor) -> torch.Tensor:
+        """Row ids of ``index`` [B, Hkv, m] in the flattened storage."""
+        return (index + self.row_offsets()).reshape(-1)
 
     def keep_ends(self, head: int, tail: int) -> None:
         """Keep the first ``head`` and the last ``tail`` held tokens, drop the rest (all heads alike)."""

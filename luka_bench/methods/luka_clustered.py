@@ -70,7 +70,6 @@ class LuKAPolicy(LayerPolicy):
         self.steps = 0
         self._last_p: torch.Tensor | None = None  # the fast path's resolved masses (last_masses, for tests)
         self._last_total: torch.Tensor | None = None
-        self.last_refined: torch.Tensor | None = None  # pages the last decode step refined [B, Hkv, K] (fast path)
         # Decode fast path (one query, one level): the cover's keys/values [sink | page summaries | raw tail] in
         # one buffer, rebuilt when pages are made and appended to as tokens arrive, so a step is one matmul over
         # the cover instead of one per part.
@@ -84,7 +83,9 @@ class LuKAPolicy(LayerPolicy):
         # (frontier, n, [(raw ids [B, Hkv, ...], valid [B, Hkv, ...])], summaries read per KV head)
         self._att: tuple | None = None
         self._att_count: float | None = None  # the decode path's attended count, when known without a mask
-        self._offsets: torch.Tensor | None = None  # _page_offsets
+        self._rows: torch.Tensor | None = None  # _page_rows, for the storage whose row_offsets is _rows_for
+        self._rows_for: torch.Tensor | None = None
+        self._zero_t: torch.Tensor | None = None  # _zero
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
     @property
@@ -127,6 +128,8 @@ class LuKAPolicy(LayerPolicy):
         if self._att is None:
             return None
         fr, n, raw, _ = self._att
+        if callable(raw):  # the decode path resolves its refined pages' raw ids only when asked
+            raw = raw()
         b, h = store.keys.shape[:2]
         hit = torch.zeros(b, h, store.n, dtype=torch.int32, device=store.device)
         hit[:, :, : self.method.sink] = 1
@@ -284,88 +287,101 @@ class LuKAPolicy(LayerPolicy):
             nv[:, :, : self.cov_n] = self.cov_v[:, :, : self.cov_n]
             self.cov_k, self.cov_v = nk, nv
 
-    def _page_offsets(self, S: int, s0: int, dev) -> torch.Tensor:
-        """``s0 + arange(S)``: a page's raw ids relative to ``page * S`` (made once per device)."""
-        if self._offsets is None or self._offsets.device != dev:
-            self._offsets = torch.arange(s0, s0 + S, device=dev)
-        return self._offsets
+    def _page_rows(self, store, S: int, s0: int) -> torch.Tensor:
+        """[B, Hkv, 1, S]: the rows of page 0's tokens in the store's flattened storage (``KVStore.row_offsets``
+        + s0 + arange(S)); page p's are these + p * S. Remade when the storage is."""
+        off = store.row_offsets()
+        if self._rows_for is not off:
+            self._rows = off.unsqueeze(-1) + torch.arange(s0, s0 + S, device=off.device)
+            self._rows_for = off
+        return self._rows
 
     def decode_step(self, store, query, scaling):
         """The per-token path (one query, one summary level): the same computation as ``clustered``, in the
-        fewest tensor operations (per layer and step ~20 small ops, so the fixed cost stays below the attention
-        it saves) — the query pre-scaled once; logits over the whole cover in one matmul; the page masses for the
-        rule from one fused softmax; one row gather per K/V of the chosen pages' raw tokens
-        (``KVStore.gather``); the refined parents masked in place; one softmax over cover + children; two
-        output matmuls. Every matmul is a 3-D ``bmm`` over (batch x KV head): a 4-D ``matmul`` costs about twice
-        as much at these sizes (its reshapes around the same bmm), and a decode step is made of such small ops.
-        Importance is accumulated only where it will be read: the raw tokens not yet in a page (sinks are never
-        summarised, paged tokens never again; page importance is read only by level-2 nodes, which this path
-        does not serve). ``tests/test_luka_clustered.py`` checks it against ``clustered``."""
+        fewest tensor operations — a decode step at 2K is made of ~25 small ops, each costing more in dispatch
+        than in arithmetic, so every op counts: logits over the whole cover in one scaled matmul; the page masses
+        for the rule from one softmax; the chosen pages' raw rows computed in one op and gathered by one
+        index_select per K and V (``KVStore.gather_flat``); the refined parents masked in place; one softmax
+        over cover + children; the children's values copied into the cover buffer's scratch so that one matmul
+        gives the output. Every matmul is a 3-D ``bmm`` over (batch x KV head), the group's query heads as rows
+        (a 4-D ``matmul`` costs about twice as much at these sizes). Importance is accumulated only where it
+        will be read: the raw tokens not yet in a page (sinks are never summarised, paged tokens never again;
+        page importance is read only by level-2 nodes, which this path does not serve); the attended set is
+        resolved only when asked. ``tests/test_luka_clustered.py`` checks it against ``clustered``."""
         m = self.method
         S, s0, P, fr = m.page_size, m.sink, self.P[1], self.frontier
-        cache, dev = store.cache, query.device
-        t0 = cache.mark(dev)
+        cache = store.cache
+        t0 = cache.mark(query.device)
         b, hq, _, d = query.shape
-        hkv, n = store.keys.shape[1], store.n
+        hkv, n = self.info.num_kv_heads, store.n
         g, bh = hq // hkv, b * hkv
-        q = query.reshape(bh, g, d) * scaling
+        q = query.view(bh, g, d)
         ck, cv = self._cover(store)
         C = ck.shape[2]
-        ck, cv = ck.reshape(bh, C, d), cv.reshape(bh, C, -1)  # views: (batch, head) merge in the buffer
-        logit = torch.bmm(q, ck.transpose(1, 2)).float()  # [B*Hkv, g, C]
+        logit = torch.baddbmm(self._zero(query), q, ck.view(bh, C, d).transpose(1, 2), beta=0.0,
+                              alpha=scaling).float()  # [B*Hkv, g, C], scaled
         if m.summary_bias != "none":
             logit[..., s0: s0 + P] += m.bias(1)
-        t1 = cache.mark(dev)
+        t1 = cache.mark(query.device)
         sel = None
         if m.refine.rule != "none":
-            sel = self._select(torch.softmax(logit, -1)[..., s0: s0 + P].sum(1).view(b, hkv, 1, P))
-        self.last_refined = None if sel is None else sel[0][:, :, 0]
+            sel = self._select(torch.softmax(logit, -1)[..., s0: s0 + P].sum(1))  # per KV head [B*Hkv, P]
         if sel is not None:
-            idx = sel[0][:, :, 0]  # [B, Hkv, K] page ids
+            idx, valid = sel  # [B*Hkv, K] page ids; valid: threshold rule's padding, else None
             k_sel = idx.shape[-1]
-            # the chosen pages' raw tokens: one row gather per K and V from the store
-            raw_ids = (idx.unsqueeze(-1) * S + self._page_offsets(S, s0, dev)).view(b, hkv, k_sel * S)
-            kk, vv = store.gather(raw_ids)
-            kk, vv = kk.view(bh, k_sel * S, d), vv.view(bh, k_sel * S, -1)
-            cl = torch.bmm(q, kk.transpose(1, 2)).float()  # [B*Hkv, g, K*S]
-            pidx = (idx + s0 if s0 else idx).view(bh, 1, k_sel).expand(-1, g, -1)
+            kk, vv = store.gather_flat(torch.add(self._page_rows(store, S, s0), idx.view(b, hkv, k_sel, 1),
+                                                 alpha=S).view(-1), k_sel * S)
+            cl = torch.baddbmm(self._zero(query), q, kk.view(bh, k_sel * S, d).transpose(1, 2), beta=0.0,
+                               alpha=scaling).float()  # [B*Hkv, g, K*S]
+            pidx = (idx + s0 if s0 else idx).unsqueeze(1).expand(-1, g, -1)
             if m.refine.mass == "parent":
                 parent = logit.gather(-1, pidx)  # [B*Hkv, g, K]
                 cl4 = cl.view(bh, g, k_sel, S)
                 cl = (cl4 + (parent - torch.logsumexp(cl4, -1)).unsqueeze(-1)).view(bh, g, k_sel * S)
-            valid = sel[1]  # [B, Hkv, 1, K] (threshold rule: False for padding in its top-K), else None
             if valid is not None:  # pages below the threshold in a padded top-K stay unrefined
-                vmask = valid.view(bh, 1, k_sel).expand(-1, g, -1)
+                vmask = valid.unsqueeze(1).expand(-1, g, -1)
                 cl = cl.view(bh, g, k_sel, S).masked_fill(~vmask.unsqueeze(-1), NEG).view(bh, g, -1)
                 logit = logit.scatter(-1, pidx, logit.gather(-1, pidx).masked_fill(vmask, NEG))
             else:
                 logit.scatter_(-1, pidx, NEG)
-            # what this step read (LayerPolicy.attended)
-            self._att = (fr, n, [(raw_ids, None if valid is None else valid[:, :, 0].repeat_interleave(S, -1))],
-                         P - k_sel if valid is None else valid[:, :, 0])
+            # what this step read (LayerPolicy.attended), resolved only when asked
+            pages, valid = idx.view(b, hkv, k_sel), None if valid is None else valid.view(b, hkv, k_sel)
+            self._att = (fr, n, lambda: self._decode_raw(pages, valid, S, s0), P - k_sel if valid is None else valid)
             if valid is None:
                 self._att_count = float(s0 + n - fr + k_sel * S)
-            t2 = cache.mark(dev)
+            t2 = cache.mark(query.device)
             p = torch.softmax(torch.cat([logit, cl], -1), -1)
             # the children's values in the buffer's scratch right after the cover: one output matmul
             self._grow(C + k_sel * S)
-            self.cov_v[:, :, C: C + k_sel * S] = vv.view(b, hkv, k_sel * S, -1)
-            out = torch.bmm(p.to(cv.dtype), self.cov_v[:, :, : C + k_sel * S].reshape(bh, C + k_sel * S, -1))
+            self.cov_v[:, :, C: C + k_sel * S] = vv
+            out = torch.bmm(p.to(cv.dtype), self.cov_v[:, :, : C + k_sel * S].view(bh, C + k_sel * S, -1))
         else:
             self._att = (fr, n, [], P)
             self._att_count = float(s0 + n - fr)
-            t2 = cache.mark(dev)
+            t2 = cache.mark(query.device)
             p = torch.softmax(logit, -1)
-            out = torch.bmm(p.to(cv.dtype), cv)
-        p = p.view(b, hkv, g, -1)
+            out = torch.bmm(p.to(cv.dtype), cv.view(bh, C, -1))
         self._last_p, self._last_total = p, None
         if self._needs_mass() and C > s0 + P:
-            store.aux(MASS)[:, :, fr:n] += p[..., s0 + P: C].sum(2)
-        t3 = cache.mark(dev)
+            store.aux(MASS)[:, :, fr:n].add_(p.view(b, hkv, g, -1)[..., s0 + P: C].sum(2))
+        t3 = cache.mark(query.device)
         cache.add_span("attention", t0, t1)
         cache.add_span("attention", t2, t3)
         cache.add_span("refinement", t1, t2)
-        return out.reshape(b, hq, 1, -1).to(query.dtype)
+        return out.view(b, hq, 1, -1).to(query.dtype)
+
+    @staticmethod
+    def _decode_raw(idx: torch.Tensor, valid: torch.Tensor | None, S: int, s0: int) -> list:
+        """The decode path's refined raw tokens for ``attended``: [(raw ids [B, Hkv, K*S], valid or None)]."""
+        b, h, k = idx.shape
+        ids = (idx.unsqueeze(-1) * S + torch.arange(s0, s0 + S, device=idx.device)).view(b, h, k * S)
+        return [(ids, None if valid is None else valid.repeat_interleave(S, -1))]
+
+    def _zero(self, like: torch.Tensor) -> torch.Tensor:
+        """A 0-d tensor for ``baddbmm(…, beta=0)`` (its input is ignored but must be given), made once."""
+        if self._zero_t is None or self._zero_t.device != like.device or self._zero_t.dtype != like.dtype:
+            self._zero_t = like.new_zeros(())
+        return self._zero_t
 
     @property
     def last_masses(self) -> torch.Tensor | None:
