@@ -177,12 +177,14 @@ class KVStore(CacheLayerMixin):
 
     def drop_one(self, index: torch.Tensor) -> None:
         """Drop one held token per KV head, ``index`` [B, Hkv] (into the current ``n``), keeping time order: the
-        tokens after it move one slot left, in place (a decode step's eviction; ``keep`` copies the whole cache)."""
-        h = self._k.shape[1]
-        for i, j in enumerate(index.reshape(-1).tolist()):  # one host sync for all heads
-            bi, hi = divmod(i, h)
-            for t in (self._k, self._v, self._pos, *self._aux.values()):
-                t[bi, hi, j: self.n - 1] = t[bi, hi, j + 1: self.n].clone()
+        tokens after it move one slot left, in place (a decode step's eviction; ``keep`` copies the whole cache).
+        One row gather per storage tensor for all heads at once, over the rows from the earliest dropped one on."""
+        n = self.n
+        lo = int(index.min())  # one host sync
+        rows = torch.arange(lo, n - 1, device=index.device)
+        src = self._flat(rows + (rows >= index.unsqueeze(-1)))  # row r takes r + 1 from the head's dropped one on
+        for t in (self._k, self._v, self._pos, *self._aux.values()):
+            t[:, :, lo: n - 1] = _rows(t, src, n - 1 - lo)
         self.n -= 1
 
     def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
