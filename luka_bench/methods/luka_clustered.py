@@ -315,7 +315,7 @@ class LuKAPolicy(LayerPolicy):
         b, hq, _, d = query.shape
         hkv, n = self.info.num_kv_heads, store.n
         g, bh = hq // hkv, b * hkv
-        q = query.view(bh, g, d)
+        q = query.reshape(bh, g, d)  # a view for the usual layouts
         ck, cv = self._cover(store)
         C = ck.shape[2]
         logit = torch.baddbmm(self._zero(query), q, ck.view(bh, C, d).transpose(1, 2), beta=0.0,
