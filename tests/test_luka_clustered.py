@@ -5,7 +5,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from luka_bench.methods.base import MethodConfigError
+from luka_bench.methods.base import LayerPolicy, MethodConfigError
 from luka_bench.methods.full import Full
 from luka_bench.methods.hf import attach, layer_infos
 from luka_bench.methods.luka_clustered import MASS, LuKAClustered
@@ -286,8 +286,6 @@ def test_decode_fast_path_equals_general_path(kw, tiny_qwen3):
 def test_decode_attended_count_equals_the_mask(kw, tiny_qwen3):
     """The decode path's closed-form count of tokens read (sinks + tail + the chosen pages' tokens), which the
     harness records after every step, equals the count of the ``attended`` mask over the store."""
-    from luka_bench.methods.base import LayerPolicy
-
     model = tiny_qwen3.model
     seen = []
 

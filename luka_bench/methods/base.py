@@ -419,14 +419,15 @@ def attention_with_extra(store: "KVStore", query: torch.Tensor, scaling: float,
         out, mass, h = _blocked_attention(query, k, v, scaling, past, entropy=True)
         seen = torch.arange(past + 1, n + 1, device=query.device, dtype=torch.float32)  # entries query i saw
         ent = (h.clamp_min(0.0) / seen.log().clamp_min(1e-12)).view(b, hkv, g, lq).mean(2) * (seen > 1)
+        emass = ew = None
     else:
         out, mass, emass, ent, ew = _explicit_attention(q, k, v, scaling, past, chunk, causal=causal, entropy=True,
                                                         extra=(extra_k, extra_v, extra_bias) if S else None)
         out = out.view(b, hq, lq, v.shape[-1])
-        if S:
-            return out, mass, emass, ent, ew
-    return (out, mass, torch.zeros(b, hkv, 0, dtype=torch.float32, device=query.device), ent,
-            torch.zeros(b, hkv, g, lq, 0, dtype=torch.float32, device=query.device))
+    if emass is None:  # no extra entries: their mass and weights are empty
+        emass = torch.zeros(b, hkv, 0, dtype=torch.float32, device=query.device)
+        ew = torch.zeros(b, hkv, g, lq, 0, dtype=torch.float32, device=query.device)
+    return out, mass, emass, ent, ew
 
 
 def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, past: int, chunk: int,
