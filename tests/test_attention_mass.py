@@ -53,15 +53,18 @@ def test_blocked_path_is_taken_on_a_cpu_prefill(monkeypatch):
     torch.testing.assert_close(out, base.sdpa(q, k, v, 0.25), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("block,past", [(64, 0), (16, 0), (7, 0), (1024, 0), (16, 45), (7, 1)])
-def test_blocked_pass_any_block_and_prefix(block, past):
-    """The single pass: any block size (one that divides nothing, one longer than the chunk), a batch of two,
-    group heads, queries after a prefix; output, masses and entropies against float64."""
-    torch.manual_seed(block + past)
+@pytest.mark.parametrize("kernel", [True, False], ids=["fused_kernel", "torch_loop"])
+@pytest.mark.parametrize("block,past", [(64, 0), (16, 0), (7, 0), (1024, 0), (16, 45), (7, 1), (None, 0),
+                                        (None, 45)])
+def test_blocked_pass_any_block_and_prefix(block, past, kernel):
+    """The single pass — the fused C++ kernel and the pure-torch loop it replaces: any block size (one that
+    divides nothing, one longer than the chunk, each path's default), a batch of two, group heads, queries after
+    a prefix; output, masses and entropies against float64."""
+    torch.manual_seed((block or 0) + past)
     b, hq, hkv, n, d = 2, 6, 2, 301, 16
     q = torch.randn(b, hq, n - past, d) * 3
     k, v = torch.randn(b, hkv, n, d) * 3, torch.randn(b, hkv, n, d)
-    out, mass, ent = base._blocked_attention(q, k, v, 0.25, past, block=block, entropy=True)
+    out, mass, ent = base._blocked_attention(q, k, v, 0.25, past, block=block, entropy=True, kernel=kernel)
     ref_out, ref_mass = _reference(q, k, v, 0.25)
     torch.testing.assert_close(mass.double(), ref_mass, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-4, atol=1e-5)
@@ -70,3 +73,36 @@ def test_blocked_pass_any_block_and_prefix(block, past):
         torch.ones(n - past, n, dtype=torch.bool).triu(past + 1), float("-inf")).log_softmax(-1)
     ref_ent = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
     torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-4, atol=2e-5)
+
+
+def test_fused_kernel_is_built_here():
+    """CI builds the fused kernel (scripts/setup.sh); a silent fallback to the torch loop would hide a broken
+    build behind passing tests. LUKA_BENCH_NO_KERNEL=1 is the one way to ask for the loop."""
+    from luka_bench.methods import cpu_kernel
+    if cpu_kernel.disabled():
+        assert cpu_kernel.attention_mass_op() is None
+    else:
+        assert cpu_kernel.attention_mass_op() is not None
+
+
+def test_fused_kernel_equals_the_torch_loop_on_awkward_inputs():
+    """Logit gaps far past float underflow (weights that must come out exactly 0, not NaN), a head dimension no
+    vector width divides, non-contiguous keys (a store's view), one KV head per query head, a query chunk shorter
+    than a block, batch 3: the kernel and the loop both give float64's output, masses and entropies (logits here
+    reach the hundreds, so float32 is good to ~1e-4 absolute)."""
+    torch.manual_seed(5)
+    b, hq, hkv, n, lq, d = 3, 5, 5, 90, 70, 13
+    q = torch.randn(b, hq, lq, d) * 40
+    k = torch.randn(b, hkv, 2 * n, d)[:, :, ::2] * 4  # every other row: not contiguous
+    v = torch.randn(b, hkv, n, d)
+    sc, past = d ** -0.5, n - lq
+    logp = ((q.double() @ k.double().transpose(-1, -2)) * sc).masked_fill(
+        torch.ones(lq, n, dtype=torch.bool).triu(past + 1), float("-inf")).log_softmax(-1)
+    w = logp.exp()
+    ref = (w @ v.double(), w.sum(2), -(w * logp.nan_to_num(neginf=0.0)).sum(-1))
+    for kernel in (True, False):
+        got = base._blocked_attention(q, k, v, sc, past, entropy=True, kernel=kernel)
+        assert all(torch.isfinite(t).all() for t in got)
+        for a, r, tol in zip(got, ref, (2e-4, 1e-4, 5e-4)):
+            torch.testing.assert_close(a.double(), r, rtol=0, atol=tol)
+        assert (got[1] == 0).any()  # some keys get no mass at all: the underflow path ran

@@ -1,0 +1,67 @@
+"""The fused CPU kernel behind ``base._blocked_attention`` (``csrc/attention_mass.cpp``): exact causal attention
+of a long query chunk plus the column masses (and, if asked, entropies) the mass-reading methods need, per KV
+head and block of queries with the block's logits in one core's cache — about as fast as SDPA's own flash pass,
+where the pure-torch loop over blocks costs 1.5-2x it.
+
+Compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler is needed; the build is cached under
+``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions`` and takes about a minute once). ``scripts/setup.sh``
+builds it. If it cannot be built, or ``LUKA_BENCH_NO_KERNEL=1``, the pure-torch loop computes the same numbers
+(a warning says so once). ``python -m luka_bench.methods.cpu_kernel`` builds it and prints where it stands."""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "attention_mass.cpp"
+DISABLE_ENV = "LUKA_BENCH_NO_KERNEL"
+_state: dict = {}
+
+
+def disabled() -> bool:
+    """Whether ``LUKA_BENCH_NO_KERNEL`` asks for the pure-torch path."""
+    return os.environ.get(DISABLE_ENV, "").strip() not in ("", "0")
+
+
+def _build_flags() -> tuple[str, list[str]]:
+    """(torch's CPU capability, compiler flags): AVX2/FMA code where torch itself runs AVX2 or better, portable
+    scalar code elsewhere. The capability is part of the build's name, so nodes of a cluster sharing one home
+    directory never load a build their CPU cannot run."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for's pragma lives in a header, compiled here
+    if cap.startswith("AVX2") or cap.startswith("AVX512"):
+        flags += ["-mavx2", "-mfma"]
+    return cap, flags
+
+
+def attention_mass_op():
+    """``torch.ops.luka_bench.attention_mass``, built on the first call; None when disabled or the build failed."""
+    if "op" in _state:
+        return _state["op"]
+    op = None
+    if not disabled():
+        try:
+            from torch.utils.cpp_extension import load
+            cap, flags = _build_flags()
+            print(f"[luka_bench] loading the fused CPU attention kernel ({cap}; the first build takes about a "
+                  "minute)", file=sys.stderr, flush=True)
+            load(name=f"luka_bench_attention_mass_{cap.lower()}", sources=[str(SOURCE)], extra_cflags=flags,
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            op = torch.ops.luka_bench.attention_mass
+        except Exception as ex:  # no compiler, no OpenMP, ...: the pure-torch loop gives the same numbers
+            reason = (str(ex).strip().splitlines() or [type(ex).__name__])[0][:200]
+            warnings.warn(f"luka_bench: the fused CPU attention kernel could not be built ({reason}); prefills "
+                          "that need attention masses take the slower pure-torch loop", stacklevel=2)
+    _state["op"] = op
+    return op
+
+
+if __name__ == "__main__":
+    if disabled():
+        print(f"fused CPU attention kernel: disabled by {DISABLE_ENV}")
+    else:
+        print("fused CPU attention kernel:", "ready" if attention_mass_op() is not None else "NOT AVAILABLE "
+              "(the pure-torch loop will be used)")

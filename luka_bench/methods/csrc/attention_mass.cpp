@@ -1,0 +1,177 @@
+// Fused CPU kernel for base._blocked_attention: exact causal attention of a query chunk, the column mass each
+// key receives (summed over queries and the query heads of its KV group) and, optionally, each query's Shannon
+// entropy, computed per (KV head, block of queries) with the block's logits kept in one core's cache.
+//
+// Loaded by luka_bench/methods/cpu_kernel.py (torch.utils.cpp_extension, compiled on first use); the pure-torch
+// loop in base._blocked_attention computes the same quantities and is the reference the tests compare with.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// exp(x) for x <= 0 (0 below -87.3, where float underflows): Cephes' polynomial, 8 lanes at a time with AVX2.
+inline float exp_nonpos(float x) {
+  const float lo = -87.3f;
+  if (x < lo) return 0.f;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return std::ldexp(p, static_cast<int>(n));
+}
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp8_nonpos(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  const __m256 xc = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+#endif
+
+void row_max(const float* __restrict row, float* __restrict m, int64_t R) {
+#pragma omp simd
+  for (int64_t r = 0; r < R; ++r) m[r] = row[r] > m[r] ? row[r] : m[r];
+}
+
+void row_exp(float* __restrict row, const float* __restrict m, float* __restrict l, int64_t R) {
+  int64_t r = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; r + 8 <= R; r += 8) {
+    const __m256 p = exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(row + r), _mm256_loadu_ps(m + r)));
+    _mm256_storeu_ps(row + r, p);
+    _mm256_storeu_ps(l + r, _mm256_add_ps(_mm256_loadu_ps(l + r), p));
+  }
+#endif
+  for (; r < R; ++r) { const float p = exp_nonpos(row[r] - m[r]); row[r] = p; l[r] += p; }
+}
+
+float row_dot(const float* __restrict row, const float* __restrict w, int64_t R) {
+  float acc = 0.f;
+#pragma omp simd reduction(+:acc)
+  for (int64_t r = 0; r < R; ++r) acc += row[r] * w[r];
+  return acc;
+}
+
+// qs [H, g, L, D] (queries already multiplied by the softmax scale), k [H, n, D], v [H, n, Dv], fp32; query i
+// of the chunk sits at position past + i and sees keys 0 .. past + i. Returns (out [H, g, L, Dv], mass [H, n],
+// entropy [H, g, L] in nats, empty unless `entropy`). Work is split across the intra-op threads by (KV head,
+// query block), largest blocks first, each thread with its own logits buffer and mass accumulator.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_mass(const at::Tensor& qs_in, const at::Tensor& k_in,
+                                                              const at::Tensor& v_in, int64_t past, int64_t block,
+                                                              bool entropy) {
+  TORCH_CHECK(qs_in.device().is_cpu() && qs_in.scalar_type() == at::kFloat && k_in.scalar_type() == at::kFloat &&
+                  v_in.scalar_type() == at::kFloat,
+              "attention_mass: CPU float32 tensors only");
+  TORCH_CHECK(qs_in.dim() == 4 && k_in.dim() == 3 && v_in.dim() == 3, "attention_mass: qs [H,g,L,D], k/v [H,n,D]");
+  const at::Tensor qs = qs_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const int64_t H = qs.size(0), g = qs.size(1), L = qs.size(2), d = qs.size(3);
+  const int64_t n = k.size(1), dv = v.size(2);
+  TORCH_CHECK(k.size(0) == H && v.size(0) == H && k.size(2) == d && v.size(1) == n && n == past + L && block > 0,
+              "attention_mass: shapes do not match");
+  auto out = at::empty({H, g, L, dv}, qs.options());
+  auto ent = entropy ? at::empty({H, g, L}, qs.options()) : at::empty({0}, qs.options());
+  const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+  auto mass = at::zeros({nt, H, n}, qs.options());
+  const int64_t nb = (L + block - 1) / block, ntasks = H * nb;
+  const float* qp = qs.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* ep = entropy ? ent.data_ptr<float>() : nullptr;
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t tid = t0; tid < t1; ++tid) {
+      const int64_t Rmax = g * block;
+      auto S = at::empty({n * Rmax}, qs.options());  // logits, then exp'd weights: keys-major [e, R]
+      auto Qb = at::empty({Rmax, d}, qs.options());
+      auto O = at::empty({Rmax, dv}, qs.options());
+      auto Kb = entropy ? at::empty({Rmax, d}, qs.options()) : at::Tensor();
+      std::vector<float> mx(Rmax), lsum(Rmax), inv(Rmax);
+      float* M = mass[tid].data_ptr<float>();
+      for (int64_t task = tid; task < ntasks; task += nt) {
+        const int64_t h = task % H, bi = nb - 1 - task / H;
+        const int64_t s = bi * block, c = std::min(block, L - s), e = past + s + c, R = g * c;
+        float* qb = Qb.data_ptr<float>();  // row gi * c + i: query s + i of group head gi
+        for (int64_t gi = 0; gi < g; ++gi)
+          std::memcpy(qb + gi * c * d, qp + ((h * g + gi) * L + s) * d, sizeof(float) * c * d);
+        auto Sv = S.narrow(0, 0, e * R).view({e, R});
+        at::mm_out(Sv, k[h].narrow(0, 0, e), Qb.narrow(0, 0, R).t());
+        float* sp = Sv.data_ptr<float>();
+        const float NEG = -std::numeric_limits<float>::infinity();
+        for (int64_t jj = 1; jj < c; ++jj) {  // key past + s + jj comes after queries s .. s + jj - 1
+          float* row = sp + (e - c + jj) * R;
+          for (int64_t gi = 0; gi < g; ++gi)
+            for (int64_t i = 0; i < jj; ++i) row[gi * c + i] = NEG;
+        }
+        float* m = mx.data();
+        float* l = lsum.data();
+        float* iv = inv.data();
+        for (int64_t r = 0; r < R; ++r) { m[r] = NEG; l[r] = 0.f; }
+        for (int64_t j = 0; j < e; ++j) row_max(sp + j * R, m, R);
+        for (int64_t j = 0; j < e; ++j) row_exp(sp + j * R, m, l, R);
+        for (int64_t r = 0; r < R; ++r) iv[r] = 1.f / l[r];
+        auto Ov = O.narrow(0, 0, R);
+        at::mm_out(Ov, Sv.t(), v[h].narrow(0, 0, e));
+        const float* o = Ov.data_ptr<float>();
+        for (int64_t gi = 0; gi < g; ++gi)
+          for (int64_t i = 0; i < c; ++i) {
+            const int64_t r = gi * c + i;
+            const float* src = o + r * dv;
+            float* dst = op + ((h * g + gi) * L + s + i) * dv;
+            for (int64_t x = 0; x < dv; ++x) dst[x] = src[x] * iv[r];
+          }
+        float* mh = M + h * n;
+        for (int64_t j = 0; j < e; ++j) mh[j] += row_dot(sp + j * R, iv, R);
+        if (entropy) {  // H = max + log l - q . (sum_j p_j k_j)
+          auto Kv = Kb.narrow(0, 0, R);
+          at::mm_out(Kv, Sv.t(), k[h].narrow(0, 0, e));
+          const float* kb = Kv.data_ptr<float>();
+          for (int64_t gi = 0; gi < g; ++gi)
+            for (int64_t i = 0; i < c; ++i) {
+              const int64_t r = gi * c + i;
+              double qk = 0.0;  // in double: H is a small difference of large terms when attention is peaked
+              for (int64_t x = 0; x < d; ++x) qk += static_cast<double>(qb[r * d + x]) * kb[r * d + x];
+              ep[(h * g + gi) * L + s + i] = static_cast<float>(m[r] + std::log(static_cast<double>(l[r])) - qk / l[r]);
+            }
+        }
+      }
+    }
+  });
+  return {out, mass.sum(0), ent};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(luka_bench, lib) {
+  lib.def("attention_mass(Tensor qs, Tensor k, Tensor v, int past, int block, bool entropy) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(luka_bench, CPU, lib) { lib.impl("attention_mass", &attention_mass); }
