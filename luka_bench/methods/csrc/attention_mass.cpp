@@ -141,26 +141,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_mass(const at::Tensor& 
         auto Ov = O.narrow(0, 0, R);
         at::mm_out(Ov, Sv.t(), v[h].narrow(0, 0, e));
         const float* o = Ov.data_ptr<float>();
-        for (int64_t gi = 0; gi < g; ++gi)
-          for (int64_t i = 0; i < c; ++i) {
-            const int64_t r = gi * c + i;
-            const float* src = o + r * dv;
-            float* dst = op + ((h * g + gi) * L + s + i) * dv;
-            for (int64_t x = 0; x < dv; ++x) dst[x] = src[x] * iv[r];
-          }
+        for (int64_t r = 0; r < R; ++r) {  // row r: group head r / c, query s + r % c
+          const float* src = o + r * dv;
+          float* dst = op + ((h * g + r / c) * L + s + r % c) * dv;
+          for (int64_t x = 0; x < dv; ++x) dst[x] = src[x] * iv[r];
+        }
         float* mh = M + h * n;
         for (int64_t j = 0; j < e; ++j) mh[j] += row_dot(sp + j * R, iv, R);
         if (entropy) {  // H = max + log l - q . (sum_j p_j k_j)
           auto Kv = Kb.narrow(0, 0, R);
           at::mm_out(Kv, Sv.t(), k[h].narrow(0, 0, e));
           const float* kb = Kv.data_ptr<float>();
-          for (int64_t gi = 0; gi < g; ++gi)
-            for (int64_t i = 0; i < c; ++i) {
-              const int64_t r = gi * c + i;
-              double qk = 0.0;  // in double: H is a small difference of large terms when attention is peaked
-              for (int64_t x = 0; x < d; ++x) qk += static_cast<double>(qb[r * d + x]) * kb[r * d + x];
-              ep[(h * g + gi) * L + s + i] = static_cast<float>(m[r] + std::log(static_cast<double>(l[r])) - qk / l[r]);
-            }
+          for (int64_t r = 0; r < R; ++r) {
+            double qk = 0.0;  // in double: H is a small difference of large terms when attention is peaked
+            for (int64_t x = 0; x < d; ++x) qk += static_cast<double>(qb[r * d + x]) * kb[r * d + x];
+            const double h_r = m[r] + std::log(static_cast<double>(l[r])) - qk / l[r];
+            ep[(h * g + r / c) * L + s + r % c] = static_cast<float>(h_r);
+          }
         }
       }
     }
