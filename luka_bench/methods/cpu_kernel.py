@@ -4,7 +4,7 @@ head and block of queries with the block's logits in one core's cache — about 
 where the pure-torch loop over blocks costs 1.5-2x it.
 
 Compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler is needed; the build is cached under
-``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions`` and takes about a minute once). ``scripts/setup.sh``
+``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions`` and takes ~30 s once here). ``scripts/setup.sh``
 builds it. If it cannot be built, or ``LUKA_BENCH_NO_KERNEL=1``, the pure-torch loop computes the same numbers
 (a warning says so once). ``python -m luka_bench.methods.cpu_kernel`` builds it and prints where it stands."""
 from __future__ import annotations
@@ -46,8 +46,8 @@ def attention_mass_op():
         try:
             from torch.utils.cpp_extension import load
             cap, flags = _build_flags()
-            print(f"[luka_bench] loading the fused CPU attention kernel ({cap}; the first build takes about a "
-                  "minute)", file=sys.stderr, flush=True)
+            print(f"[luka_bench] loading the fused CPU attention kernel ({cap}; the first build takes ~30 s)",
+                  file=sys.stderr, flush=True)
             load(name=f"luka_bench_attention_mass_{cap.lower()}", sources=[str(SOURCE)], extra_cflags=flags,
                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             op = torch.ops.luka_bench.attention_mass

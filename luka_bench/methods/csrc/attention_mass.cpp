@@ -168,7 +168,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_mass(const at::Tensor& 
 }  // namespace
 
 TORCH_LIBRARY(luka_bench, lib) {
-  lib.def("attention_mass(Tensor qs, Tensor k, Tensor v, int past, int block, bool entropy) -> (Tensor, Tensor, Tensor)");
+  lib.def("attention_mass(Tensor qs, Tensor k, Tensor v, int past, int block, bool entropy)"
+          " -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(luka_bench, CPU, lib) { lib.impl("attention_mass", &attention_mass); }
