@@ -9,6 +9,7 @@ builds it. If it cannot be built, or ``LUKA_BENCH_NO_KERNEL=1``, the pure-torch 
 (a warning says so once). ``python -m luka_bench.methods.cpu_kernel`` builds it and prints where it stands."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
@@ -18,7 +19,6 @@ import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "attention_mass.cpp"
 DISABLE_ENV = "LUKA_BENCH_NO_KERNEL"
-_state: dict = {}
 
 
 def disabled() -> bool:
@@ -37,10 +37,9 @@ def _build_flags() -> tuple[str, list[str]]:
     return cap, flags
 
 
+@functools.cache
 def attention_mass_op():
     """``torch.ops.luka_bench.attention_mass``, built on the first call; None when disabled or the build failed."""
-    if "op" in _state:
-        return _state["op"]
     op = None
     if not disabled():
         try:
@@ -55,7 +54,6 @@ def attention_mass_op():
             reason = (str(ex).strip().splitlines() or [type(ex).__name__])[0][:200]
             warnings.warn(f"luka_bench: the fused CPU attention kernel could not be built ({reason}); prefills "
                           "that need attention masses take the slower pure-torch loop", stacklevel=2)
-    _state["op"] = op
     return op
 
 
