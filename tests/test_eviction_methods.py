@@ -34,7 +34,7 @@ def with_budget_one(node):
 
 
 @pytest.mark.parametrize("name", METHOD_CONFIGS)
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3", "tiny_gqa3"])
 def test_every_method_config_with_whole_budget_equals_full(name, arch, request):
     """Any method given the whole context as budget must equal full attention (every conf/method/*.yaml)."""
     lm = request.getfixturevalue(arch)
@@ -56,7 +56,7 @@ def eager_weights(model, ids):
     return [a[0] for a in out.attentions]
 
 
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3", "tiny_gqa3"])
 def test_h2o_scores_are_attention_column_sums(arch, request):
     """Accumulated mass after a prefill of 30 tokens and 6 decode steps = column sums of the attention weights of
     those 36 queries (eager, explicit softmax), summed over the query heads of each KV group."""
@@ -235,7 +235,7 @@ class RecordingSnapKV(SnapKVPolicy):
 
 
 @pytest.mark.parametrize("pooling", ["max", "avg", "avg_inrange"])
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3", "tiny_gqa3"])
 def test_snapkv_kept_indices_equal_slow_reference(arch, pooling, request):
     lm = request.getfixturevalue(arch)
     model = lm.model
@@ -252,6 +252,32 @@ def test_snapkv_kept_indices_equal_slow_reference(arch, pooling, request):
         ref = slow_snapkv_indices(q, k, scaling, 20, 6, 5, pooling)
         assert store.positions[0].tolist() == ref
         assert store.n == 20
+
+
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gqa3"])
+def test_snapkv_observes_the_last_window_queries_of_the_prompt(arch, pooling, request):
+    """Independent of what the policy records: the scores come from one eager forward's attention weights
+    (output_attentions), rows of the *last* ``window`` prompt queries, summed over the group's query heads; a
+    policy observing any other queries (e.g. the first window) keeps other tokens."""
+    model = request.getfixturevalue(arch).model
+    L, w, cap = 56, 6, 20
+    ids = torch.randint(0, 256, (1, L), generator=torch.Generator().manual_seed(21))
+    with attach(model, SnapKV(budget=cap / L, window=w, kernel=5, pooling=pooling)) as a, torch.no_grad():
+        c = a.new_cache()
+        c.reference_length = L
+        model(ids, past_key_values=c)
+        c.end_prefill()
+    g = model.config.num_attention_heads // model.config.num_key_value_heads
+    for layer, att in enumerate(eager_weights(model, ids)):
+        score = att[:, L - w:, : L - w].double().sum(1).view(-1, g, L - w).sum(1)  # [Hkv, prefix]
+        pad = 5 // 2
+        padded = torch.nn.functional.pad(score, (pad, pad), value=float("-inf") if pooling == "max" else 0.0)
+        win = padded.unfold(-1, 5, 1)
+        pooled = win.max(-1).values if pooling == "max" else win.sum(-1) / 5
+        top = [sorted(sorted(range(L - w), key=lambda j: (-float(row[j]), j))[: cap - w]) for row in pooled]
+        ref = [t + list(range(L - w, L)) for t in top]
+        assert c.stores[layer].positions[0].tolist() == ref, layer
 
 
 def test_snapkv_avg_pooling_follows_the_reference_edge_rule():

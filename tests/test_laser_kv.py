@@ -14,7 +14,7 @@ from luka_bench.run import forward
 
 from conftest import attn_impl
 
-ARCHS = ["tiny_llama", "tiny_qwen3"]
+ARCHS = ["tiny_llama", "tiny_qwen3", "tiny_gqa3"]  # gqa3: 3 query heads per KV head (SmolLM2)
 
 
 def closed_form(L: int, S: int, r: float, n: int) -> tuple[int, int]:

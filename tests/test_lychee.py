@@ -281,7 +281,7 @@ def test_retrieval_equals_slow_loop_reference(opts):
 
 # ------------------------------------------------------------------------------------------------ model level
 
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3", "tiny_gqa3"])
 def test_budget_or_topk_covering_everything_equals_full(arch, request):
     lm = request.getfixturevalue(arch)
     ids = lm.tokenizer(TEXT, add_special_tokens=False).input_ids[:190]
