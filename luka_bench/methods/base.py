@@ -140,16 +140,18 @@ class LayerPolicy:
         LycheeCluster's retrieved chunks) override it; positions are ``store.positions[mask]``."""
         return None
 
-    def attended_count(self, store: "KVStore") -> float:
+    def attended_count(self, store: "KVStore") -> float | torch.Tensor:
         """How many held tokens the last ``attend`` read, per KV head (mean over batch and heads): the harness
-        records it after every decode forward. From the ``attended`` mask; a policy that knows the count without
-        building the mask overrides it (it must equal the mask's count: see LuKA clustered's test)."""
+        records it after every decode forward. From the ``attended`` mask (a 0-d device tensor: reading it on the
+        host would sync every step; the harness resolves all of them at once); a policy that knows the count
+        without building the mask overrides it (it must equal the mask's count: see LuKA clustered's test)."""
         mask = self.attended(store)
-        return float(store.n) if mask is None else float(mask.sum()) / (mask.shape[0] * mask.shape[1])
+        return float(store.n) if mask is None else mask.sum() / (mask.shape[0] * mask.shape[1])
 
-    def attended_extra(self) -> int:
+    def attended_extra(self) -> int | torch.Tensor:
         """Entries held outside the store that the last ``attend`` call read, per KV head (LuKA's unrefined
-        summaries, synthetic key/value pairs): counted as attended entries, but they have no position."""
+        summaries, synthetic key/value pairs): counted as attended entries, but they have no position. An int, or
+        a 0-d device tensor where knowing it needs the device (as ``attended_count``)."""
         return 0
 
     def extra_entries(self) -> int:
@@ -495,6 +497,13 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scali
         out[:, :, :, s: s + c] = o
         mass[:, :, :m] += w[..., :m].sum(dim=(2, 3))
     return out, mass, emass, ent, ew
+
+
+def kept_indices(keep: torch.Tensor, m: int) -> torch.Tensor:
+    """Indices of the True entries of ``keep`` [..., n], in order, when every row has exactly ``m`` of them:
+    [..., m]. A stable sort puts them first; ``nonzero`` would give the same with a host sync (its output size
+    depends on the data)."""
+    return torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :m]
 
 
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
