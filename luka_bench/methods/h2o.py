@@ -54,15 +54,20 @@ class H2OPolicy(LayerPolicy):
         if n == cap + 1 and self.incremental:
             # one token more than fits (a decode step): the kept set, the top `heavy` of the `heavy + 1` older
             # tokens plus the tail, drops exactly the older token of least mass — the latest of equal ones, as
-            # the stable top-k below keeps the earlier. An argmin and an in-place shift instead of two sorts and
-            # a copy of the whole cache.
-            least = older - 1 - store.aux(MASS)[:, :, :older].flip(-1).argmin(-1)
-            store.drop_one(least)
+            # the stable top-k below keeps the earlier. An argmin and a move of fixed size (``drop_one``: no host
+            # sync) instead of two sorts and a copy of the whole cache. Older tokens are then not in time order
+            # in their slots: ties are broken by position.
+            mass = store.aux(MASS)[:, :, :older]
+            pos = store.positions[:, :, :older]
+            least = torch.where(mass == mass.amin(-1, keepdim=True), pos, -1).argmax(-1)
+            store.drop_one(least, recent)
             return
         b, h = store.keys.shape[:2]
         tail = torch.arange(older, n, device=store.device).expand(b, h, recent)
         if heavy > 0:
-            top = top_indices(store.aux(MASS)[:, :, :older], heavy)
+            # in time order (``drop_one`` leaves the older slots unordered): ties go to the earlier token
+            order = store.positions[:, :, :older].argsort(-1)
+            top = order.gather(-1, top_indices(store.aux(MASS)[:, :, :older].gather(-1, order), heavy))
             index = torch.cat([top, tail], dim=-1)
         else:
             index = tail

@@ -188,7 +188,8 @@ class Chunker:
         self.starts = torch.cat([self.starts, new_b[1:]])
         lens = new_b[1:] - new_b[:-1]
         self.lens = torch.cat([self.lens, lens])
-        ids = torch.arange(first, first + len(ends), device=self.device).repeat_interleave(lens)
+        ids = torch.arange(first, first + len(ends), device=self.device).repeat_interleave(
+            lens, output_size=ends[-1] - old)  # the size from the host: no device sync
         self.tok_chunk = torch.cat([self.tok_chunk, ids])
         return len(ends)
 
