@@ -15,6 +15,8 @@ DATA = {
     "babilong": ["data.limit=1", "data.task=qa1", "data.length=0k"],
     "longbench_v2": ["data.limit=1", "data.max_tokens=300"],
     "pg19": ["data.limit=1", "data.max_tokens=80"],
+    "ruler": ["data.limit=1", "data.task=niah_single_1", "data.length=1200"],
+    "niah": ["data.lengths=[800]", "data.depths=[50]"],
 }
 
 
