@@ -1,6 +1,8 @@
 """H2O (= LuKA lined), SnapKV and per-layer assignment: the invariants from their papers, on tiny models."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hydra.utils import instantiate
@@ -198,8 +200,31 @@ def test_luka_lined_is_h2o_with_the_paper_settings():
     cfg = compose("method=luka_lined")
     m = instantiate(cfg.method)
     assert isinstance(m, H2O) and m.decay is None and m.min_recent == 128 and m.budget == 0.125
-    heavy, recent = H2OPolicy(m, None).split(400)
-    assert (heavy, recent) == (272, 128)
+    assert m.recent_budget == "on_top"  # the paper's reading: 1/8 heavy hitters plus the tail
+    assert H2OPolicy(m, None).split(50) == (50, 128)  # a 400-token prompt: ceil(400/8) = 50 heavy + 128 recent
+    m.recent_budget = "inside"
+    assert H2OPolicy(m, None).split(400) == (272, 128)
+
+
+@pytest.mark.parametrize("where", ["on_top", "inside"])
+def test_lined_tail_on_top_of_or_inside_the_heavy_budget(where, tiny_llama):
+    """Held per layer after the prefill and after every decode step: on_top = ceil(budget * seen) heavy hitters +
+    the tail; inside = ceil(budget * seen) in all, the tail included; the tail is always the newest tokens."""
+    model = tiny_llama.model
+    L, tail, budget = 80, 16, 0.25
+    ids = torch.randint(0, 256, (1, L + 6), generator=torch.Generator().manual_seed(31))
+    m = H2O(budget=budget, recent_fraction=0.0, min_recent=tail, recent_budget=where)
+    with attach(model, m) as a, torch.no_grad():
+        c = a.new_cache()
+        c.reference_length = L
+        model(ids[:, :L], past_key_values=c)
+        c.end_prefill()
+        for t in range(L, L + 6):
+            seen = max(t, L)
+            want = math.ceil(budget * seen) + (tail if where == "on_top" else 0)
+            assert c.held_tokens() == [want] * len(c.stores), (t, where)
+            assert (c.stores[0].positions[..., -tail:] == torch.arange(seen - tail, seen)).all()
+            model(ids[:, t: t + 1], past_key_values=c)
 
 
 # -------------------------------------------------------------------------------------------------------- SnapKV
