@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from luka_bench.errors import CONF_DIR, GROUPS, check_group_overrides, check_output_dirs
+from luka_bench.errors import CONF_DIR, GROUPS, check_group_keys, check_group_overrides, check_output_dirs
 
 
 def _drop_empty_run_folder(run_dir: str) -> None:
@@ -22,7 +22,8 @@ def _drop_empty_run_folder(run_dir: str) -> None:
 
 
 def main() -> None:
-    msg = check_group_overrides(sys.argv[1:]) or check_output_dirs(sys.argv[1:])
+    argv = sys.argv[1:]
+    msg = check_group_overrides(argv) or check_group_keys(argv) or check_output_dirs(argv)
     if msg:
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)
@@ -30,6 +31,10 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig, open_dict
+
+    from luka_bench.results import register_resolvers
+
+    register_resolvers()
 
     @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
     def _app(cfg: DictConfig) -> dict:
@@ -42,6 +47,14 @@ def main() -> None:
                 cfg[f"{g}_name"] = hc.runtime.choices.get(g)
         try:
             return run(cfg, hc.runtime.output_dir)
+        except KeyboardInterrupt as e:  # Ctrl-C: one line, the shell's exit status for SIGINT
+            from luka_bench.errors import RunInterrupted
+
+            if not isinstance(e, RunInterrupted):  # before the first item: nothing was saved
+                _drop_empty_run_folder(hc.runtime.output_dir)
+                e = f"interrupted before any item was saved ({hc.runtime.output_dir})"
+            print(f"\n{e}", file=sys.stderr)
+            sys.exit(130)
         except Exception as e:  # noqa: BLE001 - turn known bad input into one line, re-raise the rest
             inner = unwrap(e)
             if isinstance(inner, one_line_errors()):

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from luka_bench import metrics as M
 from luka_bench.data.base import evidence_positions, qa_prompt_ids
-from luka_bench.errors import PromptTooLong, RunConfigError, one_line_errors, unwrap
+from luka_bench.errors import PromptTooLong, RunConfigError, RunInterrupted, one_line_errors, unwrap
 from luka_bench.methods.hf import MethodCache, attach
 from luka_bench.results import RunFolder, config_difference, environment, write_job_error
 
@@ -186,6 +186,13 @@ def _max_new(task, q, max_new: int, cfg: DictConfig) -> int:
     return max_new
 
 
+def _resuming(folder: RunFolder, done: int, total: int) -> None:
+    """Remember the run's size (for the line Ctrl-C prints) and say so when a run resumes."""
+    folder.total = total
+    if done:
+        print(f"resuming: {done}/{total} items done in {folder.path}", file=sys.stderr, flush=True)
+
+
 def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=None) -> list[dict]:
     tok, model = lm.tokenizer, lm.model
     max_new = int(cfg.max_new_tokens if cfg.get("max_new_tokens") is not None else getattr(task, "max_new_tokens", 24))
@@ -218,6 +225,7 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
         plan.append((ex, ctx_ids, qs, evidence))
     total = sum(len(qs) for _, _, qs, _ in plan)
     records = [folder.done[q.id] for _, _, qs, _ in plan for q, _ in qs if q.id in folder.done]
+    _resuming(folder, len(records), total)
     bar = _progress(total, f"{cfg.get('method_name', 'method')} on {cfg.get('data_name', 'data')}", cfg.progress)
     bar.update(len(records))
     chunk = attached.method.prefill_chunk() or int(cfg.prefill_chunk or 0)  # the method's own size wins
@@ -268,6 +276,7 @@ def evaluate_ppl(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item
             raise PromptTooLong(f"document {d.id!r} has {n} tokens but model.max_context={lm.max_context} for "
                                 f"'{lm.name}'; allowed: data.max_tokens <= {lm.max_context}")
     records = [folder.done[d.id] for d in docs if d.id in folder.done]
+    _resuming(folder, len(records), len(docs))
     bar = _progress(len(docs), f"{cfg.get('method_name', 'method')} on {cfg.get('data_name', 'data')}", cfg.progress)
     bar.update(len(records))
     for d in docs:
@@ -396,6 +405,18 @@ def _build(cfg: DictConfig, group: str):
         raise
 
 
+def _check_hub_data(cfg: DictConfig, task) -> None:
+    """DataError (one line) when the dataset downloads from a hub that cannot be reached (luka_bench.hub)."""
+    from luka_bench.data.base import DataError
+    from luka_bench.hub import unavailable
+
+    for repo_id in getattr(task, "hub_datasets", list)():
+        why = unavailable(repo_id, "dataset")
+        if why is not None:
+            raise DataError(f"data={cfg.get('data_name')}: {why}; use its offline source (see the dataset card) "
+                            "or run where the hub can be reached")
+
+
 def prepare(cfg: DictConfig, run_dir: str | Path) -> Prepared:
     """Validate a run without writing anything: the settings, the method, the data (its files read and checked,
     ``Task.check``), the model's settings and the run folder (``RunFolder.check``). Bad input fails here with one
@@ -406,6 +427,7 @@ def prepare(cfg: DictConfig, run_dir: str | Path) -> Prepared:
     model = _build(cfg, "model")
     if hasattr(model, "check"):
         model.check()
+    _check_hub_data(cfg, task)
     resolved = run_config(cfg)
     RunFolder.check(run_dir, resolved)
     if hasattr(task, "check"):  # data files exist and parse, before the model loads
@@ -473,11 +495,14 @@ def _run(cfg: DictConfig, run_dir: str | Path, tracker, prepared: Prepared | Non
     def on_item(records: list[dict]) -> None:  # running metrics to the tracker after every item
         tracker.log(len(records), aggregate(task, records))
 
-    with attach(loaded.model, method, loaded.tokenizer) as attached:
-        if task.kind == "qa":
-            records = evaluate_qa(loaded, attached, task, folder, cfg, on_item)
-        else:
-            records = evaluate_ppl(loaded, attached, task, folder, cfg, on_item)
+    try:
+        with attach(loaded.model, method, loaded.tokenizer) as attached:
+            evaluate = evaluate_qa if task.kind == "qa" else evaluate_ppl
+            records = evaluate(loaded, attached, task, folder, cfg, on_item)
+    except KeyboardInterrupt:  # Ctrl-C: what is saved stays saved (predictions.jsonl is flushed per item)
+        of = f"/{folder.total}" if folder.total is not None else ""
+        raise RunInterrupted(f"interrupted: {len(folder.done)}{of} items saved in {folder.path}; run the same "
+                             "command to resume") from None
     result = {
         "model": cfg.get("model_name"), "method": cfg.get("method_name"), "data": cfg.get("data_name"),
         "kind": task.kind, "headline": getattr(task, "headline", "em_lenient"),
