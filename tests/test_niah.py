@@ -113,3 +113,12 @@ def test_heat_map_cells_are_the_means_of_the_predictions(tmp_path):
     ax_titles = [ax.get_title() for ax in figs["niah_heatmap.png"].axes if ax.get_title()]
     assert ax_titles == ["snapkv (mean 0.0)", "full (mean 50.0)"]
     assert niah_figures(tmp_path, pd.DataFrame([{"run": "x", "status": "complete"}])) == {}
+
+
+def test_length_beyond_the_model():
+    class M:
+        max_context = 4096
+
+    with pytest.raises(DataError, match="8192, which does not fit model.max_context=4096"):
+        NIAH(lengths=[1024, 8192]).check_model(M())
+    NIAH(lengths=[1024, 4096]).check_model(M())
