@@ -308,7 +308,7 @@ def test_retrieval_equals_slow_loop_reference(opts):
         chosen, tokens = slow_retrieval(pol, store, q)
         mask = pol.attended(store)
         for h in range(store.keys.shape[1]):
-            assert torch.nonzero(pol.last["sel_c"][0, h]).flatten().tolist() == chosen[h], (opts, h)
+            assert torch.nonzero(pol.chosen_clusters()[0, h]).flatten().tolist() == chosen[h], (opts, h)
             assert torch.nonzero(mask[0, h]).flatten().tolist() == tokens[h]
             assert len(tokens[h]) <= m.token_budget or m.k_c is not None
             # exact softmax over the chosen tokens, head by head
