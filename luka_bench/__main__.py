@@ -9,14 +9,20 @@ from luka_bench.errors import CONF_DIR, GROUPS, check_group_keys, check_group_ov
 
 def _drop_empty_run_folder(run_dir: str) -> None:
     """Bad input leaves no trace: Hydra makes the run folder (and its empty job log) before the run starts;
-    when that is all the folder holds, it goes again."""
-    folder = Path(run_dir)
+    when that is all the folder holds, it goes again, with the empty folders above it that Hydra made on the way
+    (``results/runs/``), up to the current folder."""
+    folder = Path(run_dir).absolute()
     try:
         files = list(folder.iterdir())
         if all(p.name == "luka_bench.log" and p.is_file() and p.stat().st_size == 0 for p in files):
             for p in files:
                 p.unlink()
             folder.rmdir()
+            cwd = Path.cwd().absolute()
+            for parent in folder.parents:
+                if parent == cwd or cwd not in parent.parents or any(parent.iterdir()):
+                    break
+                parent.rmdir()
     except OSError:
         pass
 

@@ -315,6 +315,8 @@ def aggregate(task, records: list[dict]) -> dict:
     out["latency_breakdown"] = M.breakdown_summary(records)
     out["method_stats"] = M.method_stats_summary(records)
     out["n_examples"] = len(records)
+    # mean ± SE (clustered by example) and n of every per-item metric: the summary table prints them
+    out["uncertainty"] = M.item_uncertainty(records)
     return out
 
 
@@ -447,6 +449,11 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     done = finished_metrics(run_dir, run_config(cfg))
     if done is not None:
         print(f"{run_dir}: already complete (metrics.json); skipped")
+        if not tracking.in_multirun():  # a single run shows its results again
+            try:
+                print(summary_table(done, Path(run_dir)))
+            except (KeyError, TypeError):  # a run made before a summary field existed: the line says enough
+                pass
         write_job_error(run_dir, None)  # an earlier refused attempt's error (e.g. a smaller data.limit) is over
         return done
     tracker, result, exit_code = None, None, 1
@@ -536,12 +543,20 @@ def _bytes(n: int | float | None) -> str:
 
 
 def summary_table(m: dict, path: Path) -> str:
-    rows = [("run", str(path)), ("model / method / data", f"{m['model']} / {m['method']} / {m['data']}"),
+    import os
+
+    where = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else str(path)
+    rows = [("run", where), ("model / method / data", f"{m['model']} / {m['method']} / {m['data']}"),
             ("n_examples", _fmt(m["n_examples"]))]
     keys = ["em", "em_lenient", "f1", "accuracy"] + sorted(k for k in m if k.startswith("accuracy_")) + \
         ["perplexity", "n_tokens", "ttft_s", "tpot_s", "kv_ratio", "attended_tokens", "attended_ratio"]
+    from luka_bench.tables import fmt_mean_se
+
+    unc = m.get("uncertainty") or {}
     for k in keys:
-        if k in m:
+        if k in unc and k not in ("ttft_s", "tpot_s"):  # scores: mean ± SE clustered by example (n items)
+            rows.append((f"{k} (± SE, n)", fmt_mean_se(unc[k]["mean"], unc[k]["se"], unc[k]["n"])))
+        elif k in m:
             rows.append((k, _fmt(m[k])))
     if m.get("latency_breakdown") and len(m["latency_breakdown"]) > 1:
         rows.append(("latency_breakdown (s/token)", _fmt(m["latency_breakdown"])))

@@ -59,11 +59,11 @@ def cli(args: list[str], capsys, cwd: Path | None = None) -> tuple[int, str, str
     return code, out, err
 
 
-def assert_bad_input(args: list[str], folder: Path, capsys, *needles: str) -> str:
-    """Run ``args``; assert exit 2, exactly one line on stderr (``error: ...``, naming every needle), no
-    traceback, and ``folder`` byte-identical (every file hashed before and after). Returns the line."""
+def assert_bad_input(args: list[str], folder: Path, capsys, *needles: str, cwd: Path | None = None) -> str:
+    """Run ``args`` (in ``cwd``); assert exit 2, exactly one line on stderr (``error: ...``, naming every needle),
+    no traceback, and ``folder`` byte-identical (every file hashed before and after). Returns the line."""
     before = snapshot(folder)
-    code, out, err = cli(args, capsys)
+    code, out, err = cli(args, capsys, cwd=cwd)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2, (code, out[-2000:], err[-2000:])
     assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
@@ -507,8 +507,12 @@ def no_hub(tmp_path, monkeypatch):
     (["data.source=squad_v2"], "rajpurkar/squad_v2 is not in the local cache"),
 ])
 def test_unreachable_hub_is_one_line_within_seconds_and_leaves_no_folder(no_hub, capsys, args, needle):
+    import luka_bench.run  # noqa: F401 - imports (torch, transformers) are not what is timed
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
     t0 = time.perf_counter()
-    line = assert_bad_input([*TINY, *args], no_hub / "results", capsys, needle, "127.0.0.1", "unreachable")
+    line = assert_bad_input([*TINY, *args], no_hub / "results", capsys, needle, "127.0.0.1", "unreachable",
+                            cwd=no_hub)
     assert time.perf_counter() - t0 < 15  # transformers / datasets alone retry for 60-90 s
     assert not (no_hub / "results").exists() and line
 
