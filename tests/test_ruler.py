@@ -248,3 +248,21 @@ def test_length_beyond_the_model():
 
     with pytest.raises(DataError, match="data.length=8192 does not fit model.max_context=4096"):
         Ruler(length=8192).check_model(M())
+
+
+def test_runner_uses_answer_prefix_and_per_task_tokens(tmp_path):
+    """The runner puts the answer prefix after the question and gives each task its own tokens to generate
+    (tiny random model, byte tokenizer: one token per byte)."""
+    from conftest import compose
+
+    from luka_bench import run as R
+
+    m = R.run(compose("data=ruler", "model=tiny_llama", "data.task=[niah_single_1,vt]", "data.length=2000",
+                      "data.limit=1", "progress=false"), tmp_path / "run")
+    assert m["complete"] and set(m) >= {"ruler_score", "ruler_niah_single_1", "ruler_vt"}
+    recs = [json.loads(x) for x in (tmp_path / "run" / "predictions.jsonl").read_text().splitlines()]
+    for r in recs:
+        meta = r["meta"]
+        assert r["question_tokens"] == len((r["question"] + meta["answer_prefix"]).encode())
+        assert r["new_tokens"] <= tokens_to_generate(meta["task"])
+    assert max(r["new_tokens"] for r in recs) > 30  # niah's 128 reached past vt's 30

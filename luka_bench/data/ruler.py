@@ -312,7 +312,8 @@ class _Gen:
                 c, q, p, a = self._vt_text(rng, m, icl=True)
                 return c + q + p, a
 
-            best = _search(lambda m: count(make(m)[0]), incremental=5, budget=500, gen=0)
+            # as RULER: the smallest size when none fits (short-token models, e.g. a byte tokenizer)
+            best = _search(lambda m: count(make(m)[0]), incremental=5, budget=500, gen=0) or 5
             text, answers = make(best)
             self.icl = (text + " " + " ".join(answers) + "\n", answers)
         return self.icl
