@@ -266,3 +266,19 @@ def test_runner_uses_answer_prefix_and_per_task_tokens(tmp_path):
         assert r["question_tokens"] == len((r["question"] + meta["answer_prefix"]).encode())
         assert r["new_tokens"] <= tokens_to_generate(meta["task"])
     assert max(r["new_tokens"] for r in recs) > 30  # niah's 128 reached past vt's 30
+
+
+def test_qa_pools_read_like_ruler():
+    from luka_bench.data.ruler import hotpot_pool, squad_pool
+
+    squad = {"data": [{"title": "A", "paragraphs": [
+        {"context": "P2", "qas": [{"question": "q1", "answers": [{"text": "x"}], "is_impossible": False},
+                                  {"question": "q0", "answers": [], "is_impossible": True}]},
+        {"context": "P1", "qas": []}]}]}
+    qas, docs = squad_pool(squad)
+    assert docs == ["P1", "P2"]  # unique paragraphs, sorted
+    assert qas == [{"query": "q1", "outputs": ["x"], "context": [1], "more_context": [0]}]  # no unanswerable
+    hub_row = {"question": "q", "answer": "a", "context": {"title": ["T1", "T2"], "sentences": [["s1", "s2"], ["s3"]]}}
+    json_row = {"question": "q", "answer": "a", "context": [["T1", ["s1", "s2"]], ["T2", ["s3"]]]}
+    assert hotpot_pool([hub_row]) == hotpot_pool([json_row]) == (
+        [{"query": "q", "outputs": ["a"], "context": [0, 1]}], ["T1\ns1s2", "T2\ns3"])
