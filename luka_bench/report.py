@@ -88,6 +88,12 @@ def build(folder: str | Path, rows: Sequence[str] = ("data_name",), cols: Sequen
             save_figure(fig, out / name)
             figs[name] = out / name
             written.append(out / name)
+        from luka_bench.niah_plot import niah_figures  # depth x length heat map when runs have NIAH results
+
+        for name, fig in niah_figures(folder, sel, (order or {}).get("method_name")).items():
+            save_figure(fig, out / name)
+            figs[name] = out / name
+            written.append(out / name)
     if echo:
         print(to_markdown(strings, note))
         if paired_md:

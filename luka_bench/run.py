@@ -178,6 +178,14 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
+def _max_new(task, q, max_new: int, cfg: DictConfig) -> int:
+    """New tokens for one question: ``max_new_tokens`` when set, else the question's own (RULER's per-task
+    ``tokens_to_generate``, ``Task.max_new_tokens_for``), else the dataset's."""
+    if cfg.get("max_new_tokens") is None and hasattr(task, "max_new_tokens_for"):
+        return int(task.max_new_tokens_for(q))
+    return max_new
+
+
 def _resuming(folder: RunFolder, done: int, total: int) -> None:
     """Remember the run's size (for the line Ctrl-C prints) and say so when a run resumes."""
     folder.total = total
@@ -199,9 +207,10 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
         ctx_ids = None
         qs = []
         for q in ex.questions:
-            c, qi = qa_prompt_ids(tok, lm.chat_template, task.context_block(ex), task.question_block(q))
+            prefix = task.answer_prefix(q) if hasattr(task, "answer_prefix") else ""  # RULER's answer prefix
+            c, qi = qa_prompt_ids(tok, lm.chat_template, task.context_block(ex), task.question_block(q), prefix)
             ctx_ids = ctx_ids or c
-            need = len(c) + len(qi) + max_new
+            need = len(c) + len(qi) + _max_new(task, q, max_new, cfg)
             if need > lm.max_context:
                 raise PromptTooLong(
                     f"example {ex.id!r} needs {need} tokens (context {len(c)} + question {len(qi)} + "
@@ -237,7 +246,7 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
         kept = evidence_kept(cache, evidence) if evidence else None
         for q, qi in todo:
             c = cache.clone()
-            gen = greedy_answer(model, tok, c, qi, max_new, eos, stop)
+            gen = greedy_answer(model, tok, c, qi, _max_new(task, q, max_new, cfg), eos, stop)
             pred = task.postprocess(gen.text)
             rec: dict[str, Any] = {
                 "item_id": q.id, "example_id": ex.id, "question": q.question, "gold": q.answers,
@@ -425,6 +434,8 @@ def prepare(cfg: DictConfig, run_dir: str | Path) -> Prepared:
     RunFolder.check(run_dir, resolved)
     if hasattr(task, "check"):  # data files exist and parse, before the model loads
         task.check()
+    if hasattr(task, "check_model"):  # a data length the configured model cannot hold (RULER, NIAH)
+        task.check_model(model)
     return Prepared(method, task, model, resolved)
 
 

@@ -12,7 +12,7 @@ from luka_bench.methods.streaming_llm import StreamingLLM
 
 from conftest import attn_impl, masked_eager_logits
 
-ARCHS = ["tiny_llama", "tiny_qwen3", "tiny_gemma3"]
+ARCHS = ["tiny_llama", "tiny_qwen3", "tiny_gemma3", "tiny_gqa3"]
 
 
 def plain_logits(model, ids, split):

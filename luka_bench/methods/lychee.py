@@ -30,8 +30,10 @@ A decode step (one query), vectorised over KV heads, units, clusters and tokens 
    norms, so sum_i UB_i = q_s.mu + ||q||_s.r bounds the group's summed score q_s.v of any member;
 2. coarse units ranked by UB (``ranking: qmu``: by q.mu alone); the top ``k_g`` (``k_g: null``: units in rank order
    until they hold ``coarse_factor`` x the retrieval budget in tokens);
-3. their fine clusters ranked the same way; the top ``k_c`` (``k_c: null``: clusters in rank order while their
-   tokens fit the retrieval budget = ``token_budget`` - sinks - the unchunked recent tokens);
+3. their fine clusters ranked the same way; the top ``k_c`` (``k_c: null``: the chunks of the clusters in rank
+   order, each cluster's chunks by their own score q_s.v, while their tokens fit the retrieval budget =
+   ``token_budget`` - sinks - the unchunked recent tokens: whole clusters, then the best chunks of the first one
+   that does not fit whole — ``_fill``);
 4. exact attention (softmax over the union, fp32 by SDPA) over the ``sink`` first tokens + every token of the
    chosen clusters' chunks + the recent unchunked tokens (the buffer).
 Lazy update (at the next step): each new chunk joins the fine cluster with the nearest centroid direction and that
@@ -188,7 +190,8 @@ class Chunker:
         self.starts = torch.cat([self.starts, new_b[1:]])
         lens = new_b[1:] - new_b[:-1]
         self.lens = torch.cat([self.lens, lens])
-        ids = torch.arange(first, first + len(ends), device=self.device).repeat_interleave(lens)
+        ids = torch.arange(first, first + len(ends), device=self.device).repeat_interleave(
+            lens, output_size=ends[-1] - old)  # the size from the host: no device sync
         self.tok_chunk = torch.cat([self.tok_chunk, ids])
         return len(ends)
 
@@ -403,6 +406,27 @@ class LycheePolicy(LayerPolicy):
             take = (cum <= limit) & live
         return torch.zeros_like(take).scatter(2, order, take)
 
+    def _fill(self, uc: torch.Tensor, qs: torch.Tensor, R: int, ch: Chunker) -> torch.Tensor:
+        """The ``k_c: null`` fill rule: chunks ordered by their cluster's rank (``uc``, descending; clusters outside
+        the chosen units last) and, inside a cluster, by their own score q_s.v; the longest prefix whose tokens
+        fit ``R``. So whole clusters are taken in UB order and the cluster that does not fit whole contributes its
+        best chunks (App. D's index drift: a cluster grown by lazy updates ranks first with an inflated radius;
+        stopping at it, as the plain rule did, left most steps with no chunk at all). The budget is filled to
+        within one chunk whenever the chosen units hold R tokens. Returns the chosen chunks [B, H, M] (bool)."""
+        M = self.M
+        a = self.assign[:, :, :M]
+        L = uc.shape[-1]
+        order_c = torch.sort(uc, dim=-1, descending=True, stable=True).indices
+        rank_c = torch.empty_like(order_c).scatter_(2, order_c, torch.arange(L, device=uc.device).expand_as(order_c))
+        crank = rank_c.gather(2, a)  # [B, H, M]
+        clive = (uc > NEG).gather(2, a)
+        own = torch.matmul(self.ck[:, :, :M], qs.unsqueeze(-1)).squeeze(-1)  # q_s.v per chunk
+        o1 = torch.sort(own, dim=-1, descending=True, stable=True).indices
+        order = o1.gather(2, torch.sort(crank.gather(2, o1), dim=-1, stable=True).indices)
+        lens = ch.lens[:M].to(uc.dtype).expand_as(own).gather(2, order)
+        take = (lens.cumsum(-1) <= R) & clive.gather(2, order)
+        return torch.zeros_like(take).scatter(2, order, take)
+
     def retrieve(self, store, query):
         """Coarse-to-fine selection for one query [B, Hq, 1, D]. Returns the held-token indices to attend
         [B, H, T] (sinks, the chosen chunks' tokens padded to ``max_chunk`` per chunk, the recent unchunked tokens)
@@ -427,8 +451,13 @@ class LycheePolicy(LayerPolicy):
             sel_g = self._prefix(ug, self.tok_g, None, m.k_g)
         uc = self.scores(qs, qn, self.mu_c, self.r_c, self.cnt_c)
         uc = uc.masked_fill(~sel_g.gather(2, self.parent), NEG)
-        sel_c = self._prefix(uc, self.tok_c, R, m.k_c)
-        chunk_sel = sel_c.gather(2, self.assign[:, :, :M])  # [B, H, M]
+        if m.k_c is None:
+            chunk_sel = self._fill(uc, qs, R, ch)
+            sel_c = torch.zeros_like(self.cnt_c, dtype=torch.long).scatter_reduce(
+                2, self.assign[:, :, :M], chunk_sel.long(), "amax", include_self=True).bool()
+        else:
+            sel_c = self._prefix(uc, self.tok_c, R, m.k_c)
+            chunk_sel = sel_c.gather(2, self.assign[:, :, :M])  # [B, H, M]
         # compact the chosen chunks: at most R // min_chunk of them fit the budget (every chunk >= min_chunk)
         cmax = M if m.k_c is not None else max(1, min(M, R // m.min_chunk))
         slot = chunk_sel.long().cumsum(-1) - 1
