@@ -26,7 +26,9 @@ from luka_bench.methods.hf import attach
 from luka_bench.methods.luka_clustered import LuKAClustered
 from luka_bench.methods.lychee import Lychee
 
-from conftest import tiny
+from conftest import DEVICE, tiny
+
+pytestmark = pytest.mark.device  # LUKA_TEST_DEVICE=cuda: the same tests on the GPU (tiny() builds there)
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "method"
 METHODS = sorted(p.stem for p in CONF.glob("*.yaml"))
@@ -53,6 +55,7 @@ def run(lm, method, x):
     """Context prefill, end_prefill, a question chunk, then one token at a time (as the runner), with the
     token ids handed over (lychee chunks by text). Returns (logits of every position, fp32; the cache)."""
     model_ = lm.model
+    x = x.to(model_.device)
     with attach(model_, method, lm.tokenizer) as a, torch.no_grad():
         c = a.new_cache()
         c.reference_length = CTX
@@ -161,8 +164,9 @@ def test_attention_masses_and_entropies_are_fp32(lq, dtype):
             self.keys, self.values = k, v
 
     gen = torch.Generator().manual_seed(lq)
-    q = torch.randn(1, 6, lq, 32, generator=gen).to(dtype)
-    k, v = torch.randn(1, 2, 120, 32, generator=gen).to(dtype), torch.randn(1, 2, 120, 32, generator=gen).to(dtype)
+    q = torch.randn(1, 6, lq, 32, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(1, 2, 120, 32, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(1, 2, 120, 32, generator=gen).to(DEVICE, dtype)
     out, mass = base.attention_with_mass(_Store(k, v), q, 32 ** -0.5)
     _, mass2, _, ent, _ = base.attention_with_extra(_Store(k, v), q, 32 ** -0.5)
     assert out.dtype == dtype and mass.dtype == mass2.dtype == ent.dtype == torch.float32

@@ -22,6 +22,7 @@ from luka_bench.models import TinyRandomModel
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "method"
 DEVICE = os.environ.get("LUKA_TEST_DEVICE", "cpu")
+pytestmark = pytest.mark.device
 # syncs allowed on a step where the method took a host-side decision (an "event": see host_sync.events)
 EVENT_BUDGET = {"lychee": 1}
 VARIANTS = [(p.stem, {}) for p in sorted(CONF.glob("*.yaml"))] + [

@@ -365,7 +365,7 @@ def _blocked_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
         out, mass, ent = triton_kernel.attention_mass(qs, kk, vv, past, entropy)
         return out.view(b, hq, lq, dv), mass.view(b, hkv, n), ent.view(b, hq, lq) if entropy else None
     fp32_cpu = dev.type == "cpu" and all(t.dtype == torch.float32 for t in (qs, kk, vv))
-    op = cpu_kernel.attention_mass_op() if kernel and fp32_cpu else None
+    op = cpu_kernel.attention_mass_op() if kernel and fp32_cpu and not cpu_kernel.disabled() else None
     if op is not None:
         out, mass, ent = op(qs, kk, vv, past, block or max(1, KERNEL_ROWS // g), entropy)
         return out.view(b, hq, lq, dv), mass.view(b, hkv, n), ent.view(b, hq, lq) if entropy else None
