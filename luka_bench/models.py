@@ -111,13 +111,29 @@ class HubModel(_Base):
     repo_id: str = ""
     revision: str | None = None
 
+    def check(self) -> None:
+        """Also: the model can be had (a local folder, the local hub cache, or a hub that answers within
+        seconds), so a machine without the hub fails at once, before the run folder is written."""
+        super().check()
+        from luka_bench.hub import unavailable
+
+        why = unavailable(self.repo_id)
+        if why is not None:
+            raise ModelUnavailable(f"model '{self.name}' ({self.repo_id}) cannot be loaded: {why}; on a machine "
+                                   f"with the hub run `huggingface-cli download {self.repo_id}` first, or use "
+                                   "model=smollm2_135m offline")
+
     def load(self) -> LoadedModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from luka_bench.hub import hub_problem
+
         t0 = time.perf_counter()
+        # cached but no hub: read the cache without asking the hub (transformers would retry for a minute)
+        local = Path(os.path.expanduser(self.repo_id)).is_dir() or hub_problem() is not None
         try:
-            tok = AutoTokenizer.from_pretrained(self.repo_id, revision=self.revision)
-            model = AutoModelForCausalLM.from_pretrained(self.repo_id, revision=self.revision,
+            tok = AutoTokenizer.from_pretrained(self.repo_id, revision=self.revision, local_files_only=local)
+            model = AutoModelForCausalLM.from_pretrained(self.repo_id, revision=self.revision, local_files_only=local,
                                                          dtype=resolve_dtype(self.dtype, resolve_device(self.device)))
         except OSError as e:
             raise ModelUnavailable(
@@ -204,6 +220,9 @@ class TinyRandomModel(_Base):
         if self.arch not in self.ARCHS:
             raise ModelConfigError(f"model.arch={self.arch!r} is unknown; allowed: {', '.join(self.ARCHS)}")
 
+    def _extra_config(self) -> dict:
+        return {}
+
     def build_config(self):
         from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
 
@@ -212,6 +231,7 @@ class TinyRandomModel(_Base):
                       head_dim=self.head_dim, intermediate_size=self.intermediate_size,
                       max_position_embeddings=self.max_context or 4096, bos_token_id=256, eos_token_id=257,
                       pad_token_id=258, tie_word_embeddings=False)
+        common.update(self._extra_config())
         if self.arch == "llama":
             return LlamaConfig(**common)
         if self.arch == "qwen3":  # has QK-norm
@@ -243,3 +263,58 @@ def byte_tokenizer():
     tk.decoder = decoders.ByteFallback()
     return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                    unk_token="<unk>")
+
+
+@dataclass
+class ShapeModel(TinyRandomModel):
+    """A model of a real architecture's shape — layer count, widths, heads, KV heads, head size, vocabulary,
+    RoPE — with random weights and no file (``conf/model/shape_*.yaml``): for speed and memory measurements where
+    the weights do not matter (``scripts/bench_decode.py``). Built directly on the target device in the target
+    dtype (an 8B model is never materialised in fp32 on the host). Its tokenizer is the byte-level one (ids <
+    256 fit any vocabulary); outputs are meaningless. ``scale`` < 1 shrinks every width and the layer count
+    (tests build such shrunk copies, or the full shape on the ``meta`` device)."""
+
+    vocab_size: int = 32000
+    rope_parameters: dict | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    scale: float = 1.0
+
+    def _extra_config(self) -> dict:
+        extra = dict(vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+                     tie_word_embeddings=self.tie_word_embeddings)
+        if self.rope_parameters is not None:
+            extra["rope_parameters"] = dict(self.rope_parameters)
+        if self.scale != 1.0:  # shrunk copy: the same GQA group size and layer types, everything else smaller
+            s, group = self.scale, self.num_attention_heads // self.num_key_value_heads
+            kv = max(1, round(self.num_key_value_heads * s))
+            extra.update(num_hidden_layers=max(2, round(self.num_hidden_layers * s)), num_key_value_heads=kv,
+                         num_attention_heads=kv * group, head_dim=max(16, round(self.head_dim * s)),
+                         hidden_size=max(32, round(self.hidden_size * s)),
+                         intermediate_size=max(32, round(self.intermediate_size * s)),
+                         vocab_size=max(260, round(self.vocab_size * s)))
+        return extra
+
+    def check(self) -> None:
+        super().check()
+        if not (0 < self.scale <= 1):
+            raise ModelConfigError(f"model.scale={self.scale!r} must be in (0, 1] (1: the real shape)")
+
+    def load(self, device: str | None = None) -> LoadedModel:
+        """``device``: override (tests use ``meta`` to build the full shape without memory)."""
+        from transformers import AutoModelForCausalLM
+
+        t0 = time.perf_counter()
+        cfg = self.build_config()
+        dev = torch.device(device) if device else resolve_device(self.device)
+        dt = resolve_dtype(self.dtype, dev)
+        torch.manual_seed(self.seed)
+        with torch.device(dev):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dt)
+        model.eval()
+        max_ctx = self.max_context or cfg.max_position_embeddings
+        n_params = sum(p.numel() for p in model.parameters())
+        return LoadedModel(model, byte_tokenizer(), self.name, int(max_ctx), False,
+                           dict(device=str(dev), dtype=str(dt).replace("torch.", ""), parameters=n_params,
+                                source=f"random-shape:{self.arch}:seed{self.seed}",
+                                load_s=round(time.perf_counter() - t0, 2)))

@@ -13,6 +13,13 @@ CONF = ROOT / "conf"
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# The device tests run on: cpu (default) or cuda (``LUKA_TEST_DEVICE=cuda``: tests that make sense on a GPU run
+# there, e.g. the Triton kernel compiled for real, the host-sync counts). On the CPU, Triton kernels run in
+# Triton's interpreter, which must be chosen before Triton is first imported.
+DEVICE = os.environ.get("LUKA_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def tiny(arch: str = "llama", **kw):
     from luka_bench.models import TinyRandomModel
@@ -31,6 +38,12 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def tiny_qwen3():
     return tiny("qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_gqa3():
+    """Llama with 3 query heads per KV head (SmolLM2's ratio: 9 / 3); the other tiny models have 2."""
+    return tiny("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
 
 
 @pytest.fixture(scope="session")

@@ -84,7 +84,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernel
+from . import cpu_kernel, triton_kernel
 
 if TYPE_CHECKING:  # pragma: no cover
     from luka_bench.methods.hf import KVStore, MethodCache
@@ -140,16 +140,18 @@ class LayerPolicy:
         LycheeCluster's retrieved chunks) override it; positions are ``store.positions[mask]``."""
         return None
 
-    def attended_count(self, store: "KVStore") -> float:
+    def attended_count(self, store: "KVStore") -> float | torch.Tensor:
         """How many held tokens the last ``attend`` read, per KV head (mean over batch and heads): the harness
-        records it after every decode forward. From the ``attended`` mask; a policy that knows the count without
-        building the mask overrides it (it must equal the mask's count: see LuKA clustered's test)."""
+        records it after every decode forward. From the ``attended`` mask (a 0-d device tensor: reading it on the
+        host would sync every step; the harness resolves all of them at once); a policy that knows the count
+        without building the mask overrides it (it must equal the mask's count: see LuKA clustered's test)."""
         mask = self.attended(store)
-        return float(store.n) if mask is None else float(mask.sum()) / (mask.shape[0] * mask.shape[1])
+        return float(store.n) if mask is None else mask.sum() / (mask.shape[0] * mask.shape[1])
 
-    def attended_extra(self) -> int:
+    def attended_extra(self) -> int | torch.Tensor:
         """Entries held outside the store that the last ``attend`` call read, per KV head (LuKA's unrefined
-        summaries, synthetic key/value pairs): counted as attended entries, but they have no position."""
+        summaries, synthetic key/value pairs): counted as attended entries, but they have no position. An int, or
+        a 0-d device tensor where knowing it needs the device (as ``attended_count``)."""
         return 0
 
     def extra_entries(self) -> int:
@@ -321,9 +323,13 @@ BLOCKED_MIN_QUERIES = 64  # query chunks at least this long (prefills) take the 
 
 
 def _blocked(query: torch.Tensor, lq: int) -> bool:
-    """Whether a query chunk takes ``_blocked_attention``: long chunks on CPU, where it was measured fastest.
-    Other devices keep the batched explicit path (one kernel per op for all heads)."""
-    return query.device.type == "cpu" and lq >= BLOCKED_MIN_QUERIES
+    """Whether a query chunk takes ``_blocked_attention``: long chunks on CPU, where it was measured fastest, and
+    on CUDA where the Triton kernel runs (``triton_kernel``: flash-style, no N x N logits). Elsewhere (and on
+    CUDA with ``LUKA_BENCH_NO_KERNEL=1`` or without Triton) the batched explicit path (one kernel per op for all
+    heads, fp32 softmax chunks)."""
+    if lq < BLOCKED_MIN_QUERIES:
+        return False
+    return query.device.type == "cpu" or triton_kernel.available(query.device)
 
 
 KERNEL_ROWS = 48  # the fused kernel's query block: about this many (group head x query) rows, measured fastest
@@ -343,7 +349,8 @@ def _blocked_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     With ``kernel`` (and fp32) the same computation runs in the fused C++ kernel of ``cpu_kernel`` — one thread per
     (KV head, block of queries: ``block``, by default ``KERNEL_ROWS // g``), the block's logits in that core's
     cache, max/exp/sum and the mass GEMV fused into sweeps over them: 1.0-1.2x SDPA at 2K-16K. This loop (``block``
-    by default 64) is its reference and the fallback when the kernel cannot be built.
+    by default 64) is its reference and the fallback when the kernel cannot be built. On CUDA the Triton kernel
+    (``triton_kernel``) computes the same three outputs; ``_explicit_attention`` is its reference there.
 
     query [B, Hq, Lq, D] (the last Lq held tokens), k/v [B, Hkv, past + Lq, D]. Returns (out [B, Hq, Lq, Dv],
     mass [B, Hkv, n] float32, entropy [B, Hq, Lq] float32 in nats or None)."""
@@ -354,6 +361,9 @@ def _blocked_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     dev = query.device
     qs = (query * scaling).reshape(b * hkv, g, lq, d)
     kk, vv = k.reshape(b * hkv, n, d), v.reshape(b * hkv, n, dv)
+    if kernel and triton_kernel.available(dev):
+        out, mass, ent = triton_kernel.attention_mass(qs, kk, vv, past, entropy)
+        return out.view(b, hq, lq, dv), mass.view(b, hkv, n), ent.view(b, hq, lq) if entropy else None
     fp32_cpu = dev.type == "cpu" and all(t.dtype == torch.float32 for t in (qs, kk, vv))
     op = cpu_kernel.attention_mass_op() if kernel and fp32_cpu else None
     if op is not None:
@@ -391,7 +401,7 @@ def attention_with_mass(store: "KVStore", query: torch.Tensor, scaling: float,
     (output [B, Hq, Lq, Dv], mass [B, Hkv, n] float32).
 
     Long query chunks (a prefill) on CPU take ``_blocked_attention``: one pass over the logits, a block of
-    queries at a time (about 1.4-1.5x an SDPA prefill's attention cost). Otherwise (decode steps, short chunks,
+    queries at a time (about 1.4-1.5x an SDPA prefill's attention cost); on CUDA the Triton kernel. Otherwise (decode steps, short chunks,
     other devices) the weights are computed explicitly for all heads at once: fp32 softmax, queries ``chunk`` at
     a time so a long prefill never holds the N x N weights."""
     k, v = store.keys, store.values
@@ -495,6 +505,13 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scali
         out[:, :, :, s: s + c] = o
         mass[:, :, :m] += w[..., :m].sum(dim=(2, 3))
     return out, mass, emass, ent, ew
+
+
+def kept_indices(keep: torch.Tensor, m: int) -> torch.Tensor:
+    """Indices of the True entries of ``keep`` [..., n], in order, when every row has exactly ``m`` of them:
+    [..., m]. A stable sort puts them first; ``nonzero`` would give the same with a host sync (its output size
+    depends on the data)."""
+    return torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :m]
 
 
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, attention_with_extra
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, attention_with_extra, kept_indices
 
 MASS, ENT = "ols_mass", "ols_entropy"
 MODES = ("ols", "linear", "drop")
@@ -69,7 +69,7 @@ def kmeans(x: torch.Tensor, r: int, iters: int) -> tuple[torch.Tensor, torch.Ten
     c = x[..., init, :].clone()
     for _ in range(iters + 1):
         a = torch.cdist(x, c).argmin(dim=-1)  # [..., m]
-        onehot = torch.nn.functional.one_hot(a, r).to(x.dtype)  # [..., m, r]
+        onehot = (a.unsqueeze(-1) == torch.arange(r, device=a.device)).to(x.dtype)  # [..., m, r]; one_hot syncs
         cnt = onehot.sum(-2)  # [..., r]
         new = (onehot.transpose(-1, -2) @ x) / cnt.clamp_min(1).unsqueeze(-1)
         c = torch.where(cnt.unsqueeze(-1) > 0, new, c)
@@ -98,7 +98,9 @@ def fit_values(p: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, ridg
     r = gram.shape[-1]
     lam = ridge * gram.diagonal(dim1=-2, dim2=-1).sum(-1) / r
     eye = torch.eye(r, dtype=gram.dtype, device=gram.device)
-    return torch.linalg.solve(gram + lam[..., None, None] * eye + 1e-12 * eye, pw.transpose(-1, -2) @ tw)
+    # solve_ex: no error check (linalg.solve's reads the device's info flag: a host sync per flush on CUDA); the
+    # ridge keeps the system positive definite
+    return torch.linalg.solve_ex(gram + lam[..., None, None] * eye + 1e-12 * eye, pw.transpose(-1, -2) @ tw).result
 
 
 def fit_ols_entries(q, kb, vb, bb, lz_all, scaling: float, rank: int, iters: int, ridge: float):
@@ -272,7 +274,7 @@ class EntropyOLSPolicy(LayerPolicy):
         if m.mode != "drop":
             idx = chosen.view(b, h, nb, m.bin_size)
             self._make_entries(store, idx)
-        keep = keep_mask.nonzero()[:, 2].view(b, h, store.n - nb * m.bin_size)
+        keep = kept_indices(keep_mask, store.n - nb * m.bin_size)
         store.keep(keep)
         self.stats["flushes"] += nb
         self.stats["binned_tokens"] += nb * m.bin_size
@@ -361,7 +363,7 @@ class EntropyOLSPolicy(LayerPolicy):
         chosen = order[..., : m.bin_size]
         keep_mask = torch.ones(b, h, S, dtype=torch.bool, device=self.sk.device)
         keep_mask.scatter_(2, chosen, False)
-        keep = keep_mask.nonzero()[:, 2].view(b, h, S - m.bin_size)
+        keep = kept_indices(keep_mask, S - m.bin_size)
         idx = chosen.unsqueeze(2)
         kb, vb, bb = self._gather(self.sk, idx), self._gather(self.sv, idx), self._gather(self.sb, idx)
         mass, ent = self._gather(self.smass, idx), self._gather(self.sent, idx)
@@ -381,7 +383,7 @@ class EntropyOLSPolicy(LayerPolicy):
         chosen = torch.sort(prio, dim=-1, descending=True, stable=True).indices[..., :excess] + lo
         keep_mask = torch.ones(b, h, store.n, dtype=torch.bool, device=store.device)
         keep_mask.scatter_(2, chosen, False)
-        store.keep(keep_mask.nonzero()[:, 2].view(b, h, store.n - excess))
+        store.keep(kept_indices(keep_mask, store.n - excess))
         self.stats["dropped_tokens"] += excess
 
 

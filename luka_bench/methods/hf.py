@@ -70,6 +70,7 @@ class KVStore(CacheLayerMixin):
         self._aux: dict[str, torch.Tensor] = {}  # per-token method state [B, Hkv, cap], kept aligned with keys
         self.n = 0
         self.seen = 0
+        self.pos_shift = 0  # seen - the position the next token gets (StreamingLLM's positions=cache); 0: logical
 
     # -- views ---------------------------------------------------------------------------------------------
     @property
@@ -175,16 +176,24 @@ class KVStore(CacheLayerMixin):
                 self._aux[name][:, :, :m] = a
         self.n = m
 
-    def drop_one(self, index: torch.Tensor) -> None:
-        """Drop one held token per KV head, ``index`` [B, Hkv] (into the current ``n``), keeping time order: the
-        tokens after it move one slot left, in place (a decode step's eviction; ``keep`` copies the whole cache).
-        One row gather per storage tensor for all heads at once, over the rows from the earliest dropped one on."""
+    def drop_one(self, index: torch.Tensor, tail: int) -> None:
+        """Drop one held token per KV head, ``index`` [B, Hkv] into the *older* region (the first ``n - tail``
+        held tokens; the last ``tail`` are a recent window kept in time order): the older region's last token
+        moves into the dropped one's slot and the tail moves one slot left (a decode step's eviction; ``keep``
+        copies the whole cache). Copies of fixed size — one row per head and the tail — so no host sync is
+        needed to know where the dropped tokens are (a shift from the earliest dropped one on would need it).
+        The older region's slots are no longer in time order; positions (and keys: cached after RoPE) move with
+        their tokens, so attention is unchanged, and a policy that needs time order sorts by ``positions``."""
         n = self.n
-        lo = int(index.min())  # one host sync
-        rows = torch.arange(lo, n - 1, device=index.device)
-        src = self._flat(rows + (rows >= index.unsqueeze(-1)))  # row r takes r + 1 from the head's dropped one on
+        last = n - tail - 1  # the older region's last slot
+        off = self.row_offsets().view(-1)
+        dst = index.reshape(-1) + off
+        src = off + last
         for t in (self._k, self._v, self._pos, *self._aux.values()):
-            t[:, :, lo: n - 1] = _rows(t, src, n - 1 - lo)
+            rows = t.view(-1, *t.shape[3:])
+            rows.index_copy_(0, dst, rows.index_select(0, src))
+            if tail:
+                t[:, :, last: n - 1] = t[:, :, last + 1: n].clone()
         self.n -= 1
 
     def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,7 +274,30 @@ class KVStore(CacheLayerMixin):
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.seen  # logical length: transformers derives positions (RoPE) from it
+        # transformers derives the new tokens' positions (RoPE) from it: the logical length, or the position inside
+        # the cache when a policy re-assigns positions (pos_shift, with rotate_keys)
+        return self.seen - self.pos_shift
+
+    def rotate_keys(self, start: int, stop: int, delta: int) -> None:
+        """Move the held keys ``start:stop`` (stored after RoPE) by ``delta`` positions in place: RoPE rotations
+        compose, R(p + delta) k = R(delta) R(p) k, so a key rotated for position p becomes the key for p + delta
+        (the model's own rotary embedding gives cos/sin of ``delta``; its attention scaling divided out; the
+        rotate-half layout of Llama / Qwen / Mistral / Gemma; a partial rotary dimension rotates only its part)."""
+        if stop <= start or delta == 0:
+            return
+        model = self.cache.model
+        rope = getattr(getattr(model, "model", model), "rotary_emb", None)
+        if rope is None:
+            raise RuntimeError(f"{type(model).__name__} has no model.rotary_emb: keys cannot be re-rotated")
+        k = self._k[:, :, start:stop]
+        pid = torch.full((1, 1), delta, device=k.device, dtype=torch.long)
+        cos, sin = rope(k.float(), pid)  # [1, 1, rot]
+        scale = float(getattr(rope, "attention_scaling", 1.0) or 1.0)
+        cos, sin = cos.float() / scale, sin.float() / scale
+        rot, half = cos.shape[-1], cos.shape[-1] // 2
+        x = k[..., :rot].float()
+        out = x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+        self._k[:, :, start:stop, :rot] = out.to(k.dtype)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.n + query_length, 0
@@ -277,6 +309,7 @@ class KVStore(CacheLayerMixin):
         self._k = self._v = self._pos = None
         self._aux = {}
         self.n = self.seen = 0
+        self.pos_shift = 0
         self.is_initialized = False
 
 
@@ -300,10 +333,10 @@ class MethodCache(Cache):
         # forward appended. Used by the fidelity probe (luka_bench/probe.py); None costs nothing.
         self.observer = None
         self.token_ids: list[int] = []  # ids of every token fed so far, appended by the runner (add_tokens)
-        # attended metric: per decode forward, sum over layers of held tokens read and their bytes
-        self.attended_tokens: list[float] = []
-        self.attended_bytes: list[float] = []
-        self.held_token_steps: list[float] = []
+        # attended metric: per decode forward, sum over layers of held tokens read and their bytes; a policy may
+        # give its count as a device tensor (no host sync per step): resolved in one copy when the lists are read
+        self._attended: tuple[list[float], list[float], list[float]] = ([], [], [])
+        self._attended_pending: list[tuple] = []
         stores = [KVStore(method.policy_for_layer(info), self) for info in infos]
         super().__init__(layers=stores)
 
@@ -317,7 +350,8 @@ class MethodCache(Cache):
 
     def _note_attended(self) -> None:
         """After a decode forward: tokens (and bytes) read by every layer's last attend (``LayerPolicy.attended``,
-        per KV head, averaged over heads; + ``attended_extra``), summed over layers."""
+        per KV head, averaged over heads; + ``attended_extra``), summed over layers. Counts a policy gives as
+        tensors stay on the device until read (``attended_tokens``)."""
         toks = 0.0
         byts = 0.0
         held = 0.0
@@ -325,12 +359,36 @@ class MethodCache(Cache):
             if s._k is None:
                 continue
             per_head = s.policy.attended_count(s) + s.policy.attended_extra()
-            toks += per_head
-            byts += per_head * s.token_bytes()
+            toks = toks + per_head
+            byts = byts + per_head * s.token_bytes()
             held += s.n
-        self.attended_tokens.append(toks)
-        self.attended_bytes.append(byts)
-        self.held_token_steps.append(held)
+        self._attended_pending.append((toks, byts, held))
+
+    def _resolve_attended(self) -> tuple[list[float], list[float], list[float]]:
+        if self._attended_pending:
+            flat = [x for row in self._attended_pending for x in row]
+            at = [i for i, x in enumerate(flat) if torch.is_tensor(x)]
+            if at:  # one device-to-host copy for every pending count
+                for i, v in zip(at, torch.stack([flat[i].detach().double().reshape(()) for i in at]).tolist()):
+                    flat[i] = v
+            for j in range(0, len(flat), 3):
+                for lst, v in zip(self._attended, flat[j: j + 3]):
+                    lst.append(float(v))
+            self._attended_pending.clear()
+        return self._attended
+
+    @property
+    def attended_tokens(self) -> list[float]:
+        """Per decode forward: held tokens read, summed over layers (per KV head, mean over heads)."""
+        return self._resolve_attended()[0]
+
+    @property
+    def attended_bytes(self) -> list[float]:
+        return self._resolve_attended()[1]
+
+    @property
+    def held_token_steps(self) -> list[float]:
+        return self._resolve_attended()[2]
 
     def attended_stats(self, since: int = 0) -> dict:
         """Over the decode forwards from number ``since`` on, the mean per forward of: ``attended_tokens`` (held

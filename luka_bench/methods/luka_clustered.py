@@ -150,8 +150,8 @@ class LuKAPolicy(LayerPolicy):
         if self._att is None:
             return 0
         x = self._att[3]
-        if isinstance(x, torch.Tensor):  # the decode path's refined-page mask [B, Hkv, K]: pages not refined
-            return self.P[1] - int(x.sum(-1).float().mean().round())
+        if isinstance(x, torch.Tensor) and x.dtype == torch.bool:  # the decode path's refined-page mask [B, Hkv, K]
+            return self.P[1] - x.sum(-1).float().mean().round()  # pages not refined (a device tensor: no sync)
         return x
 
     def after_prefill(self, store) -> None:
@@ -244,8 +244,12 @@ class LuKAPolicy(LayerPolicy):
             K = min(r.k, C)
         elif r.rule == "top_frac":
             K = min(C, math.ceil(r.fraction * C - 1e-9))
-        else:  # threshold: as many as the most demanding (head, query) needs, the rest masked
-            K = int((score > r.threshold).sum(-1).max())
+        else:
+            # threshold: a fixed K that no (head, query) can exceed, the rest masked (``valid``) — as many as the
+            # most demanding one needs would be data-dependent, a host sync per step. A KV head's score sums the
+            # masses of its group's g query heads (<= g in all), so fewer than g / threshold nodes exceed it.
+            g = self.info.num_heads // self.info.num_kv_heads
+            K = min(C, math.ceil(g / r.threshold - 1e-9)) if r.threshold > 0 else C
         if K <= 0:
             return None
         top = torch.topk(score, K, dim=-1)
@@ -464,7 +468,7 @@ class LuKAPolicy(LayerPolicy):
         read = [p for p in parts if p.ids is not None and p.level == 0]  # refined raw tokens (per query)
         summaries = sum(torch.isfinite(p.logit).any(2).sum(-1) for p in parts if p.level > 0)  # [B, Hkv, Lq]
         self._att = (fr, n, [(p.ids, torch.isfinite(p.logit).any(2)) for p in read],
-                     int(summaries.amax(-1).float().mean().round()) if torch.is_tensor(summaries) else 0)
+                     summaries.amax(-1).float().mean().round() if torch.is_tensor(summaries) else 0)
         out = None
         total = None
         acc = store.aux(MASS) if self._needs_mass() else None

@@ -1,0 +1,220 @@
+"""Count the operations that force a device-to-host copy (a host synchronisation on CUDA) while code runs.
+
+On CUDA every such op stalls the host until the GPU has caught up, so a decode step that syncs once per layer
+cannot keep the GPU busy. The same ops can be counted on the CPU, where they are cheap, so the test suite proves
+the absence of syncs without a GPU (``tests/test_host_sync.py``). Counted, per call:
+
+- ``aten._local_scalar_dense``: ``.item()``, ``int(t)``, ``float(t)``, ``bool(t)`` (``if t:``) of a tensor;
+- ``aten.nonzero`` (and ``masked_select``, ``unique*``, ``repeat_interleave`` without ``output_size``): the
+  output's size depends on the data;
+- ``aten.index`` / ``index_put_`` with a boolean mask (a ``nonzero`` inside);
+- ``aten._linalg_check_errors`` (``torch.linalg.solve``/``inv``/``cholesky`` read an error flag from the device;
+  the ``*_ex`` variants do not);
+- ``Tensor.tolist()`` (on the CPU it reads memory without dispatching an op; patched while counting);
+- a copy from a non-CPU device to the CPU (``.cpu()``, ``.to("cpu")``) — only on a GPU.
+
+``python -m luka_bench.host_sync`` prints the counts per method per steady-state decode step on a tiny model
+(see ``decode_sync_counts``)."""
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_ALWAYS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
+           "unique_consecutive", "unique_dim_consecutive", "_linalg_check_errors"}
+
+
+def _is_bool_index(args) -> bool:
+    idx = args[1] if len(args) > 1 else None
+    return isinstance(idx, (list, tuple)) and any(
+        isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in idx)
+
+
+def _to_host(func, args, kwargs) -> bool:
+    """A copy whose source is on a device and whose destination is the CPU."""
+    name = func.__name__
+    if name.startswith("_to_copy") or name.startswith("to."):
+        src = args[0] if args else None
+        dev = kwargs.get("device")
+        return isinstance(src, torch.Tensor) and src.device.type != "cpu" and dev is not None and \
+            torch.device(dev).type == "cpu"
+    if name.startswith("copy_"):
+        dst, src = args[0], args[1]
+        return isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst.device.type == "cpu"
+    return False
+
+
+class SyncCounter(TorchDispatchMode):
+    """``with SyncCounter() as c: ...``; ``c.total``, ``c.ops`` (Counter by op name); with ``where=True`` also
+    ``c.sites``: Counter of the innermost luka_bench source line of each sync (to find them)."""
+
+    def __init__(self, where: bool = False):
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.sites: Counter = Counter()
+        self.where = where
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    def _hit(self, name: str) -> None:
+        self.ops[name] += 1
+        if self.where:
+            frames = [f for f in traceback.extract_stack()[:-2] if "luka_bench" in f.filename
+                      and "host_sync" not in f.filename]
+            if frames:
+                f = frames[-1]
+                self.sites[f"{f.filename.split('luka_bench/', 1)[-1]}:{f.lineno} {f.line}"] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        base = func.__name__.split(".")[0]
+        if base in _ALWAYS:
+            self._hit(base)
+        elif base == "repeat_interleave" and len(args) > 0 and isinstance(args[0], torch.Tensor) and \
+                kwargs.get("output_size") is None and not isinstance(args[1] if len(args) > 1 else
+                                                                     kwargs.get("repeats"), int):
+            self._hit(base)
+        elif base in ("index", "index_put", "index_put_") and _is_bool_index(args):
+            self._hit(base + "[bool]")
+        elif _to_host(func, args, kwargs):
+            self._hit("copy_to_host")
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        counter = self
+        self._tolist = torch.Tensor.tolist
+
+        def tolist(t, *a, **k):
+            counter._hit("tolist")
+            return counter._tolist(t, *a, **k)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Steady-state decode steps of a method on a model.
+# ---------------------------------------------------------------------------------------------------------
+
+def events(cache) -> int:
+    """Host-side decisions a method has taken so far, summed over layers: entropy_ols flushes (``flushes`` in its
+    report) and lychee chunks indexed (``Chunker.n_chunks`` of the shared chunker, once per layer that indexes)."""
+    total = 0
+    for s in cache.stores:
+        if s._k is None:
+            continue
+        rep = s.policy.report(s)
+        total += int(rep.get("flushes", 0))
+        if type(s.policy).__name__ == "LycheePolicy":
+            total += int(s.policy.M)
+    return total
+
+
+@torch.no_grad()
+def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool = False, seed: int = 0,
+                       tokenizer=None):
+    """Prefill ``prompt_len`` random tokens through ``method``'s cache, then run ``steps`` teacher-forced decode
+    steps, counting syncs during each step's model forward (the method's whole per-step work: attention, eviction,
+    compression). Returns a list of (syncs, new events, Counter of ops, Counter of sites) per step."""
+    from luka_bench.methods import hf
+
+    dev = model.device
+    g = torch.Generator().manual_seed(seed)
+    vocab = min(model.config.get_text_config().vocab_size, 256)
+    ids = torch.randint(0, vocab, (1, prompt_len + steps), generator=g)
+    host_ids = ids[0].tolist()  # the runner hands the ids over from the host (MethodCache.add_tokens)
+    ids = ids.to(dev)
+    out = []
+    with hf.attach(model, method, tokenizer) as att:
+        cache = att.new_cache()
+        cache.reference_length = prompt_len
+        cache.add_tokens(host_ids[:prompt_len])
+        model(input_ids=ids[:, :prompt_len], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache.end_prefill()
+        before = events(cache)
+        for i in range(steps):
+            x = ids[:, prompt_len + i: prompt_len + i + 1]
+            cache.add_tokens(host_ids[prompt_len + i: prompt_len + i + 1])
+            with SyncCounter(where=where) as c:
+                model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            now = events(cache)
+            out.append((c.total, now - before, c.ops, c.sites))
+            before = now
+    return out
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from hydra.utils import instantiate
+
+    from luka_bench.models import TinyRandomModel
+    p = argparse.ArgumentParser(description="syncs per steady-state decode step, per method (tiny random model)")
+    p.add_argument("--methods", default="full,streaming_llm,h2o,luka_lined,snapkv,luka_clustered,luka_mixed,"
+                   "h2o_outer,entropy_ols,lychee,laser_kv")
+    p.add_argument("--arch", default="llama")
+    p.add_argument("--prompt", type=int, default=400)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--where", action="store_true", help="print the source line of every sync")
+    a = p.parse_args(argv)
+    lm = TinyRandomModel(name="tiny", arch=a.arch, num_hidden_layers=4, device=a.device, dtype=a.dtype).load()
+    for name in a.methods.split(","):
+        method = instantiate(sync_method_config(name), _convert_="all")
+        rows = decode_sync_counts(lm.model, method, a.prompt, a.steps, where=a.where, tokenizer=lm.tokenizer)
+        per_step = [r[0] for r in rows]
+        ev = [r[1] for r in rows]
+        with_ev = [s for s, e in zip(per_step, ev) if e]
+        without = [s for s, e in zip(per_step, ev) if not e]
+        print(f"{name:16s} syncs per step (n={len(rows)}): without an event max {max(without, default=0)}, "
+              f"steps with events {len(with_ev)} (events {sum(ev)}, syncs {sum(with_ev)}); per step: {per_step}")
+        if a.where:
+            sites = Counter()
+            for r in rows:
+                sites.update(r[3])
+            for s, n in sites.most_common():
+                print(f"    {n:5d}  {s}")
+    return 0
+
+
+def sync_method_config(name: str, overrides: dict | None = None):
+    """``conf/method/<name>.yaml`` scaled to a tiny model and a 400-token prompt so that every method reaches its
+    steady state within a few steps: LuKA's and lychee's tails/buffers/budgets shrunk, LASER-KV's block smaller."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    root = Path(__file__).resolve().parent.parent / "conf" / "method"
+    cfg = OmegaConf.create({"method": OmegaConf.load(root / f"{name}.yaml")})  # ${method.*} interpolations
+    small = {"luka_clustered": {"tail": 32, "compress_every": 8},
+             "lychee": {"token_budget": 96, "buffer": 16, "sink": 4, "full_layers": 1},
+             "laser_kv": {"block_size": 128},
+             "luka_mixed": {"default": {"tail": 32, "compress_every": 8}},
+             "luka_lined": {"min_recent": 16},
+             "snapkv": {"window": 16},
+             "entropy_ols": {"bin_size": 8, "rank": 2}}
+    if name in small:
+        cfg = OmegaConf.merge(cfg, {"method": small[name]})
+    if overrides:
+        cfg = OmegaConf.merge(cfg, {"method": overrides})
+    if name in ("luka_mixed", "h2o_outer"):
+        cfg.method.rules[0].layers = "first:1,last:1"
+    if name == "luka_mixed":
+        cfg.method.rules[0].method.min_recent = 16
+    OmegaConf.resolve(cfg)
+    return cfg.method
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

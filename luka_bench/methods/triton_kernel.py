@@ -1,0 +1,177 @@
+"""The GPU kernel behind ``base._blocked_attention`` on CUDA (Triton): exact causal attention of a long query
+chunk (a prefill) plus the column masses — and, if asked, each query's entropy — that the mass-reading methods
+(H2O / LuKA lined, LuKA clustered's attention-weighted compressor, entropy_ols) need, without ever holding a
+block of logits larger than one tile: on CUDA these prefills otherwise take ``_explicit_attention``, fp32
+softmax chunks of 256 queries x N keys (about 1 GiB of logits per chunk at 32K for Qwen3-4B).
+
+Two passes, flash-attention style:
+
+1. ``_fwd`` — per (query head, block of ``BM`` queries): an online softmax over key blocks of ``BN`` (running row
+   max m, normaliser l, output accumulator; the tile's logits in fp32, the value product in the input dtype with
+   fp32 accumulation), then out = acc / l, the row log-sum-exp LSE = m + log l and, with ``ENTROPY``, the Shannon
+   entropy H = LSE - (sum_j e^(s_j - m) s_j) / l (the sum rescaled with l), in nats.
+2. ``_mass`` — per (KV head, block of ``BN`` keys): the logits of every query of the KV group that may see the
+   block are recomputed and p_ij = exp(s_ij - LSE_i) summed over the queries and the group's query heads (GQA:
+   masses per KV head, as ``attention_with_mass`` defines them). No atomics: each program owns its keys.
+
+Causality with an arbitrary prefix: query i of the chunk is held token ``past + i`` and sees keys 0..past + i.
+Inputs: scaled queries [B*Hkv, g, Lq, D], keys [B*Hkv, N, D], values [B*Hkv, N, Dv] (any row stride: views of
+the store's storage); fp32, bf16 or fp16. fp32 products run in IEEE fp32 (not TF32).
+
+``tests/test_triton_kernel.py`` checks it against float64 in Triton's CPU interpreter (``TRITON_INTERPRET=1`` set
+before Triton is imported: ``tests/conftest.py`` does so unless ``LUKA_TEST_DEVICE=cuda``, where it is compiled
+for real). ``LUKA_BENCH_NO_KERNEL=1`` turns it off (the explicit path then runs, as it does where Triton is not
+installed)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import cpu_kernel
+
+try:  # module globals: the interpreter patches ``tl`` in the kernels' globals
+    import triton
+    import triton.language as tl
+except Exception:  # not installed (a CPU install without the test extras): the explicit path runs
+    triton = tl = None
+
+BM, BN = 64, 64  # query and key tile sizes
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel runs for tensors on ``device``: CUDA, Triton installed, not disabled."""
+    return device.type == "cuda" and not cpu_kernel.disabled() and triton is not None
+
+
+# The kernels, as plain functions: ``_kernels`` decorates them (for the GPU or the interpreter).
+
+def _fwd(Q, K, V, O, LSE, ENT, Lq, N, past, G,
+         sq_h, sq_m, sk_h, sk_n, sv_h, sv_n, so_h, so_m,
+         D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+         BM: tl.constexpr, BN: tl.constexpr, ENTROPY: tl.constexpr, PREC: tl.constexpr, DOT32: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_h = tl.program_id(1)  # query head: (batch x KV head) * G + group member
+    bh = pid_h // G
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    offs_dv = tl.arange(0, BDV)
+    row_ok = offs_m < Lq
+    q = tl.load(Q + pid_h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    if DOT32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    t_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BDV], tl.float32)
+    hi = tl.minimum(N, past + (pid_m + 1) * BM)  # keys the block's last query may see
+    for start in range(0, hi, BN):
+        offs_n = start + tl.arange(0, BN)
+        k = tl.load(K + bh * sk_h + offs_n[:, None] * sk_n + offs_d[None, :],
+                    mask=(offs_n[:, None] < N) & (offs_d[None, :] < D), other=0.0)
+        if DOT32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BM, BN] fp32 (queries are pre-scaled)
+        vis = (offs_n[None, :] <= past + offs_m[:, None]) & (offs_n[None, :] < N)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every query
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if ENTROPY:  # p = 0 where the key is hidden (s = -inf): its term is 0, not 0 * -inf
+            t_i = t_i * alpha + tl.sum(p * tl.where(vis, s, 0.0), 1)
+        v = tl.load(V + bh * sv_h + offs_n[:, None] * sv_n + offs_dv[None, :],
+                    mask=(offs_n[:, None] < N) & (offs_dv[None, :] < DV), other=0.0)
+        if DOT32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision=PREC)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(O + pid_h * so_h + offs_m[:, None] * so_m + offs_dv[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    lse = m_i + tl.log(l_i)
+    tl.store(LSE + pid_h * Lq + offs_m, lse, mask=row_ok)
+    if ENTROPY:
+        tl.store(ENT + pid_h * Lq + offs_m, lse - t_i / l_i, mask=row_ok)
+
+def _mass(Q, K, LSE, MASS, Lq, N, past, G,
+          sq_h, sq_m, sk_h, sk_n,
+          D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+          DOT32: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)  # (batch x KV head)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, BD)
+    key_ok = offs_n < N
+    k = tl.load(K + bh * sk_h + offs_n[:, None] * sk_n + offs_d[None, :],
+                mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    if DOT32:
+        k = k.to(tl.float32)
+    mass = tl.zeros([BN], tl.float32)
+    first = tl.maximum(pid_n * BN - past, 0)  # the first query that sees a key of this block
+    lo = (first // BM) * BM
+    for gi in range(0, G):
+        h = bh * G + gi
+        for start in range(lo, Lq, BM):
+            offs_m = start + tl.arange(0, BM)
+            row_ok = offs_m < Lq
+            q = tl.load(Q + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :],
+                        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+            if DOT32:
+                q = q.to(tl.float32)
+            lse = tl.load(LSE + h * Lq + offs_m, mask=row_ok, other=float("inf"))
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)
+            vis = (offs_n[None, :] <= past + offs_m[:, None]) & row_ok[:, None] & key_ok[None, :]
+            p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
+            mass += tl.sum(p, 0)
+    tl.store(MASS + bh * N + offs_n, mass, mask=key_ok)
+
+
+@functools.cache
+def _kernels():
+    """(forward kernel, mass kernel): compiled for the GPU, or — when ``TRITON_INTERPRET=1`` was set before
+    Triton was imported (Triton's own functions are built then) — run by Triton's CPU interpreter."""
+    return triton.jit(_fwd), triton.jit(_mass)
+
+
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
+    return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+def _pow2(x: int) -> int:
+    return max(16, 1 << (int(x) - 1).bit_length())  # tl.arange needs a power of 2; tl.dot at least 16
+
+
+def attention_mass(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, entropy: bool = False):
+    """qs [BH, g, Lq, D] scaled queries (query i is held token past + i), k [BH, N, D], v [BH, N, Dv]. Returns
+    (out [BH, g, Lq, Dv] in v's dtype, mass [BH, N] float32 summed over the group's heads and the queries,
+    entropy [BH, g, Lq] float32 in nats, or None)."""
+    bh, g, lq, d = qs.shape
+    n, dv = k.shape[1], v.shape[-1]
+    qs = qs.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    dev = qs.device
+    out = torch.empty(bh, g, lq, dv, dtype=v.dtype, device=dev)
+    lse = torch.empty(bh, g, lq, dtype=torch.float32, device=dev)
+    ent = torch.empty(bh, g, lq, dtype=torch.float32, device=dev) if entropy else lse
+    mass = torch.empty(bh, n, dtype=torch.float32, device=dev)
+    fwd, mass_k = _kernels()
+    prec = "ieee" if qs.dtype == torch.float32 else "tf32"
+    # the interpreter's dot mishandles bfloat16 (numpy has none): there the operands (already rounded to the
+    # input dtype) are multiplied in fp32; compiled, they are bf16 tensor-core products with fp32 accumulation
+    dot32 = interpreted() and qs.dtype == torch.bfloat16
+    bd, bdv = _pow2(d), _pow2(dv)
+    fwd[(triton.cdiv(lq, BM), bh * g)](
+        qs, k, v, out, lse, ent, lq, n, past, g,
+        lq * d, d, k.stride(0), k.stride(1), v.stride(0), v.stride(1), lq * dv, dv,
+        D=d, DV=dv, BD=bd, BDV=bdv, BM=BM, BN=BN, ENTROPY=entropy, PREC=prec, DOT32=dot32)
+    mass_k[(triton.cdiv(n, BN), bh)](
+        qs, k, lse, mass, lq, n, past, g, lq * d, d, k.stride(0), k.stride(1),
+        D=d, BD=bd, BM=BM, BN=BN, PREC=prec, DOT32=dot32)
+    return out, mass, ent if entropy else None
