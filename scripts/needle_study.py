@@ -214,6 +214,7 @@ def study(args) -> None:
                           flush=True)
             oracles = [(f"oracle_topk@{m}", read[m]) for m in ORACLE_FOR if m in read and read[m]
                        and (i, f"oracle_topk@{m}") not in done]
+            oracles += [(f"oracle_topk k={k}", k) for k in args.oracle_k if (i, f"oracle_topk k={k}") not in done]
             if oracles and not args.no_oracle:
                 from luka_bench.methods.hf import attach
                 from luka_bench.methods.oracle_topk import OracleTopK
@@ -240,11 +241,12 @@ def table(folder: str) -> str:
     df = pd.DataFrame(recs)
     full = set(df[df.method == "full"].prompt)
     # only prompts every method finished (a table over whole prompts)
-    per = df.groupby("method").prompt.apply(set)
-    common = set.intersection(*per.values) if len(per) else set()
+    per = df[~df.method.str.startswith("oracle_topk k=")].groupby("method").prompt.apply(set)
+    common = set.intersection(*per.values) if len(per) else set()  # the fixed-k oracle sweep may cover fewer
     df = df[df.prompt.isin(common)]
     rows = []
-    order = METHODS + [f"oracle_topk@{m}" for m in ORACLE_FOR]
+    fixed = sorted({m for m in df.method if m.startswith("oracle_topk k=")}, key=lambda m: int(m.split("=")[1]))
+    order = METHODS + [f"oracle_topk@{m}" for m in ORACLE_FOR] + fixed
     for m in [m for m in order if m in set(df.method)]:
         d = df[df.method == m]
         n = len(d)
@@ -275,6 +277,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--methods", default=None, help="comma-separated labels (default: all)")
     ap.add_argument("--no-oracle", action="store_true")
+    ap.add_argument("--oracle-k", type=lambda x: [int(v) for v in x.split(",") if v], default=[],
+                    help="also the oracle at these fixed token budgets, e.g. 16,64,128")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="results/needle_study")
     ap.add_argument("--table", default=None, help="print the table of a study folder and exit")

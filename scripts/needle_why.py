@@ -84,6 +84,10 @@ class Why:
                 self.rows.append({"layer": layer, "rank_score": int(rank_of(score[0, h], pages)),
                                   "rank_true": int(rank_of(true[0, h], pages)), "pages": P,
                                   "refined": int(rank_of(score[0, h], pages)) < m.refine.k,
+                                  "page0_refined": bool((torch.topk(score[0, h], min(m.refine.k, P)).indices == 0).any()),
+                                  "refined_true_mass": float(true[0, h].gather(
+                                      0, torch.topk(score[0, h], min(m.refine.k, P)).indices).sum() / g),
+                                  "best3_true_mass": float(torch.topk(true[0, h], min(3, P)).values.sum() / g),
                                   "true_top3": int(rank_of(true[0, h], pages)) < 3,
                                   "needle_page_true_mass": float(true[0, h, pages].sum() / g),
                                   "summary_logit": float(summ[0, h].max(-1).values.mean()),
@@ -165,6 +169,7 @@ def main() -> None:
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=3700)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", default=None, help="write every measured row here (JSON)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from hydra.utils import instantiate
@@ -248,7 +253,12 @@ def _h2o(P, method, cap, pr) -> dict:
 
 
 def report(acc, args) -> None:
+    import json
+
     import pandas as pd
+
+    if args.rows:
+        Path(args.rows).write_text(json.dumps(acc))
 
     print(f"# needle_why: prompts {args.start}..{args.start + args.prompts - 1} of scripts/needle_study.py "
           f"(~{args.tokens} tokens), open loop (full attention's queries)\n")
@@ -262,6 +272,11 @@ def report(acc, args) -> None:
         print(f"- needle page's true mass (mean over group heads): {d.needle_page_true_mass.mean():.3f}")
         print(f"- logits: summary key {d.summary_logit.mean():.2f}, raw max {d.raw_max_logit.mean():.2f}, raw "
               f"log-mean-exp {d.raw_lme_logit.mean():.2f}\n")
+        t3 = d[d.true_top3]
+        print(f"- when the needle page is in the true top-3 (n = {len(t3)} rows): refined {t3.refined.mean():.3f}; "
+              f"page 0 (the first tokens: attention sinks, sink=0) among the refined: {d.page0_refined.mean():.3f}")
+        print(f"- true mass of the 3 refined pages {d.refined_true_mass.mean():.3f} vs the best 3 pages "
+              f"{d.best3_true_mass.mean():.3f} (mean over group heads)\n")
         g = d.groupby("layer")[["refined", "true_top3", "needle_page_true_mass"]].mean()
         print(g.round(3).T.to_markdown() + "\n")
     if acc["lychee"]:
@@ -275,6 +290,11 @@ def report(acc, args) -> None:
         print(f"- needle chunk in the true top-10 chunks: {(d.chunk_rank_true < 10).mean():.3f}; its cluster in the "
               f"top-{d.clusters_kept.mean():.0f} by UB: {(d.cluster_rank_ub < d.clusters_kept).mean():.3f}, by q.mu: "
               f"{(d.cluster_rank_qmu < d.clusters_kept).mean():.3f}\n")
+        t10 = d[d.chunk_rank_true < 10]
+        print(f"- when the needle chunk is in the true top-10 chunks (n = {len(t10)} rows): retrieved "
+              f"{t10.retrieved.mean():.3f}, unit kept {t10.unit_kept.mean():.3f}, its cluster in the kept count by UB "
+              f"{(t10.cluster_rank_ub < t10.clusters_kept).mean():.3f}, by q.mu "
+              f"{(t10.cluster_rank_qmu < t10.clusters_kept).mean():.3f}\n")
         g = d.groupby("layer")[["retrieved", "unit_kept"]].mean()
         print(g.round(3).T.to_markdown() + "\n")
     if acc["snap"]:
