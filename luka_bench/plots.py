@@ -223,9 +223,9 @@ def plot_latency(df: pd.DataFrame, order: dict[str, list[str]] | None = None):
     ns = pd.to_numeric(done.get("tpot_s_n", pd.Series(dtype=float)), errors="coerce").dropna()
     n = f"n = {int(ns.min())}-{int(ns.max())} items per bar" if len(ns) and ns.min() != ns.max() else \
         (f"n = {int(ns.iloc[0])} items per bar" if len(ns) else "n = n_examples of each run")
-    _footnote(fig, [f"{n}; timed inside these runs, on a machine that may have been shared: not a speed "
-                    "comparison; for that use scripts/bench_decode.py (docs: speed)"])
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    _footnote(fig, [f"{n}; timed inside these runs, on a machine that may have been shared:",
+                    "not a speed comparison; for that use scripts/bench_decode.py (docs: speed)"])
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
     return fig
 
 
