@@ -61,9 +61,10 @@ def _cell(done: pd.DataFrame, col: str) -> tuple[float, float, float]:
     n = pd.to_numeric(done[f"{col}_n"], errors="coerce") if f"{col}_n" in done.columns else se * float("nan")
     if not y.notna().any():
         return float("nan"), float("nan"), float("nan")
-    k = int(y.notna().sum())
-    e = float((se[y.notna()] ** 2).sum(min_count=k) ** 0.5 / k)
-    return float(y.mean()), e, float(n[y.notna()].sum(min_count=k))
+    from luka_bench.tables import _se_of_mean
+
+    has = y.notna()
+    return float(y.mean()), _se_of_mean(se[has]), float(n[has].sum(min_count=int(has.sum())))
 
 
 def _value_label(y: float, se: float) -> str:
