@@ -370,7 +370,9 @@ def prompts(lm, task, steps: int, questions: int) -> list[Prompt]:
         for ex in task.examples():
             ctx, chunks = None, []
             for q in ex.questions[: max(1, questions)]:
-                c, qi = qa_prompt_ids(lm.tokenizer, lm.chat_template, task.context_block(ex), task.question_block(q))
+                prefix = task.answer_prefix(q) if hasattr(task, "answer_prefix") else ""  # as the runner: RULER's
+                c, qi = qa_prompt_ids(lm.tokenizer, lm.chat_template, task.context_block(ex), task.question_block(q),
+                                      prefix)
                 ctx = ctx or c
                 chunks.append(qi)
             need = len(ctx) + max(len(c) for c in chunks) + steps

@@ -111,6 +111,17 @@ def build_prompt(tok, essays: str, i: int, tokens: int) -> dict:
             "digits": digits, "meta": {"needle_span": (cut, cut + len(needle))}}
 
 
+def code_version() -> str:
+    """The git commit of the checkout (records made under different code stay apart)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
 def needle_summary(obs, pr: dict, layers: int) -> dict:
     """Means over steps, layers and KV heads of the needle metrics; per layer the needle recall."""
     from luka_bench.probe import frame
@@ -184,7 +195,8 @@ def study(args) -> None:
         read = {}
         with path.open("a") as f:
             for group, ov, variants in GROUPS:
-                todo = [(lab, st) for lab, st in variants if (only is None or lab in only) and (i, lab) not in done]
+                todo = [(lab, st) for lab, st in variants
+                        if (only is None or lab in only) and (i, lab + args.suffix) not in done]
                 if not todo:
                     continue
                 method = instantiate(compose(ov).method)
@@ -205,8 +217,9 @@ def study(args) -> None:
                             obj = getattr(obj, u)
                         setattr(obj, last, v)
                     rec, _ = run_one(lm, method, pr, eos, args.max_new, cache=None if base is None else base.clone())
-                    rec["method"] = label
+                    rec["method"] = label + args.suffix
                     read[label] = rec["tokens_read"]
+                    rec["code"] = code_version()
                     f.write(json.dumps(rec) + "\n")
                     f.flush()
                     print(f"[{i}] {label}: {rec['answer']!r} correct={rec['correct']} read={rec['tokens_read']:.0f} "
@@ -238,15 +251,21 @@ def table(folder: str) -> str:
     import pandas as pd
 
     recs = [json.loads(line) for line in (Path(folder) / "records.jsonl").read_text().splitlines()]
+    for r in recs:  # lychee changed on main during the study (issue 25's fill rule): records stamped with a
+        # commit (made after the merge) are kept apart from the earlier ones
+        if r.get("code") and r["method"].startswith("lychee") and not r["method"].endswith(")"):
+            r["method"] += " (main)"
     df = pd.DataFrame(recs)
     full = set(df[df.method == "full"].prompt)
     # only prompts every method finished (a table over whole prompts)
-    per = df[~df.method.str.startswith("oracle_topk k=")].groupby("method").prompt.apply(set)
+    core = ~df.method.str.startswith("oracle_topk k=") & ~df.method.str.endswith(")")  # sweeps/reruns may cover fewer
+    per = df[core].groupby("method").prompt.apply(set)
     common = set.intersection(*per.values) if len(per) else set()  # the fixed-k oracle sweep may cover fewer
     df = df[df.prompt.isin(common)]
     rows = []
     fixed = sorted({m for m in df.method if m.startswith("oracle_topk k=")}, key=lambda m: int(m.split("=")[1]))
-    order = METHODS + [f"oracle_topk@{m}" for m in ORACLE_FOR] + fixed
+    extra = sorted(m for m in set(df.method) if m not in METHODS and not m.startswith("oracle_topk"))
+    order = METHODS + extra + [f"oracle_topk@{m}" for m in ORACLE_FOR] + fixed
     for m in [m for m in order if m in set(df.method)]:
         d = df[df.method == m]
         n = len(d)
@@ -277,6 +296,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--methods", default=None, help="comma-separated labels (default: all)")
     ap.add_argument("--no-oracle", action="store_true")
+    ap.add_argument("--suffix", default="", help="appended to the method labels of this run (e.g. ' (main)')")
     ap.add_argument("--oracle-k", type=lambda x: [int(v) for v in x.split(",") if v], default=[],
                     help="also the oracle at these fixed token budgets, e.g. 16,64,128")
     ap.add_argument("--threads", type=int, default=1)

@@ -114,15 +114,21 @@ class Why:
             cm = torch.zeros(b, hkv, M).scatter_add_(2, torch.bucketize(torch.arange(int(starts[0]), int(starts[M])),
                                                                         starts[1:], right=True).expand(b, hkv, -1),
                                                      w[..., int(starts[0]): int(starts[M])])
+            if "chunk_sel" in last:  # lychee before main's gather rewrite
+                chunk_sel, kept = last["chunk_sel"], last["sel_c"]
+            else:  # the chosen chunk ids and their validity; the clusters they came from
+                chunk_sel = torch.zeros(b, hkv, M, dtype=torch.long).scatter_reduce(
+                    2, last["cid"].clamp_max(M - 1), last["cvalid"].long(), "amax", include_self=True).bool()
+                kept = pol.chosen_clusters()
             for h in range(hkv):
                 a = pol.assign[0, h, cids]
-                self.rows.append({"layer": layer, "retrieved": bool(last["chunk_sel"][0, h, cids].any()),
+                self.rows.append({"layer": layer, "retrieved": bool(chunk_sel[0, h, cids].any()),
                                   "unit_kept": bool(last["sel_g"][0, h, pol.parent[0, h, a]].any()),
                                   "cluster_rank_ub": int(rank_of(ub[0, h], a)),
                                   "cluster_rank_qmu": int(rank_of(qmu[0, h], a)),
                                   "clusters": int(live[0, h].sum()), "chunks": M,
                                   "chunk_rank_true": int(rank_of(cm[0, h], cids)),
-                                  "clusters_kept": int(last["sel_c"][0, h].sum())})
+                                  "clusters_kept": int(kept[0, h].sum())})
 
 
 def snapkv_digits(cap, digits: list[int], needle: list[int], budget: float = 0.125) -> list[dict]:

@@ -237,3 +237,27 @@ def test_needle_metrics_closed_loop_and_plot(lm, tmp_path):
     assert summary.loc["full", "needle_recall"] == 1.0 and summary.loc["streaming_llm", "needle_recall"] == 0.0
     assert (tmp_path / "probe_needle_by_layer.png").exists()
     assert full["needle_mass"].gt(0).all()
+
+
+def test_probe_on_niah_gives_needle_metrics(tmp_path):
+    """data=niah items carry meta needle_span: the probe finds the needle's tokens, the question chunk ends with
+    the answer prefix as in a run, and the command writes the needle columns and plot."""
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        ov = ["model=tiny_llama", "data=niah", "data.limit=1", "data.lengths=[800]", "data.depths=[50]"]
+        cfg = hcompose(config_name="probe", overrides=ov + [
+            "probe.steps=2", "probe.plot=true", f"probe.cache_dir={tmp_path / 'cache'}",
+            "probe.methods=[full,\"streaming_llm budget=0.25\"]"])
+        with open_dict(cfg):
+            cfg.model_name, cfg.data_name = "tiny_llama", "niah"
+        task = instantiate(cfg.data)
+        lm = instantiate(cfg.model).load()
+        (pr,) = P.prompts(lm, task, 2, 1)
+        (ex,) = task.examples()
+        q = ex.questions[0]
+        assert lm.tokenizer.decode([pr.context[j] for j in pr.needle]).strip() == \
+            ex.context[q.meta["needle_span"][0]: q.meta["needle_span"][1]].strip()
+        assert lm.tokenizer.decode(pr.chunks[0]).endswith(task.answer_prefix(q))
+        s = P.probe(cfg, tmp_path / "out", ov)
+        assert s.loc["full", "needle_recall"] == 1.0 and s.loc["streaming_llm budget=0.25", "needle_recall"] == 0.0
+        assert (tmp_path / "out" / "probe_needle_by_layer.png").exists()
+        assert "needle read" in (tmp_path / "out" / "probe_summary.md").read_text()
