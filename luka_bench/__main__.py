@@ -4,25 +4,32 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from luka_bench.errors import CONF_DIR, GROUPS, check_group_overrides, check_output_dirs
+from luka_bench.errors import CONF_DIR, GROUPS, check_group_keys, check_group_overrides, check_output_dirs
 
 
 def _drop_empty_run_folder(run_dir: str) -> None:
     """Bad input leaves no trace: Hydra makes the run folder (and its empty job log) before the run starts;
-    when that is all the folder holds, it goes again."""
-    folder = Path(run_dir)
+    when that is all the folder holds, it goes again, with the empty folders above it that Hydra made on the way
+    (``results/runs/``), up to the current folder."""
+    folder = Path(run_dir).absolute()
     try:
         files = list(folder.iterdir())
         if all(p.name == "luka_bench.log" and p.is_file() and p.stat().st_size == 0 for p in files):
             for p in files:
                 p.unlink()
             folder.rmdir()
+            cwd = Path.cwd().absolute()
+            for parent in folder.parents:
+                if parent == cwd or cwd not in parent.parents or any(parent.iterdir()):
+                    break
+                parent.rmdir()
     except OSError:
         pass
 
 
 def main() -> None:
-    msg = check_group_overrides(sys.argv[1:]) or check_output_dirs(sys.argv[1:])
+    argv = sys.argv[1:]
+    msg = check_group_overrides(argv) or check_group_keys(argv) or check_output_dirs(argv)
     if msg:
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)
@@ -30,6 +37,10 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig, open_dict
+
+    from luka_bench.results import register_resolvers
+
+    register_resolvers()
 
     @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
     def _app(cfg: DictConfig) -> dict:
@@ -42,6 +53,14 @@ def main() -> None:
                 cfg[f"{g}_name"] = hc.runtime.choices.get(g)
         try:
             return run(cfg, hc.runtime.output_dir)
+        except KeyboardInterrupt as e:  # Ctrl-C: one line, the shell's exit status for SIGINT
+            from luka_bench.errors import RunInterrupted
+
+            if not isinstance(e, RunInterrupted):  # before the first item: nothing was saved
+                _drop_empty_run_folder(hc.runtime.output_dir)
+                e = f"interrupted before any item was saved ({hc.runtime.output_dir})"
+            print(f"\n{e}", file=sys.stderr)
+            sys.exit(130)
         except Exception as e:  # noqa: BLE001 - turn known bad input into one line, re-raise the rest
             inner = unwrap(e)
             if isinstance(inner, one_line_errors()):

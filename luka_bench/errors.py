@@ -18,6 +18,10 @@ class PromptTooLong(ValueError):
     """A prompt does not fit the model's context. One line."""
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run; the message is the one line the command line prints (items saved, how to resume)."""
+
+
 class RunConfigError(ValueError):
     """A bad top-level setting (``seed``, ``threads``, ``max_new_tokens``, ...) or an output folder that cannot
     be written. One line."""
@@ -124,4 +128,72 @@ def check_output_dirs(argv: list[str]) -> str | None:
             problem = writable_dir_problem(value)
             if problem is not None:
                 return f"{key}={value} cannot be written: {problem}; pick a folder you can write to"
+    return None
+
+
+def _group_choices(argv: list[str]) -> dict[str, list[str]] | None:
+    """The config chosen for each group by the command line (comma lists: each), else conf/config.yaml's
+    default; None when an experiment is given (it may choose the groups itself)."""
+    import yaml
+
+    defaults = yaml.safe_load((CONF_DIR / "config.yaml").read_text(encoding="utf-8")).get("defaults", [])
+    chosen = {g: [v] for d in defaults if isinstance(d, dict) for g, v in d.items() if g in GROUPS}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or arg.startswith("-"):
+            continue
+        key = key.lstrip("+~")
+        if key == "experiment":
+            return None
+        if key in GROUPS:
+            if value.startswith(("glob(", "choice(", "range(")):
+                return None
+            chosen[key] = [v.strip() for v in value.split(",") if v.strip()]
+    return chosen
+
+
+def _settings_of(group: str, name: str) -> tuple[list[str], list[str]]:
+    """(keys of conf/<group>/<name>.yaml, settings of its ``_target_`` class: dataclass fields, or those keys)."""
+    import dataclasses
+
+    import yaml
+
+    cfg = yaml.safe_load((CONF_DIR / group / f"{name}.yaml").read_text(encoding="utf-8")) or {}
+    keys = [k for k in cfg if k != "_target_"]
+    try:
+        from hydra.utils import get_class
+
+        cls = get_class(cfg["_target_"])
+        fields = [f.name for f in dataclasses.fields(cls) if f.init] if dataclasses.is_dataclass(cls) else keys
+    except Exception:  # noqa: BLE001 - the keys of the file still name the settings
+        fields = keys
+    return keys, fields
+
+
+def check_group_keys(argv: list[str]) -> str | None:
+    """One-line message for ``method.foo=1`` (no ``+``) where the chosen method's config has no key ``foo``,
+    else None. Hydra's own message for this is a multi-line struct error; the ``+method.foo=1`` form fails in
+    ``run._build`` with the same line as this one."""
+    chosen = None
+    for arg in argv:
+        key, sep, _ = arg.partition("=")
+        if not sep or arg.startswith(("-", "+", "~")) or "." not in key:
+            continue
+        group, sub = key.split(".", 1)
+        if group not in GROUPS:
+            continue
+        chosen = chosen if chosen is not None else _group_choices(argv)
+        if chosen is None:
+            return None
+        for name in chosen.get(group, []):
+            if name not in group_options(group):
+                continue  # an unknown name: check_group_overrides says so
+            keys, fields = _settings_of(group, name)
+            top = sub.split(".", 1)[0]
+            if top in keys:
+                continue
+            if top in fields:
+                return (f"{group}.{top} is not in conf/{group}/{name}.yaml; add it with a plus: +{arg} "
+                        f"(settings of {group}={name}: {', '.join(fields)})")
+            return f"{group}.{top} is not a setting of {group}={name}; allowed: {', '.join(fields)}"
     return None

@@ -173,3 +173,90 @@ def qa_summary(records: list[dict]) -> dict:
 def ppl_summary(records: list[dict]) -> dict:
     return {"perplexity": perplexity([r["nll_sum"] for r in records], [r["n_tokens"] for r in records]),
             "n_tokens": sum(r["n_tokens"] for r in records)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Uncertainty: standard errors clustered by example, paired differences (the report's ± SE and n)
+# ---------------------------------------------------------------------------------------------------------------
+
+def cluster_of(record: dict) -> str:
+    """The cluster an item belongs to: its example (questions that share a context are not independent draws:
+    WikiSalad asks several questions of one context), else the item itself."""
+    return str(record.get("example_id", record.get("item_id")))
+
+
+def mean_se(values: list[float], clusters: list[str] | None = None) -> dict:
+    """Mean of per-item ``values`` with its standard error clustered by ``clusters`` (the cluster-robust
+    "sandwich" estimate with the G/(G-1) small-sample factor: SE^2 = G/(G-1) * sum_g (sum_{i in g} (x_i -
+    mean))^2 / n^2). With one item per cluster it is the usual s/sqrt(n). ``se`` is NaN with fewer than two
+    clusters. Returns {mean, se, n (items), clusters}."""
+    import math
+
+    n = len(values)
+    if n == 0:
+        return {"mean": None, "se": None, "n": 0, "clusters": 0}
+    clusters = clusters if clusters is not None else [str(i) for i in range(n)]
+    m = sum(values) / n
+    sums: dict[str, float] = {}
+    for v, c in zip(values, clusters):
+        sums[c] = sums.get(c, 0.0) + (v - m)
+    g = len(sums)
+    se = math.sqrt(g / (g - 1) * sum(s * s for s in sums.values())) / n if g > 1 else float("nan")
+    if se < 1e-12 * max(1.0, abs(m)):  # clusters with equal means: 0, not rounding noise (4e-17)
+        se = 0.0
+    return {"mean": m, "se": se, "n": n, "clusters": g}
+
+
+def perplexity_se(records: list[dict]) -> dict:
+    """Corpus perplexity exp(sum NLL / sum tokens) with a standard error by the delta method over documents
+    (the ratio estimator's linearisation, documents as clusters): SE(ppl) = ppl * SE(mean NLL per token)."""
+    import math
+
+    nll = [float(r["nll_sum"]) for r in records]
+    tok = [int(r["n_tokens"]) for r in records]
+    g, total = len(records), sum(tok)
+    if not g or total <= 0:
+        return {"mean": None, "se": None, "n": 0, "clusters": 0}
+    rate = sum(nll) / total
+    if g > 1:
+        var = g / (g - 1) * sum((a - rate * b) ** 2 for a, b in zip(nll, tok)) / total ** 2
+        se = math.exp(rate) * math.sqrt(var)
+    else:
+        se = float("nan")
+    return {"mean": math.exp(rate), "se": se, "n": g, "clusters": g}
+
+
+# Per-item fields that get a standard error besides the item scores (QA) and perplexity (teacher forcing).
+_TIMED = ("ttft_s", "tpot_s")
+
+
+def item_uncertainty(records: list[dict]) -> dict[str, dict]:
+    """{metric: {mean, se, n, clusters}} of a run's prediction records: every per-item score (``em``,
+    ``em_lenient``, ``f1``, ``accuracy`` ...) and ``ttft_s`` / ``tpot_s``, SE clustered by example; for perplexity
+    runs ``perplexity`` by documents (``perplexity_se``)."""
+    out: dict[str, dict] = {}
+    if records and all("nll_sum" in r and "n_tokens" in r for r in records):
+        out["perplexity"] = perplexity_se(records)
+    keys = sorted({k for r in records for k, v in (r.get("scores") or {}).items() if isinstance(v, (int, float))})
+    for k in [*keys, *_TIMED]:
+        rows = [r for r in records if isinstance((r.get("scores") or {}).get(k, r.get(k)), (int, float))]
+        if rows:  # timings: the items that have one (an answer of one token has no time per output token)
+            vals = [float((r.get("scores") or {}).get(k, r.get(k))) for r in rows]
+            out[k] = mean_se(vals, [cluster_of(r) for r in rows])
+    return out
+
+
+def paired_difference(records: list[dict], reference: list[dict], metric: str) -> dict:
+    """Mean of ``metric`` minus the reference's on the items both hold (same ``item_id``), with its SE clustered
+    by example: a paired comparison, so the items' own difficulty cancels. {mean, se, n, clusters}; for
+    perplexity runs the per-document difference of NLL per token (log perplexity)."""
+    def value(r: dict) -> float | None:
+        if metric == "perplexity" and "nll_sum" in r:
+            return float(r["nll_sum"]) / max(1, int(r["n_tokens"]))
+        v = (r.get("scores") or {}).get(metric, r.get(metric))
+        return float(v) if isinstance(v, (int, float)) else None
+
+    ref = {r["item_id"]: value(r) for r in reference}
+    pairs = [(value(r) - ref[r["item_id"]], cluster_of(r)) for r in records
+             if r.get("item_id") in ref and ref[r["item_id"]] is not None and value(r) is not None]
+    return mean_se([d for d, _ in pairs], [c for _, c in pairs])

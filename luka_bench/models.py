@@ -111,13 +111,29 @@ class HubModel(_Base):
     repo_id: str = ""
     revision: str | None = None
 
+    def check(self) -> None:
+        """Also: the model can be had (a local folder, the local hub cache, or a hub that answers within
+        seconds), so a machine without the hub fails at once, before the run folder is written."""
+        super().check()
+        from luka_bench.hub import unavailable
+
+        why = unavailable(self.repo_id)
+        if why is not None:
+            raise ModelUnavailable(f"model '{self.name}' ({self.repo_id}) cannot be loaded: {why}; on a machine "
+                                   f"with the hub run `huggingface-cli download {self.repo_id}` first, or use "
+                                   "model=smollm2_135m offline")
+
     def load(self) -> LoadedModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from luka_bench.hub import hub_problem
+
         t0 = time.perf_counter()
+        # cached but no hub: read the cache without asking the hub (transformers would retry for a minute)
+        local = Path(os.path.expanduser(self.repo_id)).is_dir() or hub_problem() is not None
         try:
-            tok = AutoTokenizer.from_pretrained(self.repo_id, revision=self.revision)
-            model = AutoModelForCausalLM.from_pretrained(self.repo_id, revision=self.revision,
+            tok = AutoTokenizer.from_pretrained(self.repo_id, revision=self.revision, local_files_only=local)
+            model = AutoModelForCausalLM.from_pretrained(self.repo_id, revision=self.revision, local_files_only=local,
                                                          dtype=resolve_dtype(self.dtype, resolve_device(self.device)))
         except OSError as e:
             raise ModelUnavailable(

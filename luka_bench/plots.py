@@ -48,34 +48,90 @@ def _variants(done: pd.DataFrame, order: dict[str, list[str]] | None) -> list[st
     return sorted(method, key=lambda v: (sort_key(method[v], ["method_name"], order), v))
 
 
-def plot_headline(df: pd.DataFrame, metric: str = HEADLINE, order: dict[str, list[str]] | None = None):
-    """Grouped bars: one group per dataset, one bar per variant (method + its differing settings)."""
+def _se_column(df: pd.DataFrame, col: str) -> pd.Series:
+    """The standard errors of ``col`` (``<col>_se`` of ``load_runs``), NaN where a run has none."""
+    se = f"{col}_se"
+    return pd.to_numeric(df[se], errors="coerce") if se in df.columns else pd.Series(float("nan"), index=df.index)
+
+
+def _cell(done: pd.DataFrame, col: str) -> tuple[float, float, float]:
+    """(mean, SE, items) of the runs in ``done``: one run's own; several runs' mean, sqrt(sum SE^2)/k, sum."""
+    y = pd.to_numeric(done[col], errors="coerce")
+    se = _se_column(done, col)
+    n = pd.to_numeric(done[f"{col}_n"], errors="coerce") if f"{col}_n" in done.columns else se * float("nan")
+    if not y.notna().any():
+        return float("nan"), float("nan"), float("nan")
+    from luka_bench.tables import _se_of_mean
+
+    has = y.notna()
+    return float(y.mean()), _se_of_mean(se[has]), float(n[has].sum(min_count=int(has.sum())))
+
+
+def _value_label(y: float, se: float) -> str:
+    """A bar's label at the precision its SE supports (``0.74±0.05``); a value without an SE at 3 digits."""
+    from luka_bench.tables import se_decimals
+
+    if isnull(se) or se == 0:
+        return f"{y:.3g}" + ("±0" if se == 0 else "")
+    d = se_decimals(se)
+    return f"{y:.{d}f}±{se:.{d}f}"
+
+
+def _footnote(fig, lines: list[str]) -> None:
+    if lines:
+        fig.text(0.01, 0.005, "\n".join(lines), fontsize=7, color="0.3", ha="left", va="bottom")
+
+
+def plot_headline(df: pd.DataFrame, metric: str = HEADLINE, order: dict[str, list[str]] | None = None,
+                  missing: int = 0):
+    """Bars with ± SE error bars: one panel per dataset (its own metric and y axis: perplexity ~30 and a score
+    in 0-1 never share one), one bar per variant with a result there (runs without results are left out and
+    counted in a footnote; ``missing.csv`` lists them). Each bar is labelled with its value at the precision
+    its SE supports; a bar of height 0 is drawn as a thick line at 0 with its label. One legend for the
+    figure, outside the panels."""
     plt = pyplot()
     done = complete(df)
     col = value_column(df, metric)
-    datasets = _datasets(done, order)
+    datasets = _datasets(done, order) or ["-"]
     variants = _variants(done, order)
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 + 0.45 * len(datasets) * max(len(variants), 1)), 3.6))
-    width = 0.8 / max(len(variants), 1)
-    for i, v in enumerate(variants):
-        ys = []
-        for d in datasets:
-            cell = pd.to_numeric(done[(done["variant"] == v) & (done["data_name"] == d)][col], errors="coerce")
-            ys.append(float(cell.mean()) if cell.notna().any() else float("nan"))
-        xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(datasets))]
-        bars = ax.bar(xs, ys, width=width, label=v)
-        ax.bar_label(bars, labels=[fmt_value(y) for y in ys], fontsize=7, padding=1)
-    heads = done.groupby("data_name")["headline"].first() if metric == HEADLINE else {}
-    ax.set_xticks(range(len(datasets)))
-    ax.set_xticklabels([f"{d}\n({heads[d]})" if metric == HEADLINE and d in heads else d for d in datasets])
-    ax.set_ylabel(_metric_name(df, metric))
-    ax.set_xlabel("dataset")
-    ax.set_title(f"{_metric_name(df, metric)} by method and dataset")
-    ax.legend(title="method", fontsize=8, title_fontsize=8, loc="best")
-    finite = [y for y in pd.to_numeric(done[col], errors="coerce").dropna()]
-    if finite and min(finite) >= 0:  # metrics >= 0: bars start at 0, room above for the labels
-        ax.set_ylim(0, max(finite) * 1.18 if max(finite) > 0 else 1.0)
-    fig.tight_layout()
+    colors = {v: f"C{i % 10}" for i, v in enumerate(variants)}
+    heads = done.groupby("data_name")["headline"].first() if "headline" in done.columns else {}
+    fig, axes = plt.subplots(1, len(datasets), figsize=(0.9 + sum(0.55 * len(variants) + 1.3 for _ in datasets),
+                                                        4.0), squeeze=False)
+    for ax, d in zip(axes[0], datasets):
+        sub = done[done["data_name"] == d] if d != "-" else done
+        cells = [(v, *_cell(sub[sub["variant"] == v], col)) for v in variants]
+        cells = [c for c in cells if not isnull(c[1])]  # no result here: no bar (listed as missing)
+        xs = list(range(len(cells)))
+        ys = [c[1] for c in cells]
+        es = [0.0 if isnull(c[2]) else c[2] for c in cells]
+        ax.bar(xs, ys, width=0.7, color=[colors[c[0]] for c in cells], yerr=es, capsize=3,
+               error_kw={"elinewidth": 1, "ecolor": "0.25"})
+        for x, (v, y, e, _) in zip(xs, cells):
+            if y == 0:  # a zero bar has no area: a thick line in its colour keeps it visible
+                ax.hlines(0, x - 0.35, x + 0.35, colors=colors[v], linewidth=3, zorder=3)
+        top = max([y + e for y, e in zip(ys, es)] + [0.0])
+        bottom = min([y - e for y, e in zip(ys, es)] + [0.0])
+        span = (top - bottom) or 1.0
+        for x, (v, y, e, _) in zip(xs, cells):  # vertical labels above each bar: never wider than the bar
+            ax.text(x, max(y, 0) + (0 if isnull(e) else e) + 0.02 * span, _value_label(y, e), rotation=90,
+                    ha="center", va="bottom", fontsize=7)
+        ax.set_ylim(min(bottom, 0) - (0.02 * span if bottom < 0 else 0), top + 0.45 * span)
+        ax.set_xlim(-0.7, max(len(xs), 3) - 0.3)  # a lone bar stays a bar, not a wall
+        ax.set_xticks(xs)
+        ax.set_xticklabels([""] * len(xs))
+        name = heads[d] if metric == HEADLINE and d in heads else _metric_name(sub, metric)
+        ax.set_title(f"{d}\n{name}", fontsize=9)
+        ax.set_ylabel(name)
+        ax.grid(axis="y", alpha=0.3)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[v]) for v in variants]
+    fig.legend(handles, variants, title="method", fontsize=8, title_fontsize=8, loc="upper left",
+               bbox_to_anchor=(1.0, 0.95))
+    notes = ["bars: mean; error bars: ± standard error (clustered by example for QA)"]
+    if missing:
+        notes.append(f"{missing} run(s) without results not shown (listed in missing.csv)")
+    _footnote(fig, notes)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
 
 
@@ -108,23 +164,29 @@ def plot_metric_vs(df: pd.DataFrame, x: str, metric: str = HEADLINE, hue: str = 
     col = value_column(df, metric)
     datasets = _datasets(done, order) or ["-"]
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.2 * len(datasets) + 1.2, 3.4), squeeze=False)
+    hues = sorted(done[hue].dropna().unique(), key=lambda h: (sort_key(str(h), [hue], order), str(h)))
     for ax, d in zip(axes[0], datasets):
         sub = done[done["data_name"] == d] if d != "-" else done
-        for h in sorted(sub[hue].dropna().unique(), key=lambda h: (sort_key(str(h), [hue], order), str(h))):
-            part = sub[sub[hue] == h][[x, col]].copy()
-            part[x] = pd.to_numeric(part[x], errors="coerce")
-            part[col] = pd.to_numeric(part[col], errors="coerce")
-            part = part.dropna().groupby(x, as_index=False)[col].mean().sort_values(x)
-            if part.empty:
+        for i, h in enumerate(hues):
+            part = sub[sub[hue] == h].copy()
+            part["_x"] = pd.to_numeric(part[x], errors="coerce")
+            pts = sorted((float(xv), *_cell(g, col)) for xv, g in part.dropna(subset=["_x"]).groupby("_x"))
+            pts = [p for p in pts if not isnull(p[1])]
+            if not pts:
                 continue
-            ax.plot(part[x], part[col], marker="o", label=str(h))
+            # shapes and shrinking sizes: lines that coincide (two methods with the same scores) both show
+            px, py = [p[0] for p in pts], [p[1] for p in pts]
+            ax.errorbar(px, py, yerr=[0 if isnull(p[2]) else p[2] for p in pts], fmt="none", capsize=3,
+                        ecolor=f"C{i % 10}", alpha=0.7)
+            ax.plot(px, py, marker="osD^vPX*<>"[i % 10], markersize=max(3.0, 8.0 - 1.5 * i), label=str(h),
+                    color=f"C{i % 10}", alpha=0.9)
         ax.set_title(d)
         ax.set_xlabel(x)
         ax.set_ylabel(_metric_name(sub, metric))
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(title=hue, fontsize=8, title_fontsize=8)
-    fig.suptitle(f"{_metric_name(df, metric)} vs {x}")
+    fig.suptitle(f"{_metric_name(df, metric)} vs {x} (± standard error)")
     fig.tight_layout()
     return fig
 
@@ -157,10 +219,29 @@ def plot_latency(df: pd.DataFrame, order: dict[str, list[str]] | None = None):
     ax.set_xticks(range(len(bars)))
     ax.set_xticklabels([labels[i] for i in bars], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("seconds per token")
-    ax.set_title("latency breakdown")
-    ax.legend(title="component", fontsize=8, title_fontsize=8)
-    fig.tight_layout()
+    ax.set_title(f"latency breakdown: {machine_label(done)}", fontsize=9)
+    ax.legend(title="component", fontsize=8, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ns = pd.to_numeric(done.get("tpot_s_n", pd.Series(dtype=float)), errors="coerce").dropna()
+    n = f"n = {int(ns.min())}-{int(ns.max())} items per bar" if len(ns) and ns.min() != ns.max() else \
+        (f"n = {int(ns.iloc[0])} items per bar" if len(ns) else "n = n_examples of each run")
+    _footnote(fig, [f"{n}; timed inside these runs, on a machine that may have been shared:",
+                    "not a speed comparison; for that use scripts/bench_decode.py (docs: speed)"])
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
     return fig
+
+
+def machine_label(done: pd.DataFrame) -> str:
+    """Where the runs ran, from their env.json: host, device (GPU name or CPU) and torch threads; every distinct
+    value, so mixed runs say they are mixed."""
+    def values(col: str) -> list[str]:
+        return sorted({f"{v:g}" if isinstance(v, float) else str(v)
+                       for v in done.get(col, pd.Series(dtype=object)).dropna()})
+
+    hosts, gpus, devices = values("env.host"), values("env.cuda"), values("env.device")
+    threads = values("env.torch_threads")
+    where = "/".join(hosts) or "host unknown"
+    dev = "/".join(gpus) if gpus and any(d.startswith("cuda") for d in devices) else ("/".join(devices) or "?")
+    return f"{where}, {dev}, {'/'.join(threads) or '?'} thread(s)"
 
 
 def pareto_front(points: Sequence[tuple[float, float]], lower_y_better: bool = False) -> list[int]:
@@ -195,11 +276,15 @@ def plot_accuracy_vs_kv(df: pd.DataFrame, metric: str = HEADLINE, order: dict[st
         sub = done[done["data_name"] == d] if d != "-" else done
         xs = pd.to_numeric(sub["kv_ratio"], errors="coerce").tolist()
         ys = pd.to_numeric(sub[col], errors="coerce").tolist()
+        es = _se_column(sub, col).tolist()
         vs = sub["variant"].astype(str).tolist()
         pts = [(x, y, v) for x, y, v in zip(xs, ys, vs) if not (isnull(x) or isnull(y))]
+        err = {(x, y, v): e for x, y, v, e in zip(xs, ys, vs, es)}
         for v in variants:
             mine = [(x, y) for x, y, w in pts if w == v]
             if mine:
+                ax.errorbar([p[0] for p in mine], [p[1] for p in mine], fmt="none", ecolor=colors[v], capsize=2,
+                            yerr=[0 if isnull(err[(x, y, v)]) else err[(x, y, v)] for x, y in mine], zorder=2)
                 ax.scatter([p[0] for p in mine], [p[1] for p in mine], color=colors[v], marker=markers[v],
                            s=sizes[v], label=v, zorder=3, edgecolors="white", linewidths=0.5)
         front = pareto_front([(x, y) for x, y, _ in pts], _lower_is_better(sub, metric))
@@ -214,13 +299,13 @@ def plot_accuracy_vs_kv(df: pd.DataFrame, metric: str = HEADLINE, order: dict[st
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    fig.suptitle(f"{_metric_name(df, metric)} vs measured KV memory")
+    fig.suptitle(f"{_metric_name(df, metric)} vs measured KV memory (± standard error)")
     fig.tight_layout()
     return fig
 
 
 def figures(df: pd.DataFrame, metric: str = HEADLINE, x: str | None = None, hue: str = "method_name",
-            order: dict[str, list[str]] | None = None) -> dict:
+            order: dict[str, list[str]] | None = None, missing: int = 0) -> dict:
     """All plots that apply to these runs: {file name: Figure}; panels, bars and legends in ``order`` (the
     sweep's, see ``sweep_order``) where it lists their values."""
     out: dict[str, Any] = {}
@@ -228,7 +313,7 @@ def figures(df: pd.DataFrame, metric: str = HEADLINE, x: str | None = None, hue:
     if done.empty:
         return out
     tag = metric.replace("/", "_")
-    out[f"{tag}_by_method.png"] = plot_headline(df, metric, order)
+    out[f"{tag}_by_method.png"] = plot_headline(df, metric, order, missing)
     x = x or default_x(df, hue)
     if x is not None:
         out[f"{tag}_vs_{x}.png"] = plot_metric_vs(df, x, metric, hue, order)
@@ -242,5 +327,5 @@ def figures(df: pd.DataFrame, metric: str = HEADLINE, x: str | None = None, hue:
 
 def save_figure(fig, path: Path) -> None:
     # No metadata (software version) in the PNG: the same runs give byte-identical files.
-    fig.savefig(path, dpi=110, metadata={"Software": None})
+    fig.savefig(path, dpi=110, metadata={"Software": None}, bbox_inches="tight")  # legends outside the axes
     pyplot().close(fig)

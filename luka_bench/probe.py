@@ -28,6 +28,17 @@ Per decode step, layer and KV head (the query heads of a group together):
 - ``tokens`` / ``bytes``: entries read (attended tokens + ``attended_extra()``: summaries) and their key+value
   bytes; ``held``: tokens held, as a fraction of the tokens seen.
 
+Needle diagnostics, for prompts with a known needle (a QA example or question whose ``meta["needle_span"]`` is a
+(start_char, end_char) span of the example's context, as ``data=niah`` / ``data=ruler`` give it; NaN otherwise):
+- ``needle_recall``: share of the needle's tokens the method read at this step (``attended``; an evicting method
+  reads what it holds);
+- ``needle_mass``: exact attention mass on the needle's tokens (mean over the group's query heads), what a
+  method would have to read to copy the needle;
+- ``needle_mass_read``: the part of it on needle tokens the method read.
+In the open loop the queries are full attention's, so ``needle_mass`` is the same for every method; in the
+closed loop it is that of the method's own trajectory. ``probe_needle_by_layer.png`` plots the first and the
+last by layer.
+
 Outputs in the run folder: ``probe_steps.csv`` (one row per example, continuation, step, layer, KV head),
 ``probe_layers.csv`` (means per method, layer, head), ``probe_summary.{csv,md}`` (per method: means over
 layers and heads with the standard error over examples) and ``probe_by_layer.png``.
@@ -47,7 +58,9 @@ import torch
 
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, exact_attention, sdpa
 
-METRICS = ("rel_err", "recall", "mass", "tokens", "bytes", "held")
+METRICS = ("rel_err", "recall", "mass", "tokens", "bytes", "held", "needle_recall", "needle_mass",
+           "needle_mass_read")
+NEEDLE = ("needle_recall", "needle_mass", "needle_mass_read")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -85,6 +98,7 @@ class Prompt:
     chunks: list[list[int]]           # per continuation: the chunk before the steps (may be empty)
     forced: list[list[int]] | None    # per continuation: the step tokens (ppl), or None (greedy)
     steps: int
+    needle: list[int] | None = None   # token positions (into ``context``) of a planted needle, if known
 
 
 @dataclass
@@ -189,8 +203,10 @@ class Observer:
     branches from the context truncates them to its own logical length) and, on every single-query forward of
     the decode phase, compares the method's output with exact attention. Rows: [layer, head, metrics...]."""
 
-    def __init__(self, topk: int):
+    def __init__(self, topk: int, needle: list[int] | None = None):
         self.topk = topk
+        self.needle = needle  # logical positions of the needle's tokens (None: no needle metrics, NaN)
+        self._needle_t: torch.Tensor | None = None
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.rows: list[torch.Tensor] = []  # [Hkv, 2 + len(METRICS)] per measured (step, layer)
@@ -242,13 +258,23 @@ class Observer:
         tokens = att.sum(-1).float() + float(policy.attended_extra())
         per_token = (store.keys.shape[-1] + store.values.shape[-1]) * store.keys.element_size()
         held = torch.full_like(mass, store.n / seen)
-        m = torch.stack([err, recall, mass, tokens, tokens * per_token, held], -1)[0]  # [Hkv, M] (batch 1)
+        if self.needle:
+            if self._needle_t is None or self._needle_t.device != K.device:
+                self._needle_t = torch.as_tensor(self.needle, device=K.device, dtype=torch.long)
+            nd = self._needle_t
+            n_read = att[..., nd].float()  # [B, Hkv, needle tokens]
+            n_w = w[..., nd]
+            needle = [n_read.mean(-1), n_w.sum(-1), (n_w * n_read).sum(-1)]
+        else:
+            needle = [torch.full_like(mass, float("nan"))] * 3
+        m = torch.stack([err, recall, mass, tokens, tokens * per_token, held, *needle], -1)[0]  # [Hkv, M] (batch 1)
         ids = torch.stack([torch.full((hkv,), float(policy.info.layer_idx), device=m.device),
                            torch.arange(hkv, device=m.device, dtype=torch.float32)], -1)
         return torch.cat([ids, m], -1).cpu()
 
 
-def replay(method: KVMethod, cap: Capture, topk: int, tag: tuple = (0,)) -> Observer:
+def replay(method: KVMethod, cap: Capture, topk: int, tag: tuple = (0,), needle: list[int] | None = None
+           ) -> Observer:
     """Replay one capture through ``method`` without the model, forward by forward as the runner feeds it: the
     context in the method's prefill chunks (``KVMethod.prefill_chunk``, e.g. LASER-KV's blocks; else at once),
     each forward's token ids announced first (``add_tokens``) and ``after_forward`` after its last layer, then
@@ -256,7 +282,7 @@ def replay(method: KVMethod, cap: Capture, topk: int, tag: tuple = (0,)) -> Obse
     would): LASER-KV is probed question-agnostic. Returns the observer with its rows."""
     from luka_bench.methods.hf import MethodCache, replay_forward
 
-    obs = Observer(topk)
+    obs = Observer(topk, needle)
     cache = MethodCache(method, cap.infos)
     cache.observer = obs
     cache.reference_length = cap.context
@@ -290,10 +316,11 @@ def closed_loop(lm, method: KVMethod, prompt: Prompt, topk: int, tag: tuple = (0
     from luka_bench.methods.hf import attach
     from luka_bench.run import forward, prefill
 
-    obs = Observer(topk)
+    obs = Observer(topk, prompt.needle)
     with attach(lm.model, method, lm.tokenizer) as att:
         cache = att.new_cache()
         cache.observer = obs
+        cache.question_ids = [t for c in prompt.chunks for t in c] or None  # question-aware methods, as the runner
         prefill(lm.model, prompt.context, cache)
         for j in range(len(prompt.chunks)):
             c = cache.clone()
@@ -312,6 +339,25 @@ def closed_loop(lm, method: KVMethod, prompt: Prompt, topk: int, tag: tuple = (0
 # Prompts, methods, tables
 # ---------------------------------------------------------------------------------------------------------
 
+def needle_positions(tokenizer, use_chat: bool, task, ex) -> list[int] | None:
+    """Token positions (into the context part of the prompt) of the needle of a QA example: ``meta["needle_span"]``
+    = (start_char, end_char) in ``ex.context``, on the first question or on the example; None without one."""
+    from luka_bench.data.base import evidence_positions
+
+    span = next((q.meta["needle_span"] for q in ex.questions[:1] if "needle_span" in q.meta),
+                ex.meta.get("needle_span"))
+    if span is None:
+        return None
+    block = task.context_block(ex)
+    shift = block.find(ex.context)  # the context block may wrap the context (an instruction before it)
+    if shift < 0:
+        from luka_bench.data.base import DataError
+
+        raise DataError(f"example {ex.id!r}: needle_span is given but its context is not in the context block")
+    start, end = int(span[0]) + shift, int(span[1]) + shift
+    return evidence_positions(tokenizer, use_chat, block, [(start, end)]) or None
+
+
 def prompts(lm, task, steps: int, questions: int) -> list[Prompt]:
     """The probed prompts of a dataset (``data.limit`` examples / documents), built as the runner builds them."""
     from luka_bench.data.base import qa_prompt_ids
@@ -324,14 +370,17 @@ def prompts(lm, task, steps: int, questions: int) -> list[Prompt]:
         for ex in task.examples():
             ctx, chunks = None, []
             for q in ex.questions[: max(1, questions)]:
-                c, qi = qa_prompt_ids(lm.tokenizer, lm.chat_template, task.context_block(ex), task.question_block(q))
+                prefix = task.answer_prefix(q) if hasattr(task, "answer_prefix") else ""  # as the runner: RULER's
+                c, qi = qa_prompt_ids(lm.tokenizer, lm.chat_template, task.context_block(ex), task.question_block(q),
+                                      prefix)
                 ctx = ctx or c
                 chunks.append(qi)
             need = len(ctx) + max(len(c) for c in chunks) + steps
             if need > lm.max_context:
                 raise PromptTooLong(f"example {ex.id!r} needs {need} tokens but model.max_context={lm.max_context}; "
                                     f"allowed: <= {lm.max_context} — use a shorter data setting or fewer probe.steps")
-            out.append(Prompt(str(ex.id), ctx, chunks, None, steps))
+            out.append(Prompt(str(ex.id), ctx, chunks, None, steps,
+                              needle_positions(lm.tokenizer, lm.chat_template, task, ex)))
     else:
         for d in task.documents(lm.tokenizer):
             ids = d.meta["ids"]
@@ -398,11 +447,11 @@ def summarise(df):
     per_step = df.groupby(["method", "example", "continuation", "step"], sort=False).agg(
         rel_err=("rel_err", "mean"), recall=("recall", "mean"), mass=("mass", "mean"),
         tokens=("tokens", "sum"), bytes=("bytes", "sum"), held=("held", "mean"),
-        rel_err_max=("rel_err", "max"))
+        rel_err_max=("rel_err", "max"), **{c: (c, "mean") for c in NEEDLE})
     per_ex = per_step.groupby(["method", "example"], sort=False).mean()
     g = per_ex.groupby("method", sort=False)
     mean, n = g.mean(), g.size()
-    se = g.std(ddof=1).div(n.map(math.sqrt), axis=0).fillna(0.0)
+    se = g.std(ddof=1).div(g.count().pow(0.5), axis=0).fillna(0.0)  # per column: NaN (no needle) items left out
     out = pd.DataFrame(index=mean.index)
     for c in mean.columns:
         out[c] = mean[c]
@@ -419,7 +468,11 @@ def summary_markdown(summary, topk: int) -> str:
             f"recall@{topk}": pm("recall", ".3f"), "mass": pm("mass", ".3f"),
             "tokens read / step": [f"{x:,.0f}" for x in summary["tokens"]],
             "KiB read / step": [f"{x / 1024:,.0f}" for x in summary["bytes"]],
-            "held / seen": [f"{x:.3f}" for x in summary["held"]], "n": [str(int(x)) for x in summary["n_examples"]]}
+            "held / seen": [f"{x:.3f}" for x in summary["held"]]}
+    if "needle_recall" in summary and summary["needle_recall"].notna().any():
+        cols.update({"needle read": pm("needle_recall", ".3f"), "needle mass": pm("needle_mass", ".3f"),
+                     "needle mass read": pm("needle_mass_read", ".3f")})
+    cols["n"] = [str(int(x)) for x in summary["n_examples"]]
     head = "| method | " + " | ".join(cols) + " |"
     sep = "|:--|" + "--:|" * len(cols)
     body = [f"| {m} | " + " | ".join(cols[c][i] for c in cols) + " |" for i, m in enumerate(summary.index)]
@@ -448,6 +501,30 @@ def plot(layers, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_needle(layers, path: Path, mode: str) -> None:
+    """Needle recall (share of the needle's tokens read) and the exact attention mass on the needle by layer, one
+    line per method (means over KV heads, steps and prompts)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    by_layer = layers.groupby(["method", "layer"], sort=False)[list(NEEDLE)].mean().reset_index()
+    for ax, metric, title in zip(axes, ("needle_recall", "needle_mass_read"),
+                                 ("needle recall: share of its tokens read", "exact attention mass on needle tokens read")):
+        for m, d in by_layer.groupby("method", sort=False):
+            ax.plot(d["layer"], d[metric], marker="o", ms=3, label=m)
+        ax.set_xlabel("layer")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(mode, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_tables(frames, seconds, cpu, out_dir: Path, topk: int, plot_it: bool, closed: bool, what: str):
     import pandas as pd
 
@@ -464,6 +541,8 @@ def write_tables(frames, seconds, cpu, out_dir: Path, topk: int, plot_it: bool, 
     (out_dir / "probe_summary.md").write_text(md, encoding="utf-8")
     if plot_it:
         plot(layers, out_dir / "probe_by_layer.png")
+        if layers["needle_recall"].notna().any():
+            plot_needle(layers, out_dir / "probe_needle_by_layer.png", mode)
     return md, summary
 
 
@@ -506,7 +585,7 @@ def probe(cfg, out_dir: str | Path, overrides: list[str] | None = None):
     for label, method in methods:
         t0, c0 = time.perf_counter(), time.process_time()
         for e, pr in enumerate(todo):
-            obs = closed_loop(lm, method, pr, topk, (e,)) if p.closed_loop else replay(method, caps[e], topk, (e,))
+            obs = closed_loop(lm, method, pr, topk, (e,)) if p.closed_loop else replay(method, caps[e], topk, (e,), pr.needle)
             frames.append(frame(obs, label))
         seconds[label], cpu[label] = time.perf_counter() - t0, time.process_time() - c0
         print(f"{label}: {seconds[label]:.1f}s ({cpu[label]:.1f}s CPU)", file=sys.stderr)

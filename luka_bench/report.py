@@ -15,8 +15,9 @@ from typing import Any
 import pandas as pd
 
 from luka_bench.plots import figures, save_figure
-from luka_bench.tables import (HEADLINE, ReportError, apply_filters, cell_counts, headline_note, load_runs,
-                               metric_list, parse_filters, pivot, pivot_strings, sweep_order, to_latex, to_markdown)
+from luka_bench.tables import (HEADLINE, SE_NOTE, ReportError, apply_filters, cell_counts, headline_note, load_runs,
+                               metric_list, paired_strings, parse_filters, pivot, pivot_strings, sweep_order,
+                               to_latex, to_markdown)
 
 def _csv(df: pd.DataFrame, path: Path, index: bool = False) -> None:
     df.to_csv(path, index=index, float_format="%.10g", lineterminator="\n")
@@ -31,9 +32,10 @@ def _print_missing(missing: pd.DataFrame, out: Path) -> None:
 def build(folder: str | Path, rows: Sequence[str] = ("data_name",), cols: Sequence[str] = ("method_name",),
           metric: str | Sequence[str] = HEADLINE, filters: dict[str, str] | None = None, x: str | None = None,
           hue: str = "method_name", out: str | Path | None = None, plots: bool = True,
-          echo: bool = True) -> dict[str, Any]:
+          echo: bool = True, paired: str | None = None) -> dict[str, Any]:
     """Write the report of ``folder`` into ``out`` (default ``<folder>/report``). Returns the tables, the
-    figures' paths and the missing runs."""
+    figures' paths and the missing runs. ``paired``: a method name; adds the table of every run's paired
+    difference to that method's run on the same items (``pivot_paired_<method>_<metric>``)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ReportError(f"{folder} is not a folder; give a sweep folder (results/sweeps/<name>) or a run folder")
@@ -55,7 +57,7 @@ def build(folder: str | Path, rows: Sequence[str] = ("data_name",), cols: Sequen
     order = sweep_order(folder)
     table = pivot(sel, rows, cols, metrics, order)
     strings = pivot_strings(sel, table, rows, cols, metrics, order)
-    note = headline_note(sel, metrics)
+    note = headline_note(sel, metrics) + "; " + SE_NOTE
     n_done = int((sel["status"] == "complete").sum())
     counts = cell_counts(sel, rows, cols) if rows else []
     if len(counts) and int(counts.max()) > 1:
@@ -69,19 +71,38 @@ def build(folder: str | Path, rows: Sequence[str] = ("data_name",), cols: Sequen
     _csv(table, out / f"pivot_{tag}.csv", index=True) if not table.empty else _csv(strings, out / f"pivot_{tag}.csv", True)
     (out / f"pivot_{tag}.tex").write_text(to_latex(strings, note), encoding="utf-8")
     written += [out / f"pivot_{tag}.{e}" for e in ("md", "csv", "tex")]
+    paired_md = ""
+    if paired:
+        diffs = paired_strings(sel, folder, paired, rows, cols, metrics[0], order)
+        what = "each dataset's headline metric" if metrics[0] == HEADLINE else metrics[0]
+        pnote = (f"cells: {what} minus {paired}'s on the same items (same model and data settings), mean ± "
+                 "standard error of the paired differences (n = shared items), clustered by example")
+        paired_md = to_markdown(diffs, pnote)
+        ptag = f"pivot_paired_{paired}_{metrics[0]}".replace("/", "_")
+        (out / f"{ptag}.md").write_text(paired_md, encoding="utf-8")
+        _csv(diffs, out / f"{ptag}.csv", index=True)
+        written += [out / f"{ptag}.md", out / f"{ptag}.csv"]
     figs = {}
     if plots:
-        for name, fig in figures(sel, metrics[0], x, hue, order).items():
+        for name, fig in figures(sel, metrics[0], x, hue, order, missing=len(missing)).items():
+            save_figure(fig, out / name)
+            figs[name] = out / name
+            written.append(out / name)
+        from luka_bench.niah_plot import niah_figures  # depth x length heat map when runs have NIAH results
+
+        for name, fig in niah_figures(folder, sel, (order or {}).get("method_name")).items():
             save_figure(fig, out / name)
             figs[name] = out / name
             written.append(out / name)
     if echo:
         print(to_markdown(strings, note))
+        if paired_md:
+            print(paired_md)
         if len(missing):
             _print_missing(missing, out)
         print(f"{len(runs)} run(s) read; wrote {', '.join(p.name for p in written)} to {out}")
     return {"runs": runs, "missing": missing, "pivot": table, "pivot_strings": strings, "figures": figs,
-            "out": out}
+            "out": out, "paired": paired_md}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,11 +120,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--x", default=None, help="x axis of the line plot (default: method.budget if it varies)")
     p.add_argument("--hue", default="method_name", help="one line per value of this column (default method_name)")
     p.add_argument("--out", default=None, help="output folder (default <folder>/report)")
+    p.add_argument("--paired", default=None, metavar="REF",
+                   help="also a table of each method's paired difference to method REF on the same items, ± SE")
     p.add_argument("--no-plots", action="store_true", help="tables only")
     a = p.parse_args(argv)
     try:
         build(a.folder, rows=[s for s in a.rows.split(",") if s], cols=[s for s in a.cols.split(",") if s],
-              metric=a.metric, filters=parse_filters(a.filter), x=a.x, hue=a.hue, out=a.out, plots=not a.no_plots)
+              metric=a.metric, filters=parse_filters(a.filter), x=a.x, hue=a.hue, out=a.out, plots=not a.no_plots,
+              paired=a.paired)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

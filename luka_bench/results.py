@@ -47,6 +47,34 @@ def read_job_error(run_dir: str | Path) -> str | None:
         return None
 
 
+# A file name longer than this is cut and ends in a hash of the whole name (file systems stop at 255 bytes).
+_MAX_NAME = 180
+
+
+def run_dir_name(model: str, method: str, data: str, overrides: str = "") -> str:
+    """The folder name of a single run: ``<model>,<method>,<data>`` and then the command line's other overrides
+    that change results (Hydra's ``override_dirname``: sorted ``key=value`` joined by commas, with the keys of
+    ``hydra.job.config.override_dirname.exclude_keys`` left out), e.g. ``smollm2_135m,h2o,wikisalad_easy,
+    method.budget=0.25``. The same command gives the same folder, so it resumes; ``/`` in a value becomes ``_``."""
+    groups = ("model=", "method=", "data=")
+    extra = [o for o in str(overrides or "").split(",") if o and not o.startswith(groups)]
+    name = ",".join([str(model), str(method), str(data), *extra]).replace("/", "_")
+    if len(name) > _MAX_NAME:
+        import hashlib
+
+        name = f"{name[:_MAX_NAME - 13]}~{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+    return name
+
+
+def register_resolvers() -> None:
+    """``${luka_run_dir:...}`` for ``hydra.run.dir`` in conf/config.yaml. Called by the command line before
+    Hydra composes the config (not on import)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("luka_run_dir"):
+        OmegaConf.register_new_resolver("luka_run_dir", lambda *parts: run_dir_name(*parts))
+
+
 class RunFolderError(RuntimeError):
     """The folder cannot take this run. One line."""
 
@@ -92,6 +120,7 @@ class RunFolder:
         self.pred_path = self.path / "predictions.jsonl"
         self.metrics_path = self.path / "metrics.json"
         self.done: dict[str, dict] = self._read_predictions()
+        self.total: int | None = None  # items of the whole run, once the evaluation loop knows them
         self._write_atomic(self.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
 
     @staticmethod
@@ -262,6 +291,34 @@ def count_lines(path: Path) -> int:
             return sum(1 for line in f if line.endswith(b"\n"))
     except OSError:
         return 0
+
+
+def read_predictions(run: Path) -> list[dict]:
+    """A run folder's prediction records (complete lines only; read-only, unlike ``RunFolder``)."""
+    out = []
+    try:
+        with open(run / "predictions.jsonl", "rb") as f:
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    break
+                if isinstance(rec, dict) and "item_id" in rec:
+                    out.append(rec)
+    except OSError:
+        pass
+    return out
+
+
+def read_env(run: Path) -> dict:
+    """A run folder's ``env.json`` (machine, threads, device), {} when absent or unreadable."""
+    try:
+        env = json.loads((run / "env.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return env if isinstance(env, dict) else {}
 
 
 def read_metrics(run: Path) -> tuple[dict | None, str]:

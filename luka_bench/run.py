@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from luka_bench import metrics as M
 from luka_bench.data.base import evidence_positions, qa_prompt_ids
-from luka_bench.errors import PromptTooLong, RunConfigError, one_line_errors, unwrap
+from luka_bench.errors import PromptTooLong, RunConfigError, RunInterrupted, one_line_errors, unwrap
 from luka_bench.methods.hf import MethodCache, attach
 from luka_bench.results import RunFolder, config_difference, environment, write_job_error
 
@@ -179,6 +179,21 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
+def _max_new(task, q, max_new: int, cfg: DictConfig) -> int:
+    """New tokens for one question: ``max_new_tokens`` when set, else the question's own (RULER's per-task
+    ``tokens_to_generate``, ``Task.max_new_tokens_for``), else the dataset's."""
+    if cfg.get("max_new_tokens") is None and hasattr(task, "max_new_tokens_for"):
+        return int(task.max_new_tokens_for(q))
+    return max_new
+
+
+def _resuming(folder: RunFolder, done: int, total: int) -> None:
+    """Remember the run's size (for the line Ctrl-C prints) and say so when a run resumes."""
+    folder.total = total
+    if done:
+        print(f"resuming: {done}/{total} items done in {folder.path}", file=sys.stderr, flush=True)
+
+
 def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=None) -> list[dict]:
     tok, model = lm.tokenizer, lm.model
     max_new = int(cfg.max_new_tokens if cfg.get("max_new_tokens") is not None else getattr(task, "max_new_tokens", 24))
@@ -193,9 +208,10 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
         ctx_ids = None
         qs = []
         for q in ex.questions:
-            c, qi = qa_prompt_ids(tok, lm.chat_template, task.context_block(ex), task.question_block(q))
+            prefix = task.answer_prefix(q) if hasattr(task, "answer_prefix") else ""  # RULER's answer prefix
+            c, qi = qa_prompt_ids(tok, lm.chat_template, task.context_block(ex), task.question_block(q), prefix)
             ctx_ids = ctx_ids or c
-            need = len(c) + len(qi) + max_new
+            need = len(c) + len(qi) + _max_new(task, q, max_new, cfg)
             if need > lm.max_context:
                 raise PromptTooLong(
                     f"example {ex.id!r} needs {need} tokens (context {len(c)} + question {len(qi)} + "
@@ -210,6 +226,7 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
         plan.append((ex, ctx_ids, qs, evidence))
     total = sum(len(qs) for _, _, qs, _ in plan)
     records = [folder.done[q.id] for _, _, qs, _ in plan for q, _ in qs if q.id in folder.done]
+    _resuming(folder, len(records), total)
     bar = _progress(total, f"{cfg.get('method_name', 'method')} on {cfg.get('data_name', 'data')}", cfg.progress)
     bar.update(len(records))
     chunk = attached.method.prefill_chunk() or int(cfg.prefill_chunk or 0)  # the method's own size wins
@@ -230,7 +247,7 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
         kept = evidence_kept(cache, evidence) if evidence else None
         for q, qi in todo:
             c = cache.clone()
-            gen = greedy_answer(model, tok, c, qi, max_new, eos, stop)
+            gen = greedy_answer(model, tok, c, qi, _max_new(task, q, max_new, cfg), eos, stop)
             pred = task.postprocess(gen.text)
             rec: dict[str, Any] = {
                 "item_id": q.id, "example_id": ex.id, "question": q.question, "gold": q.answers,
@@ -260,6 +277,7 @@ def evaluate_ppl(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item
             raise PromptTooLong(f"document {d.id!r} has {n} tokens but model.max_context={lm.max_context} for "
                                 f"'{lm.name}'; allowed: data.max_tokens <= {lm.max_context}")
     records = [folder.done[d.id] for d in docs if d.id in folder.done]
+    _resuming(folder, len(records), len(docs))
     bar = _progress(len(docs), f"{cfg.get('method_name', 'method')} on {cfg.get('data_name', 'data')}", cfg.progress)
     bar.update(len(records))
     for d in docs:
@@ -298,6 +316,8 @@ def aggregate(task, records: list[dict]) -> dict:
     out["latency_breakdown"] = M.breakdown_summary(records)
     out["method_stats"] = M.method_stats_summary(records)
     out["n_examples"] = len(records)
+    # mean ± SE (clustered by example) and n of every per-item metric: the summary table prints them
+    out["uncertainty"] = M.item_uncertainty(records)
     return out
 
 
@@ -388,6 +408,18 @@ def _build(cfg: DictConfig, group: str):
         raise
 
 
+def _check_hub_data(cfg: DictConfig, task) -> None:
+    """DataError (one line) when the dataset downloads from a hub that cannot be reached (luka_bench.hub)."""
+    from luka_bench.data.base import DataError
+    from luka_bench.hub import unavailable
+
+    for repo_id in getattr(task, "hub_datasets", list)():
+        why = unavailable(repo_id, "dataset")
+        if why is not None:
+            raise DataError(f"data={cfg.get('data_name')}: {why}; use its offline source (see the dataset card) "
+                            "or run where the hub can be reached")
+
+
 def prepare(cfg: DictConfig, run_dir: str | Path) -> Prepared:
     """Validate a run without writing anything: the settings, the method, the data (its files read and checked,
     ``Task.check``), the model's settings and the run folder (``RunFolder.check``). Bad input fails here with one
@@ -398,10 +430,13 @@ def prepare(cfg: DictConfig, run_dir: str | Path) -> Prepared:
     model = _build(cfg, "model")
     if hasattr(model, "check"):
         model.check()
+    _check_hub_data(cfg, task)
     resolved = run_config(cfg)
     RunFolder.check(run_dir, resolved)
     if hasattr(task, "check"):  # data files exist and parse, before the model loads
         task.check()
+    if hasattr(task, "check_model"):  # a data length the configured model cannot hold (RULER, NIAH)
+        task.check_model(model)
     return Prepared(method, task, model, resolved)
 
 
@@ -415,6 +450,11 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     done = finished_metrics(run_dir, run_config(cfg))
     if done is not None:
         print(f"{run_dir}: already complete (metrics.json); skipped")
+        if not tracking.in_multirun():  # a single run shows its results again
+            try:
+                print(summary_table(done, Path(run_dir)))
+            except (KeyError, TypeError):  # a run made before a summary field existed: the line says enough
+                pass
         write_job_error(run_dir, None)  # an earlier refused attempt's error (e.g. a smaller data.limit) is over
         return done
     tracker, result, exit_code = None, None, 1
@@ -463,11 +503,14 @@ def _run(cfg: DictConfig, run_dir: str | Path, tracker, prepared: Prepared | Non
     def on_item(records: list[dict]) -> None:  # running metrics to the tracker after every item
         tracker.log(len(records), aggregate(task, records))
 
-    with attach(loaded.model, method, loaded.tokenizer) as attached:
-        if task.kind == "qa":
-            records = evaluate_qa(loaded, attached, task, folder, cfg, on_item)
-        else:
-            records = evaluate_ppl(loaded, attached, task, folder, cfg, on_item)
+    try:
+        with attach(loaded.model, method, loaded.tokenizer) as attached:
+            evaluate = evaluate_qa if task.kind == "qa" else evaluate_ppl
+            records = evaluate(loaded, attached, task, folder, cfg, on_item)
+    except KeyboardInterrupt:  # Ctrl-C: what is saved stays saved (predictions.jsonl is flushed per item)
+        of = f"/{folder.total}" if folder.total is not None else ""
+        raise RunInterrupted(f"interrupted: {len(folder.done)}{of} items saved in {folder.path}; run the same "
+                             "command to resume") from None
     result = {
         "model": cfg.get("model_name"), "method": cfg.get("method_name"), "data": cfg.get("data_name"),
         "kind": task.kind, "headline": getattr(task, "headline", "em_lenient"),
@@ -501,12 +544,20 @@ def _bytes(n: int | float | None) -> str:
 
 
 def summary_table(m: dict, path: Path) -> str:
-    rows = [("run", str(path)), ("model / method / data", f"{m['model']} / {m['method']} / {m['data']}"),
+    import os
+
+    where = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else str(path)
+    rows = [("run", where), ("model / method / data", f"{m['model']} / {m['method']} / {m['data']}"),
             ("n_examples", _fmt(m["n_examples"]))]
     keys = ["em", "em_lenient", "f1", "accuracy"] + sorted(k for k in m if k.startswith("accuracy_")) + \
         ["perplexity", "n_tokens", "ttft_s", "tpot_s", "kv_ratio", "attended_tokens", "attended_ratio"]
+    from luka_bench.tables import fmt_mean_se
+
+    unc = m.get("uncertainty") or {}
     for k in keys:
-        if k in m:
+        if k in unc and k not in ("ttft_s", "tpot_s"):  # scores: mean ± SE clustered by example (n items)
+            rows.append((f"{k} (± SE, n)", fmt_mean_se(unc[k]["mean"], unc[k]["se"], unc[k]["n"])))
+        elif k in m:
             rows.append((k, _fmt(m[k])))
     if m.get("latency_breakdown") and len(m["latency_breakdown"]) > 1:
         rows.append(("latency_breakdown (s/token)", _fmt(m["latency_breakdown"])))

@@ -23,7 +23,9 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from luka_bench.results import count_lines, find_runs, read_metrics, read_run_config
+from luka_bench.metrics import item_uncertainty
+from luka_bench.results import (count_lines, find_runs, read_env, read_metrics, read_predictions,
+                                read_run_config)
 
 HEADLINE = "headline"
 # Metrics where lower is better (everything else, e.g. em / f1 / accuracy, is higher-is-better).
@@ -76,6 +78,13 @@ def load_runs(folder: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
             row.update(flat)
             headline = metrics.get("headline")
             row["headline_value"] = metrics.get(headline) if isinstance(headline, str) else None
+            # ± SE and n of every per-item metric, from the predictions (clustered by example; metrics.item_uncertainty)
+            for k, u in item_uncertainty(read_predictions(run)).items():
+                row[f"{k}_se"], row[f"{k}_n"] = u["se"], u["n"]
+                if k == headline:
+                    row["headline_value_se"], row["headline_value_n"] = u["se"], u["n"]
+            env = read_env(run)  # where and how it ran: the latency plot says so
+            row.update({f"env.{k}": env.get(k) for k in ("host", "device", "cuda", "torch_threads", "platform")})
         else:
             missing.append({"run": rel, "model_name": row.get("model_name"), "method_name": row.get("method_name"),
                             "data_name": row.get("data_name"), "status": status,
@@ -130,12 +139,15 @@ def variant_labels(df: pd.DataFrame) -> list[str]:
     (``model_name=...``). Dataset settings are left out: they are the other axis of every table."""
     if df.empty or "method_name" not in df.columns:
         return [str(r) for r in df.get("run", [])]
-    cfg_cols = [c for c in config_columns(df) if is_identity(c)]
-    global_cols = [c for c in cfg_cols if not c.startswith(("method.", "data.")) and c not in ("method_name", "data_name")
-                   and len(distinct(df[c])) > 1]
+    # Settings are compared among the complete runs (a failed run's config must not add words to every label);
+    # never a class path (``_target_``), and the model by its name only.
+    ref = complete(df) if (df.get("status") == "complete").any() else df
+    cfg_cols = [c for c in config_columns(df) if is_identity(c) and not c.endswith("_target_")]
+    global_cols = [c for c in cfg_cols if not c.startswith(("method.", "data.", "model.")) and
+                   c not in ("method_name", "data_name") and len(distinct(ref[c])) > 1]
     labels = []
     for _, row in df.iterrows():
-        same = df[df["method_name"] == row["method_name"]]
+        same = ref[ref["method_name"] == row["method_name"]]
         parts = [str(row["method_name"])]
         for c in cfg_cols:
             if c.startswith("method.") and not c.endswith("_target_") and len(distinct(same[c])) > 1:
@@ -224,15 +236,27 @@ def _column_order(metrics: list[str], levels: list[str], order: dict[str, list[s
     return key
 
 
+def _se_of_mean(se: pd.Series) -> float:
+    """SE of the mean of k independent runs' means: sqrt(sum SE^2) / k."""
+    return float((se ** 2).sum(min_count=len(se)) ** 0.5 / len(se)) if len(se) else float("nan")
+
+
+# What a pivot cell holds, from the runs it averages: their mean, the SE of that mean, the items behind it.
+_STATS = {"mean": ("", "mean"), "se": ("_se", _se_of_mean), "n": ("_n", "sum")}
+
+
 def pivot(df: pd.DataFrame, rows: Sequence[str] = ("data_name",), cols: Sequence[str] = ("method_name",),
-          metric: str | Sequence[str] = HEADLINE, order: dict[str, list[str]] | None = None) -> pd.DataFrame:
+          metric: str | Sequence[str] = HEADLINE, order: dict[str, list[str]] | None = None,
+          stat: str = "mean") -> pd.DataFrame:
     """rows x cols table of ``metric`` over the complete runs (``headline``: each run's own headline metric).
     Several metrics (``"em_lenient,f1,kv_ratio"``) become the last column level, in the order given. Cells
     holding several runs (a setting not on either axis differs) show their mean. Rows and columns follow
-    ``order`` (see ``sweep_order``) where it lists their values."""
+    ``order`` (see ``sweep_order``) where it lists their values. ``stat="se"`` / ``"n"``: the same table of
+    the standard errors / item counts (``<column>_se`` / ``_n`` of ``load_runs``; NaN where a run has none)."""
     rows, cols, metrics = list(rows), list(cols), metric_list(metric)
     need_columns(df, rows + cols, "--rows/--cols")
-    value_cols = [value_column(df, m) for m in metrics]
+    suffix, agg = _STATS[stat]
+    value_cols = [value_column(df, m) + suffix for m in metrics]
     done = complete(df)
     if done.empty or not rows:
         return pd.DataFrame()
@@ -240,11 +264,11 @@ def pivot(df: pd.DataFrame, rows: Sequence[str] = ("data_name",), cols: Sequence
     for m, col in zip(metrics, value_cols):
         part = done[rows + cols].copy()
         part["metric"] = m
-        part["value"] = pd.to_numeric(done[col], errors="coerce")
+        part["value"] = pd.to_numeric(done[col], errors="coerce") if col in done.columns else float("nan")
         parts.append(part)
     long = pd.concat(parts, ignore_index=True)
     levels = _column_levels(metrics, cols)
-    table = long.pivot_table(index=rows, columns=levels, values="value", aggfunc="mean", dropna=False, sort=True)
+    table = long.pivot_table(index=rows, columns=levels, values="value", aggfunc=agg, dropna=False, sort=True)
     table = table.loc[sorted(table.index, key=lambda k: sort_key(k, rows, order))]
     return table[sorted(table.columns, key=_column_order(metrics, levels, order))]
 
@@ -305,14 +329,40 @@ def fmt_value(v: Any) -> str:
     return str(v)
 
 
+def se_decimals(se: float) -> int:
+    """Decimals that show a standard error to one significant digit (two when it starts with 1: 0.014 not
+    0.01), the precision its mean is shown at too."""
+    digits = -math.floor(math.log10(abs(se)))
+    return max(0, digits + (1 if f"{abs(se):.{max(0, digits)}e}"[0] == "1" else 0))
+
+
+def fmt_mean_se(mean: Any, se: Any = None, n: Any = None, signed: bool = False) -> str:
+    """``0.74 ± 0.05 (n=40)``: the mean at the precision its SE supports. Without an SE (one cluster, or a run
+    without predictions) the mean at 4 significant digits and ``n`` when known; an SE of 0 (every item the
+    same) as ``± 0``."""
+    if isnull(mean):
+        return ""
+    sign = "+" if signed else ""
+    tail = f" (n={int(n)})" if not isnull(n) else ""
+    if isnull(se):
+        return f"{float(mean):{sign}.4g}{tail}"
+    if se == 0:
+        return f"{float(mean):{sign}.4g} ± 0{tail}"
+    d = se_decimals(float(se))
+    return f"{float(mean):{sign}.{d}f} ± {float(se):.{d}f}{tail}"
+
+
 def _label(key: Any) -> str:
     return " / ".join(map(str, key)) if isinstance(key, tuple) else str(key)
 
 
 def pivot_strings(df: pd.DataFrame, table: pd.DataFrame, rows: Sequence[str], cols: Sequence[str],
                   metric: str | Sequence[str] = HEADLINE, order: dict[str, list[str]] | None = None) -> pd.DataFrame:
-    """The pivot as display strings (4 significant digits); the empty cells of broken runs read ``missing``."""
+    """The pivot as display strings: ``mean ± SE (n=items)`` (``fmt_mean_se``) where the runs' predictions give
+    a standard error, else the value at 4 significant digits; the empty cells of broken runs read ``missing``."""
     rows, cols, metrics = list(rows), list(cols), metric_list(metric)
+    se_t = pivot(df, rows, cols, metrics, order, stat="se") if not table.empty else table
+    n_t = pivot(df, rows, cols, metrics, order, stat="n") if not table.empty else table
     levels = _column_levels(metrics, cols)
     broken = df[df["status"] != "complete"] if "status" in df.columns else df.iloc[0:0]
 
@@ -341,8 +391,10 @@ def pivot_strings(df: pd.DataFrame, table: pd.DataFrame, rows: Sequence[str], co
     out = pd.DataFrame("", index=[_label(k) for k in r_keys], columns=[_label(k) for k in c_keys], dtype=object)
     for rk in r_keys:
         for ck in c_keys:
-            v = table.loc[rk, ck] if (rk in table.index and ck in table.columns) else float("nan")
-            out.loc[_label(rk), _label(ck)] = fmt_value(v)
+            at = rk in table.index and ck in table.columns
+            v = table.loc[rk, ck] if at else float("nan")
+            se, n = (se_t.loc[rk, ck], n_t.loc[rk, ck]) if at else (None, None)
+            out.loc[_label(rk), _label(ck)] = fmt_value(v) if isnull(n) or n == 0 else fmt_mean_se(v, se, n)
     for rk, ck in holes:
         if out.loc[_label(rk), _label(ck)] == "":
             out.loc[_label(rk), _label(ck)] = "missing"
@@ -395,3 +447,69 @@ def to_latex(strings: pd.DataFrame, note: str = "") -> str:
     lines += ["\\bottomrule", "\\end{tabular}"]
     tex = "\n".join(lines) + "\n"
     return (f"% {note}\n" if note else "") + tex
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Paired differences to a reference method (--paired REF)
+# ---------------------------------------------------------------------------------------------------------
+
+SE_NOTE = ("cells: mean ± standard error (n = items); QA: SE clustered by example (questions that share a context "
+           "are one cluster, not independent draws), perplexity: delta method over documents")
+
+
+def paired_runs(df: pd.DataFrame, folder: str | Path, ref: str, metric: str = HEADLINE) -> pd.DataFrame:
+    """Each complete run's paired difference to the run of method ``ref`` on the same model and data settings:
+    ``metric`` minus the reference's on the items both answered (``metrics.paired_difference``). Columns: the
+    run's own, plus ``paired``, ``paired_se``, ``paired_n``. The reference runs themselves get NaN."""
+    from luka_bench.metrics import paired_difference
+
+    done = complete(df).copy()
+    need_columns(done, ["method_name"], "--paired")
+    methods = sorted(set(done["method_name"].dropna().astype(str)))
+    if ref not in methods:
+        raise ReportError(f"--paired {ref}: no complete run of method {ref!r} here; methods: {', '.join(methods)}")
+    same = [c for c in done.columns if is_identity(c) and (c in ("model_name", "data_name") or
+                                                          c.startswith(("model.", "data.")))]
+    refs = done[done["method_name"] == ref]
+    cache: dict[str, list[dict]] = {}
+
+    def records(run: str) -> list[dict]:
+        if run not in cache:
+            cache[run] = read_predictions(Path(folder) / run)
+        return cache[run]
+
+    vals = []
+    for _, row in done.iterrows():
+        match = refs[[all(distinct([a]) == distinct([b]) for a, b in zip(r[same], row[same]))
+                      for _, r in refs.iterrows()]] if len(refs) else refs
+        name = row["headline"] if metric == HEADLINE and "headline" in row else metric
+        if row["method_name"] == ref or match.empty or isnull(name):
+            vals.append({"mean": None, "se": None, "n": None})
+            continue
+        vals.append(paired_difference(records(row["run"]), records(match["run"].iloc[0]), str(name)))
+    done["paired"] = [v["mean"] for v in vals]
+    done["paired_se"] = [v["se"] for v in vals]
+    done["paired_n"] = [v["n"] for v in vals]
+    return done
+
+
+def paired_strings(df: pd.DataFrame, folder: str | Path, ref: str, rows: Sequence[str], cols: Sequence[str],
+                   metric: str = HEADLINE, order: dict[str, list[str]] | None = None) -> pd.DataFrame:
+    """The pivot of paired differences to ``ref`` as display strings (``+0.05 ± 0.02 (n=40)``); the reference's
+    own cells read ``reference``."""
+    runs = paired_runs(df, folder, ref, metric)
+    # 1 where the cell is the reference's own (same table keys as the differences: the flag under their name)
+    is_ref = pivot(runs.assign(paired=(runs["method_name"] == ref).astype(float)), rows, cols, "paired", order)
+    table = pivot(runs, rows, cols, "paired", order)
+    se_t, n_t = pivot(runs, rows, cols, "paired", order, "se"), pivot(runs, rows, cols, "paired", order, "n")
+    out = pd.DataFrame("", index=[_label(k) for k in table.index], columns=[_label(k) for k in table.columns],
+                       dtype=object)
+    for rk in table.index:
+        for ck in table.columns:
+            v = table.loc[rk, ck]
+            out.loc[_label(rk), _label(ck)] = "reference" if is_ref.loc[rk, ck] == 1 else \
+                fmt_mean_se(v, se_t.loc[rk, ck], n_t.loc[rk, ck], signed=True)
+    name = metric if metric != HEADLINE else "headline"
+    out.columns = [f"{name} − {ref} (paired)" if c == "paired" else c for c in out.columns]
+    out.index.name = f"{'/'.join(rows)} \\ {'/'.join(cols) or 'metric'}"
+    return out

@@ -351,11 +351,25 @@ class SweepProgress(Callback):
         failed = sorted(p for p in Path(sweep_dir).glob(f"*/{JOB_ERROR_FILE}")
                         if self.started is None or p.stat().st_mtime >= self.started - 1)
         _say(f"sweep {Path(sweep_dir).name}: {done}/{len(runs)} run folders complete in {sweep_dir}\n"
-             f"  tables and plots: python -m luka_bench.report {os.path.relpath(sweep_dir)}")
+             f"  tables and plots: {python_command()} -m luka_bench.report {os.path.relpath(sweep_dir)}")
         if failed:  # bad input in some jobs (real crashes have raised already, with their traceback)
             lines = "\n".join(f"  {p.parent.name}: {read_job_error(p.parent)}" for p in failed)
             _say(f"error: {len(failed)} job(s) of sweep {Path(sweep_dir).name} failed:\n{lines}")
             raise SystemExit(2)
+
+
+def python_command() -> str:
+    """How to call this Python from the shell the user is in: ``python`` when that is the one on PATH (the venv
+    is active), else this interpreter's path (``.venv/bin/python`` below the current folder): a bare ``python``
+    outside the venv has no luka_bench."""
+    import shutil
+
+    on_path = shutil.which("python")
+    if on_path and Path(on_path).parent.resolve() == Path(sys.executable).parent.resolve():
+        return "python"
+    exe = os.path.abspath(sys.executable)  # not resolved: a venv's bin/python is a link to the base interpreter
+    rel = os.path.relpath(exe)
+    return rel if not rel.startswith("..") else exe
 
 
 def _is_multirun(config) -> bool:

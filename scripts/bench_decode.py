@@ -175,6 +175,8 @@ def main() -> None:
         rows = merge_rows([json.loads(Path(f).read_text()) for f in args.table_from])
         order = ["stock", "full"] + sorted({m for r in rows for m in r["methods"]} - set(REFS))
         table = markdown(rows, order)
+        retrieval = retrieval_table(rows, order)
+        table += ("\n\n" + retrieval) if retrieval else ""
         print(table)
         if args.markdown:
             Path(args.markdown).write_text(table + "\n")
@@ -393,6 +395,8 @@ def main() -> None:
                   f"{(med['full'] / med['stock'] - 1) * 100:+.1f}%")
     print(f"process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB; load {os.getloadavg()}")
     table = markdown(rows, order)
+    retrieval = retrieval_table(rows, order)
+    table += ("\n\n" + retrieval) if retrieval else ""
     print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
@@ -410,6 +414,29 @@ def merge_rows(runs: list[list[dict]]) -> list[dict]:
             merged = by_n.setdefault(r["N"], {"N": r["N"], "methods": {}})
             merged["methods"].update(r["methods"])
     return [by_n[n] for n in sorted(by_n)]
+
+
+def retrieval_table(rows: list[dict], order: list[str]) -> str:
+    """For methods that retrieve (a ``retrieval`` component: lychee): retrieval and attention ms per decode step
+    (summed over layers), their ratio, and decode time / stock's, per N. Empty when no method retrieves."""
+    names = [m for m in order if any("retrieval" in (r["methods"].get(m) or {}).get("breakdown_ms", {}) for r in rows)]
+    if not names:
+        return ""
+    lines = ["| method | " + " | ".join(f"N={r['N']:,}: retrieval ms, attention ms, retrieval/attention, "
+                                        "decode/stock" for r in rows) + " |", "|---" * (len(rows) + 1) + "|"]
+    for name in names:
+        cells = []
+        for r in rows:
+            d = r["methods"].get(name)
+            b = (d or {}).get("breakdown_ms", {})
+            if not d or "retrieval" not in b:
+                cells.append("—")
+                continue
+            att = b.get("attention", float("nan"))
+            cells.append(f"{b['retrieval']:.1f}, {att:.1f}, {b['retrieval'] / att:.2f}, "
+                         + ("—" if d["decode_vs_stock"] != d["decode_vs_stock"] else f"{d['decode_vs_stock']:.2f}"))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def markdown(rows: list[dict], order: list[str]) -> str:

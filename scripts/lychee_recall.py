@@ -12,6 +12,11 @@ steps after an N-token prompt of Paul Graham essays, per layer, for these varian
 
     .venv/bin/python scripts/lychee_recall.py                         # N = 4096, budget 1024, 16 steps
     .venv/bin/python scripts/lychee_recall.py --n 4096 --steps 16 --out results/summaries/lychee
+    # the perplexity protocol's index: built from the first 1,100 tokens, the rest added by lazy updates
+    .venv/bin/python scripts/lychee_recall.py --variants ub --lazy-from 1100 --out results/summaries/lychee_lazy
+Also reported: ``fill`` = tokens the retrieved chunks hold / the retrieval budget (token_budget - sinks - the
+unchunked recent tokens), its minimum over (layer, KV head, step), the share of retrievals that returned no chunk,
+and the largest fine cluster in tokens.
 Writes recall.md (table: layer x variant), recall.csv, recall.json and recall_by_layer.png into --out.
 """
 from __future__ import annotations
@@ -50,12 +55,23 @@ def true_top_recall(store, policy, query: torch.Tensor, top: int) -> torch.Tenso
     return mask.gather(2, idx).float().mean(-1)[0]
 
 
+def retrieved_fill(store, policy) -> torch.Tensor:
+    """Per KV head [H]: tokens of the retrieved chunks / the retrieval budget of the last retrieval."""
+    m, last = policy.method, policy.last
+    budget = m.token_budget - m.sink - (store.n - last["frontier"])
+    chunk_tokens = last["valid"].sum(-1) - m.sink - (store.n - last["frontier"])
+    return (chunk_tokens.float() / budget)[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=4096, help="prompt tokens")
     ap.add_argument("--steps", type=int, default=16, help="teacher-forced decode steps measured")
     ap.add_argument("--variants", type=str, default=",".join(VARIANTS))
     ap.add_argument("--set", nargs="*", default=[], help="overrides for every variant, e.g. token_budget=512")
+    ap.add_argument("--lazy-from", type=int, default=0, help="build the index from the first N0 prompt tokens and "
+                    "add the rest by lazy updates, --lazy-step tokens at a time (0: build from the whole prompt)")
+    ap.add_argument("--lazy-step", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=str, default="results/summaries/lychee")
     args = ap.parse_args()
@@ -88,15 +104,25 @@ def main() -> None:
         method, _ = compose_method(args.set + VARIANTS[name])
         top = method.token_budget - method.sink
         per_layer: dict[int, list[torch.Tensor]] = {}
+        fills: list[torch.Tensor] = []
         attended: list[float] = []
         t0 = time.perf_counter()
         with attach(model, method, tok) as a:
             cache = a.new_cache()
             cache.reference_length = args.n
             cache.token_ids = list(base.token_ids)
+            n0 = args.lazy_from or args.n
+            cache.reference_length = n0
             for new, old in zip(cache.stores, base.stores):
-                new.update(old.keys.clone(), old.values.clone())
+                new.update(old.keys[:, :, :n0].clone(), old.values[:, :, :n0].clone())
             cache.end_prefill()
+            cache.phase = "decode"
+            for a0 in range(n0, args.n, args.lazy_step):  # the rest of the prompt joins the index lazily
+                a1 = min(args.n, a0 + args.lazy_step)
+                for new, old in zip(cache.stores, base.stores):
+                    new.update(old.keys[:, :, a0:a1].clone(), old.values[:, :, a0:a1].clone())
+                    if isinstance(new.policy, LycheePolicy):
+                        new.policy._sync_index(new)
             for store in cache.stores:
                 pol = store.policy
                 if not isinstance(pol, LycheePolicy):
@@ -106,6 +132,7 @@ def main() -> None:
                     out = _orig(st, query, scaling)
                     if _pol.last is not None:
                         per_layer.setdefault(_pol.info.layer_idx, []).append(true_top_recall(st, _pol, query, top))
+                        fills.append(retrieved_fill(st, _pol))
                     return out
 
                 pol.attend = wrapped
@@ -113,11 +140,17 @@ def main() -> None:
                 forward(model, ids[t: t + 1], cache)
             attended = cache.attended_tokens
         recall = {layer: float(torch.stack(v).mean()) for layer, v in sorted(per_layer.items())}
+        fill = torch.cat(fills)
+        biggest = max(int(s.policy.tok_c.max()) for s in cache.stores if isinstance(s.policy, LycheePolicy))
         results[name] = {"settings": method.describe(), "recall_by_layer": recall,
                          "mean_recall": sum(recall.values()) / len(recall),
+                         "index_built_at": n0, "fill_mean": float(fill.mean()), "fill_min": float(fill.min()),
+                         "empty_share": float((fill == 0).float().mean()), "largest_cluster_tokens": biggest,
                          "attended_tokens_per_layer_step": sum(attended) / len(attended) / len(cache.stores),
                          "seconds": time.perf_counter() - t0}
-        print(f"{name:6s} mean recall {results[name]['mean_recall']:.4f}  ({method.describe()}, "
+        print(f"{name:6s} mean recall {results[name]['mean_recall']:.4f}  fill mean {float(fill.mean()):.3f} "
+              f"min {float(fill.min()):.3f}  empty {float((fill == 0).float().mean()):.3f}  largest cluster "
+              f"{biggest} tokens  ({method.describe()}, "
               f"{results[name]['seconds']:.0f} s)", flush=True)
 
     out = Path(args.out)
@@ -127,9 +160,15 @@ def main() -> None:
     body = "".join(f"| {L} | " + " | ".join(f"{results[v]['recall_by_layer'][L]:.4f}" for v in names) + " |\n"
                    for L in layers)
     mean = "| **mean** | " + " | ".join(f"**{results[v]['mean_recall']:.4f}**" for v in names) + " |\n"
+    lazy = (f" Index built from the first {args.lazy_from} tokens, the rest added by lazy updates "
+            f"({args.lazy_step} tokens at a time)." if args.lazy_from else "")
+    fill = "".join(f"\n{v}: fill mean {results[v]['fill_mean']:.3f}, min {results[v]['fill_min']:.3f}, no chunk "
+                   f"in {results[v]['empty_share']:.1%} of retrievals, largest cluster "
+                   f"{results[v]['largest_cluster_tokens']} tokens." for v in names)
     note = (f"\nRecall of the true top-{top} attention tokens (sinks excluded) at token_budget "
             f"{method.token_budget}, SmolLM2-135M-Instruct, {args.n}-token Paul Graham essays prompt, mean over "
-            f"{args.steps} teacher-forced decode steps and the KV heads; layers < full_layers attend fully.\n")
+            f"{args.steps} teacher-forced decode steps and the KV heads; layers < full_layers attend fully.{lazy}\n"
+            f"{fill}\n")
     (out / "recall.md").write_text(head + body + mean + note)
     (out / "recall.csv").write_text("layer," + ",".join(names) + "\n" + "".join(
         f"{L}," + ",".join(f"{results[v]['recall_by_layer'][L]:.6f}" for v in names) + "\n" for L in layers))

@@ -57,6 +57,12 @@ def tiny_qwen3():
 
 
 @pytest.fixture(scope="session")
+def tiny_gqa3():
+    """Llama with 3 query heads per KV head (SmolLM2's ratio: 9 / 3); the other tiny models have 2."""
+    return tiny("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3():
     return tiny("gemma3")
 

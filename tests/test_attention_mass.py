@@ -106,3 +106,26 @@ def test_fused_kernel_equals_the_torch_loop_on_awkward_inputs():
         for a, r, tol in zip(got, ref, (2e-4, 1e-4, 5e-4)):
             torch.testing.assert_close(a.double(), r, rtol=0, atol=tol)
         assert (got[1] == 0).any()  # some keys get no mass at all: the underflow path ran
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_kernel_at_real_head_sizes_and_2k_keys(d):
+    """Real shapes: head dims 64 and 128 (SmolLM2 / most 1-8B models), 2,304 keys, SmolLM2's 3 query heads per KV
+    head; a chunk of 256 queries after a 2,048-token prefix (the kernel's per-block max, exp and GEMV over a long
+    key axis, several key tiles per row): output, masses and entropies against float64."""
+    torch.manual_seed(d)
+    b, hq, hkv, n, lq = 1, 6, 2, 2304, 256
+    past = n - lq
+    q = torch.randn(b, hq, lq, d) * 1.5
+    k, v = torch.randn(b, hkv, n, d) * 1.5, torch.randn(b, hkv, n, d)
+    sc = d ** -0.5
+    out, mass, ent = base._blocked_attention(q, k, v, sc, past, entropy=True, kernel=True)
+    ref_out, ref_mass = _reference(q, k, v, sc)
+    ke = k.double().repeat_interleave(hq // hkv, 1)
+    logp = ((q.double() @ ke.transpose(-1, -2)) * sc).masked_fill(
+        torch.ones(lq, n, dtype=torch.bool).triu(past + 1), float("-inf")).log_softmax(-1)
+    ref_ent = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+    torch.testing.assert_close(mass.double(), ref_mass, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(mass.sum(), torch.tensor(float(hq * lq)), rtol=1e-5, atol=0)

@@ -264,3 +264,67 @@ def test_prefill_entropy_from_the_blocked_pass_equals_the_explicit_softmax(hq, h
     for a, b_ in zip(fast, slow):
         assert a.shape == b_.shape
         torch.testing.assert_close(a, b_, rtol=1e-4, atol=2e-5)
+
+
+def test_bin_takes_high_entropy_low_mass_tokens_first(tiny_gqa3, monkeypatch):
+    """Which raw tokens go to the recycle bin, against a plain reference over the entropies and masses the layer
+    held when it flushed (their values are tested against the explicit softmax below): candidates (neither sinks
+    nor the recent window) ranked by percentile rank of the *high* entropy + percentile rank of the *low*
+    accumulated mass, the top ``bins x bin_size`` binned (ties: the earlier token)."""
+    from luka_bench.methods.entropy_ols import ENT, MASS, EntropyOLSPolicy
+
+    seen = {}
+    real = EntropyOLSPolicy._flush_raw
+
+    def spy(self, store, deficit, cap):
+        lo, hi = self._candidates(store, cap)
+        before = (store.aux(ENT)[0].clone(), store.aux(MASS)[0].clone(), store.positions[0].clone(), lo, hi)
+        ok = real(self, store, deficit, cap)
+        seen.setdefault(self.info.layer_idx, (*before, store.positions[0].clone()))
+        return ok
+
+    monkeypatch.setattr(EntropyOLSPolicy, "_flush_raw", spy)
+    model = tiny_gqa3.model
+    m = EntropyOLS(budget=0.8, mode="ols", bin_size=8, rank=2, n_ref=4, sink=2)
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(9))
+    with attach(model, m) as a, torch.no_grad():
+        c = a.new_cache()
+        c.reference_length = 60
+        model(ids, past_key_values=c)
+        c.end_prefill()
+    assert len(seen) == model.config.num_hidden_layers
+    for layer, (ent, mass, pos, lo, hi, after) in seen.items():
+        for h in range(ent.shape[0]):
+            cand = list(range(lo, hi))
+            e, w = ent[h].tolist(), mass[h].tolist()
+            by_ent = sorted(cand, key=lambda j: (e[j], j))  # ascending entropy: rank 0 = lowest
+            by_low_mass = sorted(cand, key=lambda j: (-w[j], j))  # rank 0 = highest mass
+            prio = {j: by_ent.index(j) + by_low_mass.index(j) for j in cand}
+            n_bin = pos.shape[-1] - after.shape[-1]
+            binned = sorted(sorted(cand, key=lambda j: (-prio[j], j))[:n_bin])
+            assert n_bin > 0 and len(cand) > n_bin
+            gone = sorted(set(pos[h].tolist()) - set(after[h].tolist()))
+            assert gone == [int(pos[h, j]) for j in binned], (layer, h)
+
+
+def test_value_fit_weights_each_reference_query_by_the_bins_share_of_its_attention():
+    """Replacing a bin by synthetic entries of the same partition mass changes the *whole* attention output of a
+    query q by share_q * (bin output estimate - bin output), share_q = Z_bin(q) / Z_all(q). So the values must
+    minimise sum_q share_q^2 ||p_q V - t_q||^2 (ridge 0: the weighted least-squares solution), not the unweighted
+    error, which over-fits queries that barely look at the bin."""
+    d, m, mq, r = 8, 12, 40, 3
+    kb, vb, bb = rnd(m, d), rnd(m, d), torch.zeros(m)
+    q = rnd(mq, d) * 2
+    s = d ** -0.5
+    _, lz_bin, target = bin_attention(q, kb, vb, bb, s)
+    rest = torch.linspace(-4.0, 6.0, mq)  # log-mass of everything else held: the bin's share spans 0.002 .. 1
+    lz_all = torch.logaddexp(lz_bin, lz_bin + rest)
+    keys, values, bias, _ = fit_ols_entries(q, kb, vb, bb, lz_all, s, r, 8, 0.0)
+    p = torch.softmax(q @ keys.T * s + bias, -1).double()
+    share = torch.exp(lz_bin - lz_all).double()
+    t = target.double()
+    weighted = torch.linalg.lstsq(p * share[:, None], t * share[:, None]).solution
+    plain = torch.linalg.lstsq(p, t).solution
+    cost = lambda v: float((((p @ v - t) * share[:, None]) ** 2).sum())  # noqa: E731
+    assert torch.allclose(values.double(), weighted, atol=2e-3), (values.double() - weighted).abs().max()
+    assert cost(plain) > 1.05 * cost(weighted)  # the two solutions really differ here: the test can fail

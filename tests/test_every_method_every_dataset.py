@@ -1,7 +1,15 @@
-"""Every method config runs on every dataset kind through the real runner (tiny model, one item each)."""
+"""Every method config runs on every dataset config through the real runner (tiny model, one item each).
+
+Both are discovered: every ``conf/method/*.yaml`` and every ``conf/data/*.yaml``. A data config says how to
+shrink itself for this test in a comment line of its own, ``# tests: <overrides>`` (e.g. ``# tests: data.limit=1
+data.max_tokens=300``): command-line overrides that make it one small offline item. A comment, so every
+``instantiate(cfg.data)`` takes the file as it is; the line is also the command a user can try it with.
+"""
 from __future__ import annotations
 
 import math
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -10,23 +18,31 @@ import luka_bench.run as R
 from conftest import CONF, compose
 
 METHODS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
-DATA = {
-    "wikisalad_easy": ["data.limit=1"],
-    "babilong": ["data.limit=1", "data.task=qa1", "data.length=0k"],
-    "longbench_v2": ["data.limit=1", "data.max_tokens=300"],
-    "pg19": ["data.limit=1", "data.max_tokens=80"],
-}
+DATA = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))
+TESTS_LINE = re.compile(r"^# tests:(.*?)(?:\s+\(.*\))?\s*$", re.MULTILINE)
 
 
-@pytest.mark.parametrize("data", sorted(DATA))
+def shrink(data: str) -> list[str]:
+    """The overrides of the ``# tests:`` line of conf/data/<data>.yaml (required: a dataset that does not say how
+    to shrink itself would run whole, for minutes, in every method's test)."""
+    found = TESTS_LINE.findall((CONF / "data" / f"{data}.yaml").read_text(encoding="utf-8"))
+    assert len(found) == 1, f"conf/data/{data}.yaml needs one line '# tests: data.limit=1 ...' (see the README)"
+    over = shlex.split(found[0])
+    assert over and all(o.lstrip("+").startswith("data.") and "=" in o for o in over), (data, over)
+    return over
+
+
+@pytest.mark.parametrize("data", DATA)
+def test_every_data_config_says_how_to_shrink_itself(data):
+    cfg = compose(f"data={data}", *shrink(data))
+    assert cfg.data.get("limit") is not None, "the tests line must bound data.limit"
+
+
+@pytest.mark.parametrize("data", DATA)
 @pytest.mark.parametrize("method", METHODS)
 def test_method_runs_on_dataset(method, data, tmp_path):
     over = [f"method={method}", f"data={data}", "model=tiny_llama", "max_new_tokens=3", "progress=false",
-            *DATA[data]]
-    if data == "pg19":
-        book = tmp_path / "book.txt"
-        book.write_text("The quick brown fox jumps over the lazy dog near the river bank. " * 8)
-        over += ["data.source=file", f"data.path={book}"]
+            *shrink(data)]
     m = R.run(compose(*over), tmp_path / "run")
     assert m["complete"] and m["n_examples"] >= 1
     headline = m["headline"]

@@ -1,6 +1,8 @@
 """H2O (= LuKA lined), SnapKV and per-layer assignment: the invariants from their papers, on tiny models."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hydra.utils import instantiate
@@ -34,7 +36,7 @@ def with_budget_one(node):
 
 
 @pytest.mark.parametrize("name", METHOD_CONFIGS)
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3", "tiny_gqa3"])
 def test_every_method_config_with_whole_budget_equals_full(name, arch, request):
     """Any method given the whole context as budget must equal full attention (every conf/method/*.yaml)."""
     lm = request.getfixturevalue(arch)
@@ -56,7 +58,7 @@ def eager_weights(model, ids):
     return [a[0] for a in out.attentions]
 
 
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3", "tiny_gqa3"])
 def test_h2o_scores_are_attention_column_sums(arch, request):
     """Accumulated mass after a prefill of 30 tokens and 6 decode steps = column sums of the attention weights of
     those 36 queries (eager, explicit softmax), summed over the query heads of each KV group."""
@@ -198,8 +200,31 @@ def test_luka_lined_is_h2o_with_the_paper_settings():
     cfg = compose("method=luka_lined")
     m = instantiate(cfg.method)
     assert isinstance(m, H2O) and m.decay is None and m.min_recent == 128 and m.budget == 0.125
-    heavy, recent = H2OPolicy(m, None).split(400)
-    assert (heavy, recent) == (272, 128)
+    assert m.recent_budget == "on_top"  # the paper's reading: 1/8 heavy hitters plus the tail
+    assert H2OPolicy(m, None).split(50) == (50, 128)  # a 400-token prompt: ceil(400/8) = 50 heavy + 128 recent
+    m.recent_budget = "inside"
+    assert H2OPolicy(m, None).split(400) == (272, 128)
+
+
+@pytest.mark.parametrize("where", ["on_top", "inside"])
+def test_lined_tail_on_top_of_or_inside_the_heavy_budget(where, tiny_llama):
+    """Held per layer after the prefill and after every decode step: on_top = ceil(budget * seen) heavy hitters +
+    the tail; inside = ceil(budget * seen) in all, the tail included; the tail is always the newest tokens."""
+    model = tiny_llama.model
+    L, tail, budget = 80, 16, 0.25
+    ids = torch.randint(0, 256, (1, L + 6), generator=torch.Generator().manual_seed(31))
+    m = H2O(budget=budget, recent_fraction=0.0, min_recent=tail, recent_budget=where)
+    with attach(model, m) as a, torch.no_grad():
+        c = a.new_cache()
+        c.reference_length = L
+        model(ids[:, :L], past_key_values=c)
+        c.end_prefill()
+        for t in range(L, L + 6):
+            seen = max(t, L)
+            want = math.ceil(budget * seen) + (tail if where == "on_top" else 0)
+            assert c.held_tokens() == [want] * len(c.stores), (t, where)
+            assert (c.stores[0].positions[..., -tail:] == torch.arange(seen - tail, seen)).all()
+            model(ids[:, t: t + 1], past_key_values=c)
 
 
 # -------------------------------------------------------------------------------------------------------- SnapKV
@@ -239,7 +264,7 @@ class RecordingSnapKV(SnapKVPolicy):
 
 
 @pytest.mark.parametrize("pooling", ["max", "avg", "avg_inrange"])
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3", "tiny_gqa3"])
 def test_snapkv_kept_indices_equal_slow_reference(arch, pooling, request):
     lm = request.getfixturevalue(arch)
     model = lm.model
@@ -256,6 +281,32 @@ def test_snapkv_kept_indices_equal_slow_reference(arch, pooling, request):
         ref = slow_snapkv_indices(q, k, scaling, 20, 6, 5, pooling)
         assert store.positions[0].tolist() == ref
         assert store.n == 20
+
+
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gqa3"])
+def test_snapkv_observes_the_last_window_queries_of_the_prompt(arch, pooling, request):
+    """Independent of what the policy records: the scores come from one eager forward's attention weights
+    (output_attentions), rows of the *last* ``window`` prompt queries, summed over the group's query heads; a
+    policy observing any other queries (e.g. the first window) keeps other tokens."""
+    model = request.getfixturevalue(arch).model
+    L, w, cap = 56, 6, 20
+    ids = torch.randint(0, 256, (1, L), generator=torch.Generator().manual_seed(21))
+    with attach(model, SnapKV(budget=cap / L, window=w, kernel=5, pooling=pooling)) as a, torch.no_grad():
+        c = a.new_cache()
+        c.reference_length = L
+        model(ids, past_key_values=c)
+        c.end_prefill()
+    g = model.config.num_attention_heads // model.config.num_key_value_heads
+    for layer, att in enumerate(eager_weights(model, ids)):
+        score = att[:, L - w:, : L - w].double().sum(1).view(-1, g, L - w).sum(1)  # [Hkv, prefix]
+        pad = 5 // 2
+        padded = torch.nn.functional.pad(score, (pad, pad), value=float("-inf") if pooling == "max" else 0.0)
+        win = padded.unfold(-1, 5, 1)
+        pooled = win.max(-1).values if pooling == "max" else win.sum(-1) / 5
+        top = [sorted(sorted(range(L - w), key=lambda j: (-float(row[j]), j))[: cap - w]) for row in pooled]
+        ref = [t + list(range(L - w, L)) for t in top]
+        assert c.stores[layer].positions[0].tolist() == ref, layer
 
 
 def test_snapkv_avg_pooling_follows_the_reference_edge_rule():

@@ -118,19 +118,36 @@ def slow_selection(L, S, r, alpha, traces, planes, n_layers):
     return sorted(kept + tail)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("alpha,qa", [(1.0, True), (0.0, True), (1.0, False), (0.0, False), (0.5, True)])
+@pytest.mark.parametrize("arch", ARCHS + ["tiny_gqa3"])  # gqa3: 3 query heads per KV head (SmolLM2's ratio)
+@pytest.mark.parametrize("alpha,qa", [(1.0, True), (0.0, True), (1.0, False), (0.0, False), (0.75, True),
+                                      (0.75, False)])
 def test_exact_and_lsh_selection_equal_slow_reference(arch, alpha, qa, request):
     """alpha = 1 (exact only) and alpha = 0 (LSH only), question-aware and not: the kept positions equal a slow
-    loop reference computed from the same queries and window keys (recorded per layer and block)."""
+    loop reference computed from the same queries and window keys (recorded per layer and block). Here G = 10,
+    so alpha = 0.75 gives alpha G = 7.5: floor(7.5) = 7 by exact scores and 3 by LSH (a ceil would take 8 + 2)."""
     model = request.getfixturevalue(arch).model
     L, S, r = 90, 32, 0.4
     ids = torch.randint(0, 256, (L,), generator=torch.Generator().manual_seed(11))
     m = LaserKV(budget=r, block_size=S, alpha=alpha, question_aware=qa, lsh_bits=3, lsh_tables=7)
     c = run_laser(model, m, ids, trace=True)
     st = c.state[STATE]
+    assert math.floor(2 * r * S * L / (S + L)) == 18  # B = 18, A = W = 4, G = 10
     ref = slow_selection(L, S, r, alpha, st["trace"], st["planes"], model.config.num_hidden_layers)
     assert c.stores[0].positions[0, 0].tolist() == ref
+
+
+def test_question_is_scored_at_the_positions_right_after_the_whole_context(tiny_gqa3):
+    """Every block's scratch forward puts the question right after the *whole* context (positions L, L + 1, ...),
+    not after the block just prefilled: the first layer's question queries depend only on the question's ids and
+    positions, so they are the same after every block (the last block's are at L by construction)."""
+    model = tiny_gqa3.model
+    L, S = 120, 32
+    ids = torch.randint(0, 256, (L,), generator=torch.Generator().manual_seed(8))
+    c = run_laser(model, LaserKV(budget=0.3, block_size=S, alpha=1.0), ids, question=(5, 6, 7, 8), trace=True)
+    first = [e["q"] for e in c.state[STATE]["trace"] if e["layer"] == 0 and not e["causal"]]
+    assert len(first) == math.ceil(L / S)
+    for q in first[:-1]:
+        assert torch.allclose(q, first[-1], atol=1e-5), (q - first[-1]).abs().max()
 
 
 def _eager_block_logits(model, ids, allowed):

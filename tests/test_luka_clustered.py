@@ -27,7 +27,7 @@ def run(model, method, ids=IDS, split=100, question=10):
     return method_logits(model, method, ids, split, question=question)
 
 
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3", "tiny_gqa3"])
 @pytest.mark.parametrize("kw", [
     dict(refine={"rule": "top_frac", "fraction": 1.0}),
     dict(refine={"rule": "top_frac", "fraction": 1.0}, compressor="mean", sink=4),

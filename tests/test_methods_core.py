@@ -12,7 +12,7 @@ from luka_bench.methods.streaming_llm import StreamingLLM
 
 from conftest import attn_impl, masked_eager_logits
 
-ARCHS = ["tiny_llama", "tiny_qwen3", "tiny_gemma3"]
+ARCHS = ["tiny_llama", "tiny_qwen3", "tiny_gemma3", "tiny_gqa3"]
 
 
 def plain_logits(model, ids, split):
@@ -203,3 +203,39 @@ def test_device_spans_resolve_when_read(tiny_llama):
     c.add_span("eviction", FakeEvent(0.0), FakeEvent(5.0))
     d = c.clone()
     assert d.timings == pytest.approx({"attention": 0.27, "eviction": 0.015}) and c._pending == []
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3", "tiny_gqa3"])
+def test_streaming_cache_positions_put_every_key_at_its_place_in_the_cache(arch, request):
+    """positions=cache (the StreamingLLM paper's and official code's rule): after evictions at the prefill and at
+    every step, the first layer's held keys equal the keys of a fresh forward of just the held tokens (its keys
+    depend only on the token and its position, so this holds iff the key at cache index i sits at position i,
+    the new tokens included). positions=original keeps the seen positions and differs."""
+    model = request.getfixturevalue(arch).model
+    ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(23))
+    for mode in ("cache", "original"):
+        with attach(model, StreamingLLM(budget=0.25, sink=4, positions=mode)) as a, torch.no_grad():
+            c = a.new_cache()
+            c.reference_length = 50
+            model(ids[:, :50], past_key_values=c)
+            c.end_prefill()
+            for t in range(50, 70):
+                model(ids[:, t: t + 1], past_key_values=c)
+            s = c.stores[0]
+            kept = s.positions[0, 0]
+            assert s.n == 18 and kept[:4].tolist() == [0, 1, 2, 3] and kept[-1] == 69
+            with attach(model, Full()) as f:
+                fresh = f.new_cache()
+                model(ids[:, kept], past_key_values=fresh)
+            close = torch.allclose(s.keys, fresh.stores[0].keys, atol=1e-5)
+            assert close == (mode == "cache"), (mode, (s.keys - fresh.stores[0].keys).abs().max())
+            assert torch.allclose(s.values, fresh.stores[0].values, atol=1e-5)
+            assert c.get_seq_length() == (18 if mode == "cache" else 70)
+
+
+def test_streaming_positions_setting_is_checked(tiny_gemma3):
+    with pytest.raises(MethodConfigError, match="allowed: original, cache"):
+        StreamingLLM(positions="relative")
+    with pytest.raises(MethodConfigError, match="sliding-window"):
+        with attach(tiny_gemma3.model, StreamingLLM(budget=0.5, positions="cache")) as a:
+            a.new_cache()

@@ -150,13 +150,13 @@ def test_plot_files_are_pngs(built):
 def test_headline_bars(sweep):
     runs, _ = tables.load_runs(sweep)
     fig = plots.plot_headline(runs)
-    (ax,) = fig.axes
-    assert legend_texts(ax) == ["full", "h2o", "streaming_llm"]
-    assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == ["wikisalad_easy", "wikisalad_hard"]
-    assert "em_lenient" in ax.get_ylabel()
-    assert len(ax.patches) == 3 * 2  # one bar per method and dataset (the h2o/hard bar is NaN: missing)
-    heights = {round(p.get_height(), 6) for p in ax.patches if p.get_height() == p.get_height()}
-    assert {0.7, 0.4, 0.5, 0.6, 0.2} <= heights
+    easy, hard = fig.axes
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["full", "h2o", "streaming_llm"]
+    assert [ax.get_title().split("\n")[0] for ax in fig.axes] == ["wikisalad_easy", "wikisalad_hard"]
+    assert "em_lenient" in easy.get_ylabel()
+    assert len(easy.patches) == 3 and len(hard.patches) == 2  # the h2o/hard run has no result: no bar
+    heights = {round(p.get_height(), 6) for ax in fig.axes for p in ax.patches}
+    assert heights == {0.7, 0.4, 0.5, 0.6, 0.2}
 
 
 def test_metric_vs_setting_lines(sweep):
@@ -290,3 +290,176 @@ def test_rows_and_columns_follow_the_sweep_command(tmp_path):
     res = report.build(root, metric="em_lenient", plots=False, echo=False)
     assert list(res["pivot_strings"].index) == ["wikisalad_easy", "wikisalad_hard"]
     assert list(res["pivot_strings"].columns) == ["full", "h2o"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Issue 26: uncertainty (± SE clustered by example, n), --paired, plots of a mixed folder, the latency label
+# ---------------------------------------------------------------------------------------------------------
+
+def make_scored_run(root: Path, name: str, method: str, data: str, scores: dict[str, list[float]],
+                    kv: float = 1.0, model: str = "tiny_llama", extra: dict | None = None) -> Path:
+    """A QA run whose predictions hold per-question ``em_lenient`` scores: {example id: [score per question]};
+    its metrics.json says what the runner would (the mean over questions)."""
+    recs = [{"item_id": f"{ex}/q{i}", "example_id": ex, "scores": {"em_lenient": s}, "ttft_s": 0.1, "tpot_s": 0.01}
+            for ex, ss in scores.items() for i, s in enumerate(ss)]
+    mean = sum(r["scores"]["em_lenient"] for r in recs) / len(recs)
+    d = make_run(root, name, method, data, {**qa(mean - 0.1, kv), "em_lenient": mean, "n_examples": len(recs),
+                                            **(extra or {})}, model=model)
+    (d / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (d / "env.json").write_text(json.dumps({"host": "box1", "device": "cpu", "cuda": None, "torch_threads": 1,
+                                            "platform": "Linux"}))
+    return d
+
+
+def test_cluster_se_counts_an_example_once():
+    import statistics
+
+    from luka_bench.metrics import mean_se
+
+    # questions of one example answered alike: the examples, not the questions, are the independent draws
+    per_example = [0.0, 1.0, 1.0, 0.0, 1.0]
+    vals = [v for v in per_example for _ in range(4)]
+    clusters = [str(i) for i, _ in enumerate(per_example) for _ in range(4)]
+    got = mean_se(vals, clusters)
+    assert got["n"] == 20 and got["clusters"] == 5
+    assert got["se"] == pytest.approx(statistics.stdev(per_example) / len(per_example) ** 0.5)
+    naive = mean_se(vals)  # one cluster per item: s / sqrt(n)
+    assert naive["se"] == pytest.approx(statistics.stdev(vals) / len(vals) ** 0.5)
+    assert got["se"] > 1.5 * naive["se"]  # treating questions as independent understates the error
+    assert mean_se([1.0], ["a"])["se"] != mean_se([1.0], ["a"])["se"]  # one cluster: NaN, not 0
+
+
+def test_perplexity_se_is_zero_for_identical_documents_and_grows_with_spread():
+    from luka_bench.metrics import perplexity_se
+
+    same = perplexity_se([{"nll_sum": 30.0, "n_tokens": 10}] * 3)
+    spread = perplexity_se([{"nll_sum": 20.0, "n_tokens": 10}, {"nll_sum": 40.0, "n_tokens": 10},
+                            {"nll_sum": 30.0, "n_tokens": 10}])
+    assert same["mean"] == pytest.approx(spread["mean"]) and same["se"] == pytest.approx(0.0)
+    assert spread["se"] > 0 and spread["n"] == 3
+
+
+@pytest.fixture
+def scored(tmp_path) -> Path:
+    root = tmp_path / "s"
+    full = {"e1": [1, 1, 1, 0], "e2": [1, 0, 1, 1], "e3": [0, 0, 1, 0], "e4": [1, 1, 1, 1]}
+    h2o = {"e1": [1, 0, 1, 0], "e2": [1, 0, 0, 1], "e3": [0, 0, 0, 0], "e4": [1, 1, 0]}  # one question short
+    make_scored_run(root, "data=easy,method=full", "full", "wikisalad_easy", full)
+    make_scored_run(root, "data=easy,method=h2o", "h2o", "wikisalad_easy", h2o, kv=0.13)
+    return root
+
+
+def test_every_cell_shows_mean_se_and_n(scored):
+    import re
+
+    from luka_bench.metrics import mean_se
+
+    res = report.build(scored, plots=False, echo=False)
+    cell = res["pivot_strings"].loc["wikisalad_easy", "full"]
+    m = re.fullmatch(r"(\d\.\d+) ± (\d\.\d+) \(n=(\d+)\)", cell)
+    assert m, cell
+    vals = [1, 1, 1, 0, 1, 0, 1, 1, 0, 0, 1, 0, 1, 1, 1, 1]
+    want = mean_se([float(v) for v in vals], [f"e{i // 4 + 1}" for i in range(16)])
+    d = len(m.group(2).split(".")[1])
+    assert m.group(1) == f"{want['mean']:.{d}f}" and m.group(2) == f"{want['se']:.{d}f}" and int(m.group(3)) == 16
+    md = (scored / "report" / "pivot_headline.md").read_text()
+    assert "clustered by example" in md and "± " in md
+
+
+def test_values_at_the_precision_their_se_supports():
+    assert tables.fmt_mean_se(0.7375, 0.0512, 40) == "0.74 ± 0.05 (n=40)"
+    assert tables.fmt_mean_se(0.7375, 0.0142, 40) == "0.738 ± 0.014 (n=40)"
+    assert tables.fmt_mean_se(31.234, 1.7, 3) == "31 ± 2 (n=3)"
+    assert tables.fmt_mean_se(0.031, 0.004, 8, signed=True) == "+0.031 ± 0.004 (n=8)"
+    assert tables.fmt_mean_se(0.5, float("nan"), 1) == "0.5 (n=1)"
+
+
+def test_paired_differences_to_a_reference_on_shared_items(scored, capsys):
+    from luka_bench.metrics import mean_se
+
+    assert report.main([str(scored), "--paired", "full", "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    md = (scored / "report" / "pivot_paired_full_headline.md").read_text()
+    full = {"e1": [1, 1, 1, 0], "e2": [1, 0, 1, 1], "e3": [0, 0, 1, 0], "e4": [1, 1, 1, 1]}
+    h2o = {"e1": [1, 0, 1, 0], "e2": [1, 0, 0, 1], "e3": [0, 0, 0, 0], "e4": [1, 1, 0]}
+    diffs = [(h - f, ex) for ex in h2o for h, f in zip(h2o[ex], full[ex])]
+    want = mean_se([float(d) for d, _ in diffs], [ex for _, ex in diffs])
+    assert want["n"] == 15  # the question h2o lacks is left out
+    assert tables.fmt_mean_se(want["mean"], want["se"], 15, signed=True) in md
+    assert "reference" in md and md in out
+    assert report.main([str(scored), "--paired", "nope", "--no-plots"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+@pytest.fixture
+def mixed(tmp_path) -> Path:
+    """A folder like results/runs after a few tries: QA and perplexity runs, a zero score, two runs that land on
+    the same point, and a run of another model that failed (its config differs in model_name and _target_)."""
+    root = tmp_path / "runs"
+    make_scored_run(root, "a", "full", "wikisalad_easy", {"e1": [1, 0, 1], "e2": [1, 1, 1]})
+    make_scored_run(root, "b", "h2o", "wikisalad_easy", {"e1": [0, 0, 0], "e2": [0, 0, 0]}, kv=0.13)
+    make_scored_run(root, "c", "snapkv", "wikisalad_easy", {"e1": [0, 0, 0], "e2": [0, 0, 0]}, kv=0.13)
+    ppl = make_run(root, "d", "full", "pg19", {**qa(0.0, 1.0), "perplexity": 31.5}, headline="perplexity")
+    (ppl / "predictions.jsonl").write_text("".join(json.dumps({"item_id": f"doc{i}", "nll_sum": 34.0 + i,
+                                                               "n_tokens": 10}) + "\n" for i in range(3)))
+    bad = make_run(root, "e", "full", "wikisalad_easy", None, model="qwen3_0_6b")
+    cfg = yaml.safe_load((bad / "config.yaml").read_text())
+    cfg["model"]["_target_"] = "x.HubModel"
+    (bad / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return root
+
+
+def _boxes_overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_mixed_folder_plots_one_panel_per_dataset_with_clean_labels(mixed):
+    runs, missing = tables.load_runs(mixed)
+    assert list(missing["run"]) == ["e"]
+    assert set(tables.complete(runs)["variant"]) == {"full", "h2o", "snapkv"}  # no model_name=..., no _target_
+    fig = plots.plot_headline(runs, missing=len(missing))
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    assert set(panels) == {"pg19\nperplexity", "wikisalad_easy\nem_lenient"}
+    qa_ax, ppl_ax = panels["wikisalad_easy\nem_lenient"], panels["pg19\nperplexity"]
+    assert ppl_ax.get_ylim()[1] > 30 > 2 > qa_ax.get_ylim()[1]  # each metric on its own axis
+    assert len(ppl_ax.patches) == 1 and len(qa_ax.patches) == 3  # the failed run: no bar anywhere
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["full", "h2o", "snapkv"]
+    labels = [t for t in qa_ax.texts]
+    assert sorted(t.get_text() for t in labels) == ["0.83±0.17", "0±0", "0±0"]  # at the precision of the SE
+    zero_lines = [c for c in qa_ax.collections if hasattr(c, "get_segments") and c.get_segments() and
+                  all(abs(s[:, 1]).max() == 0 for s in c.get_segments()) and c.get_linewidth()[0] >= 3]
+    assert len(zero_lines) == 2  # the two zero bars are drawn as thick lines at 0
+    assert any("missing.csv" in t.get_text() for t in fig.texts)
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        boxes = [t.get_window_extent(r) for t in ax.texts]
+        assert not any(_boxes_overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+        inside = ax.get_window_extent(r)
+        assert all(b.y1 <= inside.y1 + 1 for b in boxes)  # labels inside their panel: never clipped
+    plots.pyplot().close(fig)
+
+
+def test_coinciding_points_both_show(mixed):
+    runs, _ = tables.load_runs(mixed)
+    fig = plots.plot_accuracy_vs_kv(runs, "em_lenient")
+    ax = [a for a in fig.axes if a.get_title() == "wikisalad_easy"][0]
+    pts = {}
+    for coll in ax.collections:
+        if coll.get_label() in ("h2o", "snapkv"):
+            pts[coll.get_label()] = (tuple(coll.get_offsets()[0]), coll.get_sizes()[0], coll.get_paths()[0])
+    assert pts["h2o"][0] == pts["snapkv"][0]  # the same point ...
+    assert pts["h2o"][1] != pts["snapkv"][1]  # ... drawn at two sizes (and shapes): both visible
+    plots.pyplot().close(fig)
+
+
+def test_latency_plot_names_machine_threads_n_and_the_speed_script(scored):
+    make_scored_run(scored, "data=easy,method=snapkv", "snapkv", "wikisalad_easy", {"e1": [1]},
+                    extra={"latency_breakdown": {"attention": 0.01, "rest": 0.02}})
+    runs, _ = tables.load_runs(scored)
+    fig = plots.plot_latency(runs)
+    title = fig.axes[0].get_title()
+    assert "box1" in title and "cpu" in title and "1 thread" in title
+    foot = " ".join(t.get_text() for t in fig.texts)
+    assert "scripts/bench_decode.py" in foot and "n = 1 items per bar" in foot
+    plots.pyplot().close(fig)

@@ -479,6 +479,11 @@ class BABILong:
             out.append(QAExample(id=ex_id, context=row["input"], questions=[q], meta=dict(meta)))
         return out
 
+    def hub_datasets(self) -> list[str]:
+        """Hub datasets this data setting downloads (``run.prepare`` checks first that they can be had)."""
+        return ([self.dataset_id] if self.source == "hf" else []) + \
+            (["emozilla/pg19"] if self.source == "synthetic" and self.haystack == "pg19" else [])
+
     def check(self) -> None:
         """Read and check a local file source (present, JSON / JSON lines, every task's rows with their fields)
         before the model loads; the synthetic and hub sources are built later, in the model's tokens."""

@@ -99,19 +99,21 @@ def read_json_or_jsonl(path: str, dataset: str):
             raise DataError(f"{dataset}: {path} is neither JSON nor JSON lines ({e.msg} at line {e.lineno})") from None
 
 
-def qa_prompt_ids(tokenizer, use_chat: bool, context_block: str, question_block: str) -> tuple[list[int], list[int]]:
+def qa_prompt_ids(tokenizer, use_chat: bool, context_block: str, question_block: str,
+                  answer_prefix: str = "") -> tuple[list[int], list[int]]:
     """Token ids of the context part and the question part of one prompt. With a chat template the user
     message is ``context_block + question_block``; the rendered text is split where the question starts, so
-    the context part can be prefilled (and compressed) once and shared by all questions of an example."""
+    the context part can be prefilled (and compressed) once and shared by all questions of an example. An
+    ``answer_prefix`` (RULER's) starts the model's answer: after the assistant header with a chat template."""
     if use_chat:
         marker = "\u2063LUKASPLIT\u2063"
         text = tokenizer.apply_chat_template([{"role": "user", "content": context_block + marker + question_block}],
                                              add_generation_prompt=True, tokenize=False)
         pre, post = text.split(marker)
         return (tokenizer(pre, add_special_tokens=False).input_ids,
-                tokenizer(post, add_special_tokens=False).input_ids)
+                tokenizer(post + answer_prefix, add_special_tokens=False).input_ids)
     return (tokenizer(context_block, add_special_tokens=True).input_ids,
-            tokenizer(question_block, add_special_tokens=False).input_ids)
+            tokenizer(question_block + answer_prefix, add_special_tokens=False).input_ids)
 
 
 def evidence_positions(tokenizer, use_chat: bool, context_block: str, spans: list[tuple[int, int]]) -> list[int]:

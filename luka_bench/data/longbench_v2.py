@@ -381,6 +381,10 @@ class LongBenchV2:
         c, q = qa_prompt_ids(self._tokenizer, self._chat, _head(doc), question)
         return len(c) + len(q) - self._max_prompt
 
+    def hub_datasets(self) -> list[str]:
+        """Hub datasets this data setting downloads (``run.prepare`` checks first that they can be had)."""
+        return [self.dataset_id] if self.source == "hf" else []
+
     def check(self) -> None:
         """Read and check the items (a local file: present, JSON / JSON lines, the hub schema) before the model
         loads; kept for ``examples()``."""

@@ -56,6 +56,10 @@ class PG19:
         if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1):
             raise DataError(f"data.limit={self.limit!r} must be an integer >= 1 or null (every document)")
 
+    def hub_datasets(self) -> list[str]:
+        """Hub datasets this data setting downloads (``run.prepare`` checks first that they can be had)."""
+        return [self.dataset_id] if self.source == "hf" else []
+
     def check(self) -> None:
         """Read a local text source (the essays, a file: present and UTF-8) before the model loads; the hub
         source is streamed later."""

@@ -420,6 +420,10 @@ class WikiSalad:
             squad, src = load_squad_file(path), path
         return articles_from_squad(squad, src=src, n_sentences=self.n_sentences)
 
+    def hub_datasets(self) -> list[str]:
+        """Hub datasets this data setting downloads (``run.prepare`` checks first that they can be had)."""
+        return [HUB_ID] if self._resolve_source()[0] == "squad_v2" else []
+
     def check(self) -> None:
         """Read and check the source (a local SQuAD file: present, JSON, SQuAD v2 schema) before the model
         loads; the examples are built once and kept."""

@@ -12,8 +12,11 @@ of queries at a time, output and masses from the same exp, no N x N matrix; deco
 grouped matmul + fp32 softmax, query-chunked) only on the layers
 this method runs on; the model's other layers keep SDPA.
 
-Budget: ``capacity = ceil(budget * max(seen, reference_length))`` tokens held per layer, recent window
-included; ``recent = max(min_recent, round(recent_fraction * capacity))``, at most ``capacity``.
+Budget (``recent_budget``): ``inside`` (H2O's own reading, the default): ``capacity = ceil(budget * max(seen,
+reference_length))`` tokens held per layer, recent window included; ``recent = max(min_recent, round(recent_fraction *
+capacity))``, at most ``capacity``. ``on_top`` (the LuKA paper's lined attention: "roughly 1/8 of the heavy hitters
+with respect to the prompt length" plus a raw tail of at least 128): ``heavy = ceil(budget * max(seen,
+reference_length))`` heavy hitters *plus* ``recent = max(min_recent, round(recent_fraction * heavy))`` recent tokens.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch
 from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, attention_with_mass, top_indices
 
 MASS = "h2o_mass"
+RECENT_BUDGETS = ("inside", "on_top")
 
 
 class H2OPolicy(LayerPolicy):
@@ -39,17 +43,23 @@ class H2OPolicy(LayerPolicy):
         return out
 
     def split(self, cap: int) -> tuple[int, int]:
-        """(heavy, recent) token counts for a capacity."""
+        """(heavy, recent) token counts for a budget of ``cap = ceil(budget * N)`` tokens: recent inside it
+        (``recent_budget: inside``) or on top of it (``on_top``: ``cap`` heavy hitters + the recent window)."""
         m = self.method
+        if m.recent_budget == "on_top" and m.budget < 1.0:
+            return cap, max(m.min_recent, round(m.recent_fraction * cap))
         recent = min(cap, max(m.min_recent, round(m.recent_fraction * cap)))
         return cap - recent, recent
+
+    def capacity(self, store) -> int:
+        return sum(self.split(super().capacity(store)))
 
     def evict(self, store) -> None:
         cap = self.capacity(store)
         n = store.n
         if n <= cap:
             return
-        heavy, recent = self.split(cap)
+        heavy, recent = self.split(super().capacity(store))
         older = n - recent
         if n == cap + 1 and self.incremental:
             # one token more than fits (a decode step): the kept set, the top `heavy` of the `heavy + 1` older
@@ -84,12 +94,15 @@ class H2OPolicy(LayerPolicy):
 class H2O(KVMethod):
     """recent_fraction: share of the capacity given to the recent window (H2O paper: half heavy, half recent);
     min_recent: the recent window is at least this many tokens; decay: None (accumulate without decay, as the
-    H2O and LuKA papers) or a factor in (0, 1] applied to the accumulated mass at every forward."""
+    H2O and LuKA papers) or a factor in (0, 1] applied to the accumulated mass at every forward; recent_budget:
+    inside (the recent window counts in ``budget``) | on_top (``budget`` is the heavy hitters' share, the window
+    comes on top: the LuKA paper's lined setting)."""
 
     budget: float = 0.125
     recent_fraction: float = 0.5
     min_recent: int = 0
     decay: float | None = None
+    recent_budget: str = "inside"
 
     name: ClassVar[str] = "h2o"
     policy_class: ClassVar[type[LayerPolicy]] = H2OPolicy
@@ -102,3 +115,6 @@ class H2O(KVMethod):
             raise MethodConfigError(f"method.min_recent={self.min_recent!r} must be an integer >= 0")
         if self.decay is not None and not (0.0 < float(self.decay) <= 1.0):
             raise MethodConfigError(f"method.decay={self.decay!r} must be null or in (0, 1]")
+        if self.recent_budget not in RECENT_BUDGETS:
+            raise MethodConfigError(f"method.recent_budget={self.recent_budget!r} is unknown; allowed: "
+                                    f"{', '.join(RECENT_BUDGETS)}")

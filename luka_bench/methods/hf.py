@@ -70,6 +70,7 @@ class KVStore(CacheLayerMixin):
         self._aux: dict[str, torch.Tensor] = {}  # per-token method state [B, Hkv, cap], kept aligned with keys
         self.n = 0
         self.seen = 0
+        self.pos_shift = 0  # seen - the position the next token gets (StreamingLLM's positions=cache); 0: logical
 
     # -- views ---------------------------------------------------------------------------------------------
     @property
@@ -273,7 +274,30 @@ class KVStore(CacheLayerMixin):
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.seen  # logical length: transformers derives positions (RoPE) from it
+        # transformers derives the new tokens' positions (RoPE) from it: the logical length, or the position inside
+        # the cache when a policy re-assigns positions (pos_shift, with rotate_keys)
+        return self.seen - self.pos_shift
+
+    def rotate_keys(self, start: int, stop: int, delta: int) -> None:
+        """Move the held keys ``start:stop`` (stored after RoPE) by ``delta`` positions in place: RoPE rotations
+        compose, R(p + delta) k = R(delta) R(p) k, so a key rotated for position p becomes the key for p + delta
+        (the model's own rotary embedding gives cos/sin of ``delta``; its attention scaling divided out; the
+        rotate-half layout of Llama / Qwen / Mistral / Gemma; a partial rotary dimension rotates only its part)."""
+        if stop <= start or delta == 0:
+            return
+        model = self.cache.model
+        rope = getattr(getattr(model, "model", model), "rotary_emb", None)
+        if rope is None:
+            raise RuntimeError(f"{type(model).__name__} has no model.rotary_emb: keys cannot be re-rotated")
+        k = self._k[:, :, start:stop]
+        pid = torch.full((1, 1), delta, device=k.device, dtype=torch.long)
+        cos, sin = rope(k.float(), pid)  # [1, 1, rot]
+        scale = float(getattr(rope, "attention_scaling", 1.0) or 1.0)
+        cos, sin = cos.float() / scale, sin.float() / scale
+        rot, half = cos.shape[-1], cos.shape[-1] // 2
+        x = k[..., :rot].float()
+        out = x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+        self._k[:, :, start:stop, :rot] = out.to(k.dtype)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.n + query_length, 0
@@ -285,6 +309,7 @@ class KVStore(CacheLayerMixin):
         self._k = self._v = self._pos = None
         self._aux = {}
         self.n = self.seen = 0
+        self.pos_shift = 0
         self.is_initialized = False
 
 

@@ -30,8 +30,10 @@ A decode step (one query), vectorised over KV heads, units, clusters and tokens 
    norms, so sum_i UB_i = q_s.mu + ||q||_s.r bounds the group's summed score q_s.v of any member;
 2. coarse units ranked by UB (``ranking: qmu``: by q.mu alone); the top ``k_g`` (``k_g: null``: units in rank order
    until they hold ``coarse_factor`` x the retrieval budget in tokens);
-3. their fine clusters ranked the same way; the top ``k_c`` (``k_c: null``: clusters in rank order while their
-   tokens fit the retrieval budget = ``token_budget`` - sinks - the unchunked recent tokens);
+3. their fine clusters ranked the same way; the top ``k_c`` (``k_c: null``: the chunks of the clusters in rank
+   order, each cluster's chunks by their own score q_s.v, while their tokens fit the retrieval budget =
+   ``token_budget`` - sinks - the unchunked recent tokens: whole clusters, then the best chunks of the first one
+   that does not fit whole — ``_fill``);
 4. exact attention (softmax over the union, fp32 by SDPA) over the ``sink`` first tokens + every token of the
    chosen clusters' chunks + the recent unchunked tokens (the buffer).
 Lazy update (at the next step): each new chunk joins the fine cluster with the nearest centroid direction and that
@@ -238,6 +240,9 @@ class LycheePolicy(LayerPolicy):
         self.mu_c = self.r_c = self.cnt_c = self.tok_c = self.parent = None  # fine clusters [B, H, L(, D)]
         self.mu_g = self.r_g = self.cnt_g = self.tok_g = None                # coarse units [B, H, P(, D)]
         self.last: dict | None = None  # what the last retrieval chose (attended(), tests)
+        # grouped members (CSR, ``_layout``): clusters by unit, chunks by cluster; ku: units a step may choose
+        self.u_members = self.u_start = self.u_count = self.c_members = self.c_start = self.c_count = None
+        self.u_width = self.c_width = self.ku = 0
 
     # -- shared chunker ------------------------------------------------------------------------------------
     def chunker(self, store) -> Chunker:
@@ -250,7 +255,8 @@ class LycheePolicy(LayerPolicy):
         if not self.built:
             return 0
         t = [self.ck[:, :, : self.M], self.assign[:, :, : self.M], self.mu_c, self.r_c, self.cnt_c, self.tok_c,
-             self.parent, self.mu_g, self.r_g, self.cnt_g, self.tok_g]
+             self.parent, self.mu_g, self.r_g, self.cnt_g, self.tok_g, self.u_members, self.u_start, self.u_count,
+             self.c_members, self.c_start, self.c_count]
         return sum(x.nbytes for x in t)
 
     # -- hooks ---------------------------------------------------------------------------------------------
@@ -341,6 +347,7 @@ class LycheePolicy(LayerPolicy):
         self.tok_g = torch.zeros_like(self.cnt_g).scatter_add_(2, self.parent, self.tok_c)
         self.M = M
         self.built = True
+        self._layout(units=True)
 
     def lazy_update(self, store, ch: Chunker) -> None:
         """Each new chunk joins its nearest fine cluster (and that cluster's coarse unit): centroid = new member
@@ -367,6 +374,34 @@ class LycheePolicy(LayerPolicy):
         self.tok_c = self.tok_c.scatter_add(2, c, lens)
         self.tok_g = self.tok_g.scatter_add(2, g, lens)
         self.M = M1
+        self._layout(units=False)
+
+    def _layout(self, units: bool) -> None:
+        """Members of each node in one flat, grouped order (CSR), so a decode step gathers only the clusters of the
+        chosen units and only the chunks of those clusters: ``u_members`` (clusters grouped by unit; the parents
+        never change after the build), ``c_members`` (chunk ids grouped by cluster, redone after every lazy
+        update), with start offsets, counts and the largest count (the padded width of the gathers). ``ku``: at
+        most this many units are chosen under ``k_g: null`` (the most units whose tokens before the last one stay
+        under ``coarse_factor`` x the largest retrieval budget: the smallest units first)."""
+        m = self.method
+        b, h, L = self.parent.shape
+        if units:
+            P = self.mu_g.shape[2]
+            self.u_members = torch.sort(self.parent, dim=-1, stable=True).indices
+            cnt = torch.zeros(b, h, P, dtype=torch.long, device=self.parent.device).scatter_add_(
+                2, self.parent, torch.ones_like(self.parent))
+            self.u_start, self.u_count, self.u_width = cnt.cumsum(-1) - cnt, cnt, max(1, int(cnt.max()))
+        a = self.assign[:, :, : self.M]
+        self.c_members = torch.sort(a, dim=-1, stable=True).indices
+        cnt = torch.zeros(b, h, L, dtype=torch.long, device=a.device).scatter_add_(2, a, torch.ones_like(a))
+        self.c_start, self.c_count, self.c_width = cnt.cumsum(-1) - cnt, cnt, max(1, int(cnt.max()))
+        P = self.mu_g.shape[2]
+        if m.k_g is not None:
+            self.ku = min(P, m.k_g)
+        else:
+            r_max = m.token_budget - m.sink - m.buffer
+            t = torch.sort(self.tok_g, dim=-1).values
+            self.ku = min(P, max(1, int(((t.cumsum(-1) - t) < m.coarse_factor * r_max).sum(-1).max())))
 
     @staticmethod
     def _grow(cnt, mu, r, a, x):
@@ -404,6 +439,52 @@ class LycheePolicy(LayerPolicy):
             take = (cum <= limit) & live
         return torch.zeros_like(take).scatter(2, order, take)
 
+    @staticmethod
+    def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """x [B, H, N, D] at idx [B, H, K] -> [B, H, K, D]."""
+        return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
+
+    @staticmethod
+    def _members(members, start, count, width: int, nodes: torch.Tensor, ok: torch.Tensor):
+        """The members (CSR ``members`` / ``start`` / ``count``) of ``nodes`` [B, H, K] where ``ok``: ids
+        [B, H, K * width] (padding points at member 0) and their validity."""
+        slot = torch.arange(width, device=nodes.device)
+        pos = start.gather(2, nodes).unsqueeze(-1) + slot  # [B, H, K, width]
+        valid = (slot < count.gather(2, nodes).unsqueeze(-1)) & ok.unsqueeze(-1)
+        pos = torch.where(valid, pos, torch.zeros_like(pos)).flatten(2)
+        return members.gather(2, pos), valid.flatten(2)
+
+    def _fill(self, cand: torch.Tensor, uc: torch.Tensor, qs: torch.Tensor, R: int, ch: Chunker):
+        """The ``k_c: null`` fill rule over the candidate clusters ``cand`` [B, H, Kc] (scores ``uc``, -inf where not
+        a candidate): their chunks ordered by their cluster's rank and, inside a cluster, by their own score q_s.v;
+        the longest prefix whose tokens fit ``R``. So whole clusters are taken in UB order and the cluster that
+        does not fit whole contributes its best chunks (App. D's index drift: a cluster grown by lazy updates ranks
+        first with an inflated radius; stopping at it, as the plain rule did, left most steps with no chunk at
+        all). The budget is filled to within one chunk whenever the chosen units hold R tokens. Returns the chosen
+        chunk ids [B, H, cmax] (``cmax = R_max // min_chunk``: every chunk has >= min_chunk tokens) and validity."""
+        m = self.method
+        kc = cand.shape[-1]
+        rank = torch.empty_like(cand).scatter_(
+            2, torch.sort(uc, dim=-1, descending=True, stable=True).indices,
+            torch.arange(kc, device=cand.device).expand_as(cand))
+        chunks, ok = self._members(self.c_members, self.c_start, self.c_count, self.c_width, cand, uc > NEG)
+        crank = torch.where(ok, rank.repeat_interleave(self.c_width, dim=2), torch.full_like(chunks, kc))
+        own = torch.matmul(self._rows(self.ck, chunks), qs.unsqueeze(-1)).squeeze(-1)  # q_s.v per chunk
+        o1 = torch.sort(own, dim=-1, descending=True, stable=True).indices
+        order = o1.gather(2, torch.sort(crank.gather(2, o1), dim=-1, stable=True).indices)
+        ids = chunks.gather(2, order)
+        lens = ch.lens[ids].to(own.dtype)
+        take = (lens.cumsum(-1) <= R) & ok.gather(2, order)  # a prefix: the invalid slots sort last
+        cmax = max(1, min(ids.shape[-1], (m.token_budget - m.sink - m.buffer) // m.min_chunk))
+        return ids[:, :, :cmax], take[:, :, :cmax]
+
+    def chosen_clusters(self) -> torch.Tensor:
+        """The fine clusters the last retrieval read chunks of, as a mask [B, H, L] (tests, diagnostics)."""
+        cid, ok = self.last["cid"], self.last["cvalid"]
+        c = self.assign.gather(2, cid)
+        return torch.zeros_like(self.cnt_c, dtype=torch.long).scatter_reduce(
+            2, c, ok.long(), "amax", include_self=True).bool()
+
     def retrieve(self, store, query):
         """Coarse-to-fine selection for one query [B, Hq, 1, D]. Returns the held-token indices to attend
         [B, H, T] (sinks, the chosen chunks' tokens padded to ``max_chunk`` per chunk, the recent unchunked tokens)
@@ -413,30 +494,32 @@ class LycheePolicy(LayerPolicy):
         b, hq, _, d = query.shape
         hkv = store.keys.shape[1]
         dev = query.device
-        n, fr, M = store.n, ch.frontier, self.M
+        n, fr = store.n, ch.frontier
         qg = query.reshape(b, hkv, hq // hkv, d).float()
         qs, qn = qg.sum(2), qg.norm(dim=-1).sum(2)
         R = m.token_budget - m.sink - (n - fr)  # tokens left for retrieved chunks
         ug = self.scores(qs, qn, self.mu_g, self.r_g, self.cnt_g)
+        order = torch.sort(ug, dim=-1, descending=True, stable=True).indices[:, :, : self.ku]  # [B, H, Ku]
+        live = ug.gather(2, order) > NEG
         if m.k_g is None:
             # units in rank order until they hold coarse_factor x R tokens (the unit crossing the line included)
-            order = torch.sort(ug, dim=-1, descending=True, stable=True).indices
             t = self.tok_g.gather(2, order)
-            take = (t.cumsum(-1) - t < m.coarse_factor * R) & (ug.gather(2, order) > NEG)
-            sel_g = torch.zeros_like(take).scatter(2, order, take)
+            unit_ok = (t.cumsum(-1) - t < m.coarse_factor * R) & live
         else:
-            sel_g = self._prefix(ug, self.tok_g, None, m.k_g)
-        uc = self.scores(qs, qn, self.mu_c, self.r_c, self.cnt_c)
-        uc = uc.masked_fill(~sel_g.gather(2, self.parent), NEG)
-        sel_c = self._prefix(uc, self.tok_c, R, m.k_c)
-        chunk_sel = sel_c.gather(2, self.assign[:, :, :M])  # [B, H, M]
-        # compact the chosen chunks: at most R // min_chunk of them fit the budget (every chunk >= min_chunk)
-        cmax = M if m.k_c is not None else max(1, min(M, R // m.min_chunk))
-        slot = chunk_sel.long().cumsum(-1) - 1
-        slot = torch.where(chunk_sel, slot, torch.full_like(slot, cmax))
-        cid = torch.zeros(b, hkv, cmax + 1, dtype=torch.long, device=dev).scatter_(
-            2, slot, torch.arange(M, device=dev).view(1, 1, -1).expand(b, hkv, -1))[:, :, :cmax]
-        cvalid = torch.arange(cmax, device=dev).view(1, 1, -1) < chunk_sel.sum(-1, keepdim=True)
+            unit_ok = live  # ku = min(P, k_g)
+        sel_g = torch.zeros_like(ug, dtype=torch.bool).scatter(2, order, unit_ok)
+        # gather, not mask: only the clusters of the chosen units are scored (ku >= the units ever chosen)
+        order_g = order
+        cand, cand_ok = self._members(self.u_members, self.u_start, self.u_count, self.u_width, order_g, unit_ok)
+        uc = self.scores(qs, qn, self._rows(self.mu_c, cand), self.r_c.gather(2, cand), self.cnt_c.gather(2, cand))
+        uc = uc.masked_fill(~cand_ok, NEG)  # [B, H, Kc]: the candidate clusters' scores
+        if m.k_c is not None:
+            top = torch.sort(uc, dim=-1, descending=True, stable=True).indices[:, :, : m.k_c]
+            chosen = cand.gather(2, top)
+            cid, cvalid = self._members(self.c_members, self.c_start, self.c_count, self.c_width, chosen,
+                                        uc.gather(2, top) > NEG)
+        else:
+            cid, cvalid = self._fill(cand, uc, qs, R, ch)
         hi = m.max_chunk
         within = torch.arange(hi, device=dev)
         tok = ch.starts[cid].unsqueeze(-1) + within  # [B, H, cmax, hi]
@@ -446,8 +529,8 @@ class LycheePolicy(LayerPolicy):
                          torch.arange(fr, n, device=dev).view(1, 1, -1).expand(b, hkv, -1)], dim=2)
         valid = torch.cat([torch.ones(b, hkv, m.sink, dtype=torch.bool, device=dev), tvalid.flatten(2),
                            torch.ones(b, hkv, n - fr, dtype=torch.bool, device=dev)], dim=2)
-        self.last = {"sel_g": sel_g, "sel_c": sel_c, "chunk_sel": chunk_sel, "idx": idx, "valid": valid,
-                     "frontier": fr}
+        self.last = {"sel_g": sel_g, "cid": cid, "cvalid": cvalid, "idx": idx, "valid": valid, "frontier": fr,
+                     "candidates": cand_ok.sum(-1)}
         return idx, valid
 
     def sparse_attention(self, store, query, scaling, idx, valid):

@@ -6,15 +6,24 @@ chunk, each generated / teacher-forced token), so the cache never exceeds its ca
 
 Budget: a layer holds ``capacity = ceil(budget * max(seen, reference_length))`` tokens, sinks included:
 ``sink`` sinks + ``capacity - sink`` recent tokens. Every KV head keeps the same tokens (no scores, GQA
-irrelevant). Keys are stored after RoPE, so kept tokens keep their original positions (the paper's variant that
-re-assigns positions inside the cache is not used; this matches common reference code for RoPE models).
+irrelevant).
+
+Positions (``positions``): ``original`` (default) — keys are stored after RoPE at the positions they were seen at,
+and a new token gets its logical position, so the gap left by evicted tokens stays in the relative distances.
+``cache`` — the paper's (§3.2) and its official code's rule ("key pos is the pos in cache"): positions are
+assigned inside the cache, the held key at index i sits at position i and a new token at the cache length, so no
+distance exceeds the cache size (needed to stream past the trained context). Implemented by re-rotating: after an
+eviction the kept window's keys move by minus the number of tokens evicted (``KVStore.rotate_keys``; RoPE
+rotations compose), and the store tells transformers the cache length as the next position (``pos_shift``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError
+
+POSITIONS = ("original", "cache")
 
 
 class StreamingPolicy(LayerPolicy):
@@ -23,7 +32,11 @@ class StreamingPolicy(LayerPolicy):
         if store.n <= cap:
             return
         sink = min(self.method.sink, cap)
+        before = store.n
         store.keep_ends(sink, cap - sink)
+        if self.method.positions == "cache":
+            store.rotate_keys(sink, store.n, store.n - before)  # the window moves down by the tokens evicted
+            store.pos_shift = store.seen - store.n
 
     def after_prefill(self, store) -> None:
         self._evict(store)
@@ -34,9 +47,11 @@ class StreamingPolicy(LayerPolicy):
 
 @dataclass
 class StreamingLLM(KVMethod):
-    """sink: number of initial tokens always kept (paper: 4)."""
+    """sink: number of initial tokens always kept (paper: 4); positions: original (keys keep the positions they
+    were seen at) | cache (positions inside the cache, the paper's and its official code's rule)."""
 
     sink: int = 4
+    positions: str = "original"
 
     name: ClassVar[str] = "streaming_llm"
     policy_class: ClassVar[type[LayerPolicy]] = StreamingPolicy
@@ -45,3 +60,13 @@ class StreamingLLM(KVMethod):
         super().__post_init__()
         if not isinstance(self.sink, int) or self.sink < 0:
             raise MethodConfigError(f"method.sink={self.sink!r} must be an integer >= 0 (paper: 4)")
+        if self.positions not in POSITIONS:
+            raise MethodConfigError(f"method.positions={self.positions!r} is unknown; allowed: {', '.join(POSITIONS)}")
+
+    def policy_for_layer(self, info: LayerInfo) -> LayerPolicy:
+        if self.positions == "cache" and info.sliding_window is not None:
+            # transformers takes every layer's positions from one length; a sliding layer's own keys would need
+            # the same shifts
+            raise MethodConfigError("method.positions=cache is not supported on models with sliding-window layers "
+                                    "(e.g. gemma3); allowed there: original")
+        return super().policy_for_layer(info)

@@ -1,0 +1,85 @@
+"""RULER's scoring rule (NVIDIA/RULER ``scripts/eval``), as pure functions of predictions and references.
+
+- A prediction is cleaned as RULER's ``postprocess_pred``: stripped, every control character (U+0000-U+001F)
+  turned into a newline, stripped again.
+- ``string_match_all`` (niah, vt, cwe, fwe): the share of the references that occur in the prediction,
+  case-insensitive; ``string_match_part`` (qa): 1 when any reference occurs in it.
+- Per task: the mean over samples x 100; the RULER score: the mean of the per-task scores.
+
+Per item the runner stores ``scores["ruler"]`` already x 100 (0-100, as RULER reports), so a table's mean is
+the task score. Standard errors are over samples (``std / sqrt(n)``, n-1 in the variance); the overall
+score's is that of a mean of independent task means, ``sqrt(sum se_t^2) / T``.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+
+__all__ = ["clean_prediction", "string_match_all", "string_match_part", "METRIC_BY_TASK", "score_item",
+           "mean_se", "ruler_summary"]
+
+_CONTROL = re.compile(r"[\x00-\x1f]")
+
+# The 13 tasks of scripts/synthetic.yaml -> the metric of their task family (scripts/eval/synthetic/constants.py).
+METRIC_BY_TASK = {
+    **{t: "all" for t in ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+                          "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")},
+    "qa_1": "part", "qa_2": "part",
+}
+
+
+def clean_prediction(text: str) -> str:
+    """RULER's ``postprocess_pred``: strip, control characters -> newline, strip."""
+    return _CONTROL.sub("\n", text.strip()).strip()
+
+
+def string_match_all(prediction: str, references: Sequence[str]) -> float:
+    """Share (0-1) of ``references`` found in ``prediction``, case-insensitive."""
+    p = prediction.lower()
+    return sum(r.lower() in p for r in references) / len(references) if references else 0.0
+
+
+def string_match_part(prediction: str, references: Sequence[str]) -> float:
+    """1.0 when any of ``references`` is in ``prediction`` (case-insensitive), else 0.0."""
+    p = prediction.lower()
+    return float(any(r.lower() in p for r in references))
+
+
+def score_item(task: str, prediction: str, references: Sequence[str]) -> float:
+    """One sample's RULER score, 0-100, by its task's metric (unknown task names: ``string_match_all``)."""
+    fn = string_match_part if METRIC_BY_TASK.get(task) == "part" else string_match_all
+    return 100.0 * fn(clean_prediction(prediction), list(references))
+
+
+def mean_se(values: Sequence[float]) -> tuple[float, float | None]:
+    """Mean and standard error of the mean (None for a single value)."""
+    n = len(values)
+    m = sum(values) / n
+    if n < 2:
+        return m, None
+    var = sum((v - m) ** 2 for v in values) / (n - 1)
+    return m, math.sqrt(var / n)
+
+
+def ruler_summary(records: Iterable[dict], prefix: str = "ruler") -> dict[str, float | None]:
+    """``{prefix}_score`` (mean of per-task means), ``{prefix}_<task>``, their ``_se`` and ``_n``.
+
+    Records are the runner's: ``scores[prefix]`` (0-100) and ``meta["task"]``."""
+    by_task: dict[str, list[float]] = {}
+    for r in records:
+        task = str((r.get("meta") or {}).get("task", "all"))
+        by_task.setdefault(task, []).append(float(r["scores"][prefix]))
+    out: dict[str, float | None] = {}
+    per: dict[str, tuple[float, float | None]] = {t: mean_se(v) for t, v in by_task.items() if v}
+    if not per:
+        return {f"{prefix}_score": None}
+    ses = [se for _, se in per.values()]
+    out[f"{prefix}_score"] = sum(m for m, _ in per.values()) / len(per)
+    out[f"{prefix}_score_se"] = (math.sqrt(sum(se * se for se in ses)) / len(per)
+                                 if all(se is not None for se in ses) else None)
+    order = list(METRIC_BY_TASK)
+    for t in sorted(per, key=lambda t: (order.index(t) if t in order else len(order), t)):
+        out[f"{prefix}_{t}"], out[f"{prefix}_{t}_se"] = per[t]
+        out[f"{prefix}_{t}_n"] = len(by_task[t])
+    return out

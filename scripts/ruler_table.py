@@ -1,0 +1,126 @@
+"""RULER / NIAH summary tables from a sweep folder's predictions: task x method (RULER) or depth x length per
+method (NIAH), mean ± one standard error over samples and n, full attention first. Runs that did not finish
+are read too: their finished tasks are shown, the rest marked "-", and the column is labelled "(partial)".
+
+Usage: python scripts/ruler_table.py results/sweeps/<ruler sweep> --out results/summaries/ruler
+       python scripts/ruler_table.py results/sweeps/<niah sweep> --niah --out results/summaries/niah
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import yaml
+
+from luka_bench.data.ruler import TASKS
+from luka_bench.data.scoring_ruler import mean_se
+
+
+def runs(sweep: Path) -> list[tuple[str, bool, list[dict]]]:
+    """(method, complete, records) of every run folder below ``sweep``, full first, then the sweep's order."""
+    out = []
+    for cfg_file in sorted(sweep.glob("*/config.yaml")):
+        run = cfg_file.parent
+        cfg = yaml.safe_load(cfg_file.read_text()) or {}
+        pred = run / "predictions.jsonl"
+        recs = [json.loads(x) for x in pred.read_text().splitlines() if x.strip()] if pred.is_file() else []
+        met = run / "metrics.json"
+        done = met.is_file() and bool(json.loads(met.read_text()).get("complete"))
+        out.append((str(cfg.get("method_name")), done, recs))
+    order = []
+    mr = sweep / "multirun.yaml"
+    if mr.is_file():
+        for o in (yaml.safe_load(mr.read_text()).get("hydra", {}).get("overrides", {}).get("task") or []):
+            if o.startswith("method="):
+                order = o.split("=", 1)[1].split(",")
+    rank = {m: i for i, m in enumerate(["full"] + [m for m in order if m != "full"])}
+    return sorted(out, key=lambda r: (rank.get(r[0], len(rank)), r[0]))
+
+
+def cell(values: list[float]) -> str:
+    if not values:
+        return "-"
+    m, se = mean_se(values)
+    return f"{m:.1f} ± {se:.1f}" if se is not None else f"{m:.1f} (n=1)"
+
+
+def ruler_table(sweep: Path) -> tuple[str, list[dict]]:
+    rs = runs(sweep)
+    head = ["task"] + [m + ("" if done else " (partial)") for m, done, _ in rs]
+    rows, csv = [], []
+    per_method_task: list[dict[str, list[float]]] = []
+    for m, _, recs in rs:
+        d: dict[str, list[float]] = {}
+        for r in recs:
+            d.setdefault(r["meta"]["task"], []).append(float(r["scores"]["ruler"]))
+        per_method_task.append(d)
+    for t in TASKS:
+        rows.append([t] + [cell(d.get(t, [])) for d in per_method_task])
+        for (m, _, _), d in zip(rs, per_method_task):
+            if d.get(t):
+                mu, se = mean_se(d[t])
+                csv.append({"method": m, "task": t, "mean": mu, "se": se, "n": len(d[t])})
+    overall = ["**RULER score** (mean over tasks)"]
+    for d in per_method_task:
+        if len(d) == len(TASKS):
+            stats = [mean_se(v) for v in d.values()]
+            mu = sum(s[0] for s in stats) / len(stats)
+            ses = [s[1] for s in stats]
+            se = math.sqrt(sum(x * x for x in ses)) / len(ses) if all(x is not None for x in ses) else None
+            overall.append(f"**{mu:.1f}**" + (f" ± {se:.1f}" if se is not None else ""))
+        else:
+            overall.append(f"- ({len(d)}/{len(TASKS)} tasks)")
+    rows.append(overall)
+    n = sorted({len(v) for d in per_method_task for v in d.values()})
+    md = "| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n"
+    md += "".join("| " + " | ".join(r) + " |\n" for r in rows)
+    md += (f"\nRULER score per task, 0-100 (RULER's string_match_all; qa: string_match_part), mean ± one standard "
+           f"error over samples; n = {', '.join(map(str, n))} sample(s) per task (n=1: no standard error). "
+           "The overall score is the mean of the 13 task means (its SE: sqrt(sum SE_t^2)/13).\n")
+    return md, csv
+
+
+def niah_table(sweep: Path) -> tuple[str, list[dict]]:
+    rs = runs(sweep)
+    md, csv = "", []
+    for m, done, recs in rs:
+        lengths = sorted({r["meta"]["length"] for r in recs})
+        depths = sorted({r["meta"]["depth"] for r in recs})
+        allv = [float(r["scores"]["niah"]) for r in recs]
+        title = f"### {m}{'' if done else ' (partial)'}: mean {cell(allv)} over {len(allv)} cells\n\n"
+        md += title + "| depth \\ length | " + " | ".join(map(str, lengths)) + " |\n|" + "---|" * (len(lengths) + 1)
+        md += "\n"
+        for d in depths:
+            vals = []
+            for ln in lengths:
+                v = [float(r["scores"]["niah"]) for r in recs if r["meta"]["depth"] == d and r["meta"]["length"] == ln]
+                vals.append(cell(v) if len(v) > 1 else (f"{v[0]:.0f}" if v else "-"))
+                if v:
+                    csv.append({"method": m, "depth": d, "length": ln, "mean": sum(v) / len(v), "n": len(v)})
+            md += f"| {d:g}% | " + " | ".join(vals) + " |\n"
+        md += "\n"
+    md += ("NIAH score, 0-100 (100: the answer holds the needle's 7-digit value; RULER's string_match_all), one "
+           "sample per cell unless marked; a method's mean ± one standard error is over its cells.\n")
+    return md, csv
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("sweep")
+    p.add_argument("--niah", action="store_true")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    md, rows = (niah_table if a.niah else ruler_table)(Path(a.sweep))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(md, encoding="utf-8")
+    keys = list(rows[0]) if rows else []
+    (out / "table.csv").write_text(",".join(keys) + "\n" + "".join(",".join(str(r[k]) for k in keys) + "\n"
+                                                                  for r in rows), encoding="utf-8")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
