@@ -199,6 +199,7 @@ def sync_method_config(name: str, overrides: dict | None = None):
     cfg = OmegaConf.create({"method": OmegaConf.load(root / f"{name}.yaml")})  # ${method.*} interpolations
     small = {"luka_clustered": {"tail": 32, "compress_every": 8},
              "lychee": {"token_budget": 96, "buffer": 16, "sink": 4, "full_layers": 1},
+             "oracle_topk": {"token_budget": 64},
              "laser_kv": {"block_size": 128},
              "luka_mixed": {"default": {"tail": 32, "compress_every": 8}},
              "luka_lined": {"min_recent": 16},

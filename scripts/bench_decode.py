@@ -218,6 +218,19 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize(dev)
 
+    if cuda:  # compile the Triton prefill kernel now (both variants), never inside a timed prefill
+        from luka_bench.methods import triton_kernel
+
+        if triton_kernel.available(dev):
+            c = model.config.get_text_config()
+            hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+            g = c.num_attention_heads // c.num_key_value_heads
+            kk = torch.randn(c.num_key_value_heads, 128, hd, device=dev, dtype=model.dtype)
+            for entropy in (False, True):
+                triton_kernel.attention_mass(torch.randn(c.num_key_value_heads, g, 128, hd, device=dev,
+                                                         dtype=model.dtype), kk, kk, 0, entropy)
+            torch.cuda.synchronize(dev)
+
     def device_gb(peak: bool) -> float:
         if not cuda:
             return float("nan")
