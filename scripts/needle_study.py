@@ -183,16 +183,18 @@ def study(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "records.jsonl"
-    done = set()
+    done, prior = set(), {}
     if path.exists():
-        done = {(r["prompt"], r["method"]) for r in map(json.loads, path.read_text().splitlines())}
+        for r in map(json.loads, path.read_text().splitlines()):
+            done.add((r["prompt"], r["method"]))
+            prior[(r["prompt"], r["method"])] = r.get("tokens_read")
     lm = instantiate(compose([f"model={args.model}"]).model).load()
     eos = eos_token_ids(lm.model, lm.tokenizer)
     essays = haystack_text()
     only = set(args.methods.split(",")) if args.methods else None
     for i in range(args.start, args.prompts):
         pr = build_prompt(lm.tokenizer, essays, i, args.tokens)
-        read = {}
+        read = {m: prior[(i, m)] for m in ORACLE_FOR if (i, m) in prior}  # a resumed prompt: the oracle still matches
         with path.open("a") as f:
             for group, ov, variants in GROUPS:
                 todo = [(lab, st) for lab, st in variants
@@ -259,8 +261,9 @@ def table(folder: str) -> str:
     full = set(df[df.method == "full"].prompt)
     # only prompts every method finished (a table over whole prompts)
     core = ~df.method.str.startswith("oracle_topk k=") & ~df.method.str.endswith(")")  # sweeps/reruns may cover fewer
-    per = df[core].groupby("method").prompt.apply(set)
-    common = set.intersection(*per.values) if len(per) else set()  # the fixed-k oracle sweep may cover fewer
+    # prompts every method finished (lychee aside: its records split at the merge of main, each row its own n)
+    per = df[core & ~df.method.str.contains("lychee")].groupby("method").prompt.apply(set)
+    common = set.intersection(*per.values) if len(per) else set()
     df = df[df.prompt.isin(common)]
     rows = []
     fixed = sorted({m for m in df.method if m.startswith("oracle_topk k=")}, key=lambda m: int(m.split("=")[1]))
@@ -280,7 +283,8 @@ def table(folder: str) -> str:
     head = ("| method | accuracy | needle read (share of its tokens, mean over steps/layers/heads) | "
             "exact mass on needle tokens read | exact mass on the needle | tokens read / step / layer | n |\n"
             "|:--|--:|--:|--:|--:|--:|--:|")
-    note = (f"\nn = prompts every method finished ({len(common)}; full finished {len(full)}); accuracy: share "
+    note = (f"\nn = prompts every method finished ({len(common)}: {sorted(common)}; full finished {len(full)}; "
+            "lychee rows: those of these prompts run before (plain) or after (main) main's lychee changed); accuracy: share "
             "containing the 7-digit number, ± binomial SE; other columns mean ± SE over prompts; needle metrics "
             "closed loop over the 11 generated-token forwards. oracle_topk@X: oracle top-k with token_budget = X's "
             "tokens read per step and layer on the same prompt.")
