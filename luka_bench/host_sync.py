@@ -106,18 +106,19 @@ class SyncCounter(TorchDispatchMode):
 # Steady-state decode steps of a method on a model.
 # ---------------------------------------------------------------------------------------------------------
 
-def events(cache) -> int:
-    """Host-side decisions a method has taken so far, summed over layers: entropy_ols flushes (``flushes`` in its
-    report) and lychee chunks indexed (``Chunker.n_chunks`` of the shared chunker, once per layer that indexes)."""
-    total = 0
+def events(cache) -> list[int]:
+    """Host-side decisions each layer has taken so far: entropy_ols flushes (``flushes`` in its report), lychee
+    chunks indexed (``M``). A decode step's events are the layers whose count grew (one flush round or one index
+    update of a layer is one event, however many bins or chunks it handles)."""
+    out = []
     for s in cache.stores:
-        if s._k is None:
-            continue
-        rep = s.policy.report(s)
-        total += int(rep.get("flushes", 0))
-        if type(s.policy).__name__ == "LycheePolicy":
-            total += int(s.policy.M)
-    return total
+        n = 0
+        if s._k is not None:
+            n += int(s.policy.report(s).get("flushes", 0))
+            if type(s.policy).__name__ == "LycheePolicy":
+                n += int(s.policy.M)
+        out.append(n)
+    return out
 
 
 @torch.no_grad()
@@ -125,7 +126,8 @@ def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool =
                        tokenizer=None):
     """Prefill ``prompt_len`` random tokens through ``method``'s cache, then run ``steps`` teacher-forced decode
     steps, counting syncs during each step's model forward (the method's whole per-step work: attention, eviction,
-    compression). Returns a list of (syncs, new events, Counter of ops, Counter of sites) per step."""
+    compression). Returns a list of (syncs, events — layers that took a host-side decision —, Counter of ops,
+    Counter of sites) per step."""
     from luka_bench.methods import hf
 
     dev = model.device
@@ -148,7 +150,7 @@ def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool =
             with SyncCounter(where=where) as c:
                 model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
             now = events(cache)
-            out.append((c.total, now - before, c.ops, c.sites))
+            out.append((c.total, sum(a > b for a, b in zip(now, before)), c.ops, c.sites))
             before = now
     return out
 
