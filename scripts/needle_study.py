@@ -250,7 +250,12 @@ def study(args) -> None:
 
 
 def records(folder: str) -> list[dict]:
-    recs = [json.loads(line) for line in (Path(folder) / "records.jsonl").read_text().splitlines()]
+    recs, seen = [], set()
+    for line in (Path(folder) / "records.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if (r["prompt"], r["method"]) not in seen:  # two processes resuming one prompt: the first record counts
+            seen.add((r["prompt"], r["method"]))
+            recs.append(r)
     for r in recs:  # lychee changed on main during the study (issue 25's fill rule): records stamped with a
         # commit (made after the merge) are kept apart from the earlier ones
         if r.get("code") and r["method"].startswith("lychee") and not r["method"].endswith(")"):
