@@ -249,14 +249,24 @@ def study(args) -> None:
                           f"needle_recall={rec['needle_recall']:.3f} {rec['seconds']:.0f}s", flush=True)
 
 
-def table(folder: str) -> str:
-    import pandas as pd
-
-    recs = [json.loads(line) for line in (Path(folder) / "records.jsonl").read_text().splitlines()]
+def records(folder: str) -> list[dict]:
+    recs, seen = [], set()
+    for line in (Path(folder) / "records.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if (r["prompt"], r["method"]) not in seen:  # two processes resuming one prompt: the first record counts
+            seen.add((r["prompt"], r["method"]))
+            recs.append(r)
     for r in recs:  # lychee changed on main during the study (issue 25's fill rule): records stamped with a
         # commit (made after the merge) are kept apart from the earlier ones
         if r.get("code") and r["method"].startswith("lychee") and not r["method"].endswith(")"):
             r["method"] += " (main)"
+    return recs
+
+
+def table(folder: str) -> str:
+    import pandas as pd
+
+    recs = records(folder)
     df = pd.DataFrame(recs)
     full = set(df[df.method == "full"].prompt)
     # only prompts every method finished (a table over whole prompts)
@@ -291,6 +301,34 @@ def table(folder: str) -> str:
     return head + "\n" + "\n".join(rows) + note
 
 
+def plot_by_layer(folder: str, path: str) -> None:
+    """Needle recall by layer (closed loop, mean over steps, KV heads and prompts), one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    recs = records(folder)
+    by: dict[str, list] = {}
+    for r in recs:
+        if r.get("needle_recall_by_layer") and not r["method"].startswith("oracle_topk k="):
+            by.setdefault(r["method"], []).append(r["needle_recall_by_layer"])
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    for m, rows in by.items():
+        ax = axes[1 if m.startswith("oracle") else 0]
+        ax.plot(np.nanmean(np.array(rows, dtype=float), 0), marker="o", ms=2, label=f"{m} (n={len(rows)})")
+    for ax, t in zip(axes, ("methods", "oracle_topk at each method's tokens read")):
+        ax.set_title(f"needle recall by layer: {t}", fontsize=10)
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    axes[0].set_ylabel("share of the needle's tokens read")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=20)
@@ -306,9 +344,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="results/needle_study")
     ap.add_argument("--table", default=None, help="print the table of a study folder and exit")
+    ap.add_argument("--plot", default=None, help="with --table: write the needle-recall-by-layer plot here")
     args = ap.parse_args()
     if args.table:
         print(table(args.table))
+        if args.plot:
+            plot_by_layer(args.table, args.plot)
         return
     study(args)
 
