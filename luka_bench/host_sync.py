@@ -162,8 +162,7 @@ def main(argv=None) -> int:
 
     from luka_bench.models import TinyRandomModel
     p = argparse.ArgumentParser(description="syncs per steady-state decode step, per method (tiny random model)")
-    p.add_argument("--methods", default="full,streaming_llm,h2o,luka_lined,snapkv,luka_clustered,luka_mixed,"
-                   "h2o_outer,entropy_ols,lychee,laser_kv")
+    p.add_argument("--methods", default=None, help="comma-separated conf/method names (default: all)")
     p.add_argument("--arch", default="llama")
     p.add_argument("--prompt", type=int, default=400)
     p.add_argument("--steps", type=int, default=40)
@@ -172,7 +171,11 @@ def main(argv=None) -> int:
     p.add_argument("--where", action="store_true", help="print the source line of every sync")
     a = p.parse_args(argv)
     lm = TinyRandomModel(name="tiny", arch=a.arch, num_hidden_layers=4, device=a.device, dtype=a.dtype).load()
-    for name in a.methods.split(","):
+    from pathlib import Path
+
+    names = a.methods.split(",") if a.methods else sorted(
+        p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "method").glob("*.yaml"))
+    for name in names:
         method = instantiate(sync_method_config(name), _convert_="all")
         rows = decode_sync_counts(lm.model, method, a.prompt, a.steps, where=a.where, tokenizer=lm.tokenizer)
         per_step = [r[0] for r in rows]
