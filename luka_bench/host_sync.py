@@ -106,18 +106,19 @@ class SyncCounter(TorchDispatchMode):
 # Steady-state decode steps of a method on a model.
 # ---------------------------------------------------------------------------------------------------------
 
-def events(cache) -> int:
-    """Host-side decisions a method has taken so far, summed over layers: entropy_ols flushes (``flushes`` in its
-    report) and lychee chunks indexed (``Chunker.n_chunks`` of the shared chunker, once per layer that indexes)."""
-    total = 0
+def events(cache) -> list[int]:
+    """Host-side decisions each layer has taken so far: entropy_ols flushes (``flushes`` in its report), lychee
+    chunks indexed (``M``). A decode step's events are the layers whose count grew (one flush round or one index
+    update of a layer is one event, however many bins or chunks it handles)."""
+    out = []
     for s in cache.stores:
-        if s._k is None:
-            continue
-        rep = s.policy.report(s)
-        total += int(rep.get("flushes", 0))
-        if type(s.policy).__name__ == "LycheePolicy":
-            total += int(s.policy.M)
-    return total
+        n = 0
+        if s._k is not None:
+            n += int(s.policy.report(s).get("flushes", 0))
+            if type(s.policy).__name__ == "LycheePolicy":
+                n += int(s.policy.M)
+        out.append(n)
+    return out
 
 
 @torch.no_grad()
@@ -125,7 +126,8 @@ def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool =
                        tokenizer=None):
     """Prefill ``prompt_len`` random tokens through ``method``'s cache, then run ``steps`` teacher-forced decode
     steps, counting syncs during each step's model forward (the method's whole per-step work: attention, eviction,
-    compression). Returns a list of (syncs, new events, Counter of ops, Counter of sites) per step."""
+    compression). Returns a list of (syncs, events — layers that took a host-side decision —, Counter of ops,
+    Counter of sites) per step."""
     from luka_bench.methods import hf
 
     dev = model.device
@@ -148,7 +150,7 @@ def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool =
             with SyncCounter(where=where) as c:
                 model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
             now = events(cache)
-            out.append((c.total, now - before, c.ops, c.sites))
+            out.append((c.total, sum(a > b for a, b in zip(now, before)), c.ops, c.sites))
             before = now
     return out
 
@@ -160,8 +162,7 @@ def main(argv=None) -> int:
 
     from luka_bench.models import TinyRandomModel
     p = argparse.ArgumentParser(description="syncs per steady-state decode step, per method (tiny random model)")
-    p.add_argument("--methods", default="full,streaming_llm,h2o,luka_lined,snapkv,luka_clustered,luka_mixed,"
-                   "h2o_outer,entropy_ols,lychee,laser_kv")
+    p.add_argument("--methods", default=None, help="comma-separated conf/method names (default: all)")
     p.add_argument("--arch", default="llama")
     p.add_argument("--prompt", type=int, default=400)
     p.add_argument("--steps", type=int, default=40)
@@ -170,7 +171,11 @@ def main(argv=None) -> int:
     p.add_argument("--where", action="store_true", help="print the source line of every sync")
     a = p.parse_args(argv)
     lm = TinyRandomModel(name="tiny", arch=a.arch, num_hidden_layers=4, device=a.device, dtype=a.dtype).load()
-    for name in a.methods.split(","):
+    from pathlib import Path
+
+    names = a.methods.split(",") if a.methods else sorted(
+        p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "method").glob("*.yaml"))
+    for name in names:
         method = instantiate(sync_method_config(name), _convert_="all")
         rows = decode_sync_counts(lm.model, method, a.prompt, a.steps, where=a.where, tokenizer=lm.tokenizer)
         per_step = [r[0] for r in rows]
@@ -199,6 +204,7 @@ def sync_method_config(name: str, overrides: dict | None = None):
     cfg = OmegaConf.create({"method": OmegaConf.load(root / f"{name}.yaml")})  # ${method.*} interpolations
     small = {"luka_clustered": {"tail": 32, "compress_every": 8},
              "lychee": {"token_budget": 96, "buffer": 16, "sink": 4, "full_layers": 1},
+             "oracle_topk": {"token_budget": 64},
              "laser_kv": {"block_size": 128},
              "luka_mixed": {"default": {"tail": 32, "compress_every": 8}},
              "luka_lined": {"min_recent": 16},

@@ -59,16 +59,17 @@ def plot_niah_heatmap(cells: dict[str, pd.DataFrame], order: list[str] | None = 
     methods = [m for m in (order or []) if m in cells] + sorted(m for m in cells if m not in (order or []))
     n = len(methods)
     width = max(3.2, 0.9 * max(t.shape[1] for t in cells.values()) + 1.6)
-    fig, axes = plt.subplots(1, n, figsize=(width * n, 0.45 * max(t.shape[0] for t in cells.values()) + 1.8),
-                             squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(width * n + 1.0, 0.45 * max(t.shape[0] for t in cells.values()) + 2.0),
+                             squeeze=False, sharey=False, constrained_layout=True)
     im = None
     for ax, m in zip(axes[0], methods):
         t = cells[m]
         im = ax.imshow(t.to_numpy(dtype=float), cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
         ax.set_xticks(range(t.shape[1]), [f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in t.columns])
         ax.set_yticks(range(t.shape[0]), [f"{d:g}%" for d in t.index])
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("needle depth")
+        ax.set_xlabel("length (tokens)")
+        if ax is axes[0][0]:
+            ax.set_ylabel("needle depth")
         for i in range(t.shape[0]):
             for j in range(t.shape[1]):
                 v = t.iat[i, j]
@@ -76,7 +77,7 @@ def plot_niah_heatmap(cells: dict[str, pd.DataFrame], order: list[str] | None = 
                     ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8)
         ax.set_title(f"{m} (mean {t.stack().mean():.1f})", fontsize=10)
     if im is not None:
-        fig.colorbar(im, ax=list(axes[0]), shrink=0.8, label="NIAH score (0-100)")
+        fig.colorbar(im, ax=list(axes[0]), shrink=0.9, label="NIAH score (0-100)")
     return fig
 
 

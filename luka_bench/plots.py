@@ -61,9 +61,10 @@ def _cell(done: pd.DataFrame, col: str) -> tuple[float, float, float]:
     n = pd.to_numeric(done[f"{col}_n"], errors="coerce") if f"{col}_n" in done.columns else se * float("nan")
     if not y.notna().any():
         return float("nan"), float("nan"), float("nan")
-    k = int(y.notna().sum())
-    e = float((se[y.notna()] ** 2).sum(min_count=k) ** 0.5 / k)
-    return float(y.mean()), e, float(n[y.notna()].sum(min_count=k))
+    from luka_bench.tables import _se_of_mean
+
+    has = y.notna()
+    return float(y.mean()), _se_of_mean(se[has]), float(n[has].sum(min_count=int(has.sum())))
 
 
 def _value_label(y: float, se: float) -> str:
@@ -223,9 +224,9 @@ def plot_latency(df: pd.DataFrame, order: dict[str, list[str]] | None = None):
     ns = pd.to_numeric(done.get("tpot_s_n", pd.Series(dtype=float)), errors="coerce").dropna()
     n = f"n = {int(ns.min())}-{int(ns.max())} items per bar" if len(ns) and ns.min() != ns.max() else \
         (f"n = {int(ns.iloc[0])} items per bar" if len(ns) else "n = n_examples of each run")
-    _footnote(fig, [f"{n}; timed inside these runs, on a machine that may have been shared: not a speed "
-                    "comparison; for that use scripts/bench_decode.py (docs: speed)"])
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    _footnote(fig, [f"{n}; timed inside these runs, on a machine that may have been shared:",
+                    "not a speed comparison; for that use scripts/bench_decode.py (docs: speed)"])
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
     return fig
 
 

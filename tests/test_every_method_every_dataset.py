@@ -28,7 +28,7 @@ def shrink(data: str) -> list[str]:
     found = TESTS_LINE.findall((CONF / "data" / f"{data}.yaml").read_text(encoding="utf-8"))
     assert len(found) == 1, f"conf/data/{data}.yaml needs one line '# tests: data.limit=1 ...' (see the README)"
     over = shlex.split(found[0])
-    assert over and all(o.startswith("data.") and "=" in o for o in over), (data, over)
+    assert over and all(o.lstrip("+").startswith("data.") and "=" in o for o in over), (data, over)
     return over
 
 

@@ -26,7 +26,19 @@ from luka_bench.methods.hf import attach
 from luka_bench.methods.luka_clustered import LuKAClustered
 from luka_bench.methods.lychee import Lychee
 
-from conftest import tiny
+from conftest import DEVICE, tiny
+
+pytestmark = pytest.mark.device  # LUKA_TEST_DEVICE=cuda: the same tests on the GPU (tiny() builds there)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a loaded machine a parallel region of a tiny matmul
+    waits for a descheduled thread (measured here: 25 ms per linear instead of 0.03 ms)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "method"
 METHODS = sorted(p.stem for p in CONF.glob("*.yaml"))
@@ -53,6 +65,7 @@ def run(lm, method, x):
     """Context prefill, end_prefill, a question chunk, then one token at a time (as the runner), with the
     token ids handed over (lychee chunks by text). Returns (logits of every position, fp32; the cache)."""
     model_ = lm.model
+    x = x.to(model_.device)
     with attach(model_, method, lm.tokenizer) as a, torch.no_grad():
         c = a.new_cache()
         c.reference_length = CTX
@@ -161,8 +174,9 @@ def test_attention_masses_and_entropies_are_fp32(lq, dtype):
             self.keys, self.values = k, v
 
     gen = torch.Generator().manual_seed(lq)
-    q = torch.randn(1, 6, lq, 32, generator=gen).to(dtype)
-    k, v = torch.randn(1, 2, 120, 32, generator=gen).to(dtype), torch.randn(1, 2, 120, 32, generator=gen).to(dtype)
+    q = torch.randn(1, 6, lq, 32, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(1, 2, 120, 32, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(1, 2, 120, 32, generator=gen).to(DEVICE, dtype)
     out, mass = base.attention_with_mass(_Store(k, v), q, 32 ** -0.5)
     _, mass2, _, ent, _ = base.attention_with_extra(_Store(k, v), q, 32 ** -0.5)
     assert out.dtype == dtype and mass.dtype == mass2.dtype == ent.dtype == torch.float32
@@ -204,7 +218,7 @@ def test_cli_runs_in_bfloat16(tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, "-m", "luka_bench", "model=tiny_llama", "model.dtype=bfloat16",
-                           "method=h2o", "data.limit=1", "max_new_tokens=3", "progress=false",
+                           "method=h2o", "data.limit=1", "max_new_tokens=3", "progress=false", "threads=1",
                            f"hydra.run.dir={tmp_path}"], cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     env = json.loads((tmp_path / "env.json").read_text())

@@ -5,8 +5,8 @@ are cheap, but they are the same ops that stall a CUDA step, so counting them he
 
 Budget per step: 0 for every method on a step where it takes no host-side decision; a step where LycheeCluster
 closes chunks may read the chunk boundaries' separator levels from the host token ids (1 ``tolist`` of a CPU
-tensor, per step: the chunker is shared by the layers; not a device sync on a GPU). entropy_ols flushes (k-means,
-OLS fit, binning) are sync-free: budget 0 per flush too. ``python -m luka_bench.host_sync`` prints the counts.
+tensor, per step: the chunker is shared by the layers; not a device sync on a GPU) and 2 per layer that updates
+its index (see EVENT_BUDGET). entropy_ols flushes (k-means, OLS fit, binning) are sync-free: budget 0 per flush. ``python -m luka_bench.host_sync`` prints the counts.
 Set ``LUKA_TEST_DEVICE=cuda`` to count on a GPU (copies to the host are counted there too)."""
 from __future__ import annotations
 
@@ -22,8 +22,22 @@ from luka_bench.models import TinyRandomModel
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "method"
 DEVICE = os.environ.get("LUKA_TEST_DEVICE", "cpu")
-# syncs allowed on a step where the method took a host-side decision (an "event": see host_sync.events)
-EVENT_BUDGET = {"lychee": 1}
+pytestmark = pytest.mark.device
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a loaded machine a parallel region of a tiny matmul
+    waits for a descheduled thread (measured here: 25 ms per linear instead of 0.03 ms)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+# syncs allowed on a step with events (host_sync.events: layers that flushed / updated their index this step), as
+# a function of the number of events. lychee: 1 per step that closes chunks (the new tokens' separator levels, read
+# from the host-side token ids) + 2 per layer that updates its index then (its CSR layout's padded gather widths:
+# the largest cluster and the number of coarse units to visit, read once per update, not per step).
+EVENT_BUDGET = {"lychee": lambda events: 1 + 2 * events}
 VARIANTS = [(p.stem, {}) for p in sorted(CONF.glob("*.yaml"))] + [
     ("luka_clustered", {"refine": {"rule": "threshold"}}),
     ("luka_clustered", {"refine": {"rule": "top_frac"}}),
@@ -47,9 +61,9 @@ def test_decode_steps_do_not_sync(name, overrides, model):
     rows = decode_sync_counts(model.model, method, prompt_len=400, steps=20, tokenizer=model.tokenizer)
     plain = [(i, n, dict(ops)) for i, (n, ev, ops, _) in enumerate(rows) if not ev and n]
     assert not plain, f"{name}: host syncs on decode steps without an event: {plain}"
-    budget = EVENT_BUDGET.get(name, 0)
-    over = [(i, n, dict(ops)) for i, (n, ev, ops, _) in enumerate(rows) if ev and n > budget]
-    assert not over, f"{name}: more than {budget} syncs on a step with an event: {over}"
+    budget = EVENT_BUDGET.get(name, lambda events: 0)
+    over = [(i, n, ev, dict(ops)) for i, (n, ev, ops, _) in enumerate(rows) if ev and n > budget(ev)]
+    assert not over, f"{name}: more syncs than its budget on a step with events (step, syncs, events, ops): {over}"
 
 
 def test_methods_with_events_reach_them():

@@ -248,3 +248,37 @@ def test_length_beyond_the_model():
 
     with pytest.raises(DataError, match="data.length=8192 does not fit model.max_context=4096"):
         Ruler(length=8192).check_model(M())
+
+
+def test_runner_uses_answer_prefix_and_per_task_tokens(tmp_path):
+    """The runner puts the answer prefix after the question and gives each task its own tokens to generate
+    (tiny random model, byte tokenizer: one token per byte)."""
+    from conftest import compose
+
+    from luka_bench import run as R
+
+    m = R.run(compose("data=ruler", "model=tiny_llama", "data.task=[niah_single_1,vt]", "data.length=2000",
+                      "data.limit=1", "progress=false"), tmp_path / "run")
+    assert m["complete"] and set(m) >= {"ruler_score", "ruler_niah_single_1", "ruler_vt"}
+    recs = [json.loads(x) for x in (tmp_path / "run" / "predictions.jsonl").read_text().splitlines()]
+    for r in recs:
+        meta = r["meta"]
+        assert r["question_tokens"] == len((r["question"] + meta["answer_prefix"]).encode())
+        assert r["new_tokens"] <= tokens_to_generate(meta["task"])
+    assert max(r["new_tokens"] for r in recs) > 30  # niah's 128 reached past vt's 30
+
+
+def test_qa_pools_read_like_ruler():
+    from luka_bench.data.ruler import hotpot_pool, squad_pool
+
+    squad = {"data": [{"title": "A", "paragraphs": [
+        {"context": "P2", "qas": [{"question": "q1", "answers": [{"text": "x"}], "is_impossible": False},
+                                  {"question": "q0", "answers": [], "is_impossible": True}]},
+        {"context": "P1", "qas": []}]}]}
+    qas, docs = squad_pool(squad)
+    assert docs == ["P1", "P2"]  # unique paragraphs, sorted
+    assert qas == [{"query": "q1", "outputs": ["x"], "context": [1], "more_context": [0]}]  # no unanswerable
+    hub_row = {"question": "q", "answer": "a", "context": {"title": ["T1", "T2"], "sentences": [["s1", "s2"], ["s3"]]}}
+    json_row = {"question": "q", "answer": "a", "context": [["T1", ["s1", "s2"]], ["T2", ["s3"]]]}
+    assert hotpot_pool([hub_row]) == hotpot_pool([json_row]) == (
+        [{"query": "q", "outputs": ["a"], "context": [0, 1]}], ["T1\ns1s2", "T2\ns3"])

@@ -18,7 +18,8 @@ from luka_bench.methods import base, triton_kernel
 
 from conftest import DEVICE
 
-pytestmark = pytest.mark.skipif(triton_kernel.triton is None, reason="triton not installed (pip install triton)")
+pytestmark = [pytest.mark.device,
+              pytest.mark.skipif(triton_kernel.triton is None, reason="triton not installed (pip install triton)")]
 if DEVICE == "cpu" and triton_kernel.triton is not None and not triton_kernel.interpreted():
     raise RuntimeError("Triton was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)")
 

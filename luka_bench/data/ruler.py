@@ -312,7 +312,8 @@ class _Gen:
                 c, q, p, a = self._vt_text(rng, m, icl=True)
                 return c + q + p, a
 
-            best = _search(lambda m: count(make(m)[0]), incremental=5, budget=500, gen=0)
+            # as RULER: the smallest size when none fits (short-token models, e.g. a byte tokenizer)
+            best = _search(lambda m: count(make(m)[0]), incremental=5, budget=500, gen=0) or 5
             text, answers = make(best)
             self.icl = (text + " " + " ".join(answers) + "\n", answers)
         return self.icl
@@ -600,8 +601,8 @@ class Ruler:
                 return g.vt(rng, m)
             if fam == "common_words_extraction":
                 return g.cwe(rng, m)
-            if fam == "freq_words_extraction":
-                return g.fwe_text(fwe_vocab if k < 0 else g.fwe_vocab(rng, len(fwe_vocab)), m)
+            if fam == "freq_words_extraction":  # every sample draws its own vocabulary, as RULER
+                return g.fwe_text(g.fwe_vocab(rng, len(fwe_vocab)), m)
             return g.qa(k, m)
 
         if fam == "niah":
@@ -611,10 +612,10 @@ class Ruler:
         else:
             inc = 10
         if fam == "freq_words_extraction":
+            inc = max(1, (budget - gen) // 32)  # RULER's fwe step
             best = self._fwe_words(g, fwe_vocab, budget - gen)
         else:
-            best = _search(lambda m: self.prompt_tokens(make(search_rng, m, -1 if fam != "qa" else 0)), inc,
-                           budget, gen)
+            best = _search(lambda m: self.prompt_tokens(make(search_rng, m)), inc, budget, gen)
         if best is None or best < 1:
             raise DataError(f"data.length={budget} is too short for ruler task {task}: its prompt at the smallest "
                             f"haystack ({inc} units) and {gen} answer tokens do not fit; allowed: a larger data.length")

@@ -84,7 +84,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernel, triton_kernel
+from . import cpu_kernel
 
 if TYPE_CHECKING:  # pragma: no cover
     from luka_bench.methods.hf import KVStore, MethodCache
@@ -329,7 +329,11 @@ def _blocked(query: torch.Tensor, lq: int) -> bool:
     heads, fp32 softmax chunks)."""
     if lq < BLOCKED_MIN_QUERIES:
         return False
-    return query.device.type == "cpu" or triton_kernel.available(query.device)
+    if query.device.type == "cpu":
+        return True
+    from . import triton_kernel  # imported where it can run: Triton's import costs a CPU run a second
+
+    return triton_kernel.available(query.device)
 
 
 KERNEL_ROWS = 48  # the fused kernel's query block: about this many (group head x query) rows, measured fastest
@@ -361,11 +365,14 @@ def _blocked_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     dev = query.device
     qs = (query * scaling).reshape(b * hkv, g, lq, d)
     kk, vv = k.reshape(b * hkv, n, d), v.reshape(b * hkv, n, dv)
-    if kernel and triton_kernel.available(dev):
-        out, mass, ent = triton_kernel.attention_mass(qs, kk, vv, past, entropy)
-        return out.view(b, hq, lq, dv), mass.view(b, hkv, n), ent.view(b, hq, lq) if entropy else None
+    if kernel and dev.type == "cuda":
+        from . import triton_kernel  # imported only where it can run
+
+        if triton_kernel.available(dev):
+            out, mass, ent = triton_kernel.attention_mass(qs, kk, vv, past, entropy)
+            return out.view(b, hq, lq, dv), mass.view(b, hkv, n), ent.view(b, hq, lq) if entropy else None
     fp32_cpu = dev.type == "cpu" and all(t.dtype == torch.float32 for t in (qs, kk, vv))
-    op = cpu_kernel.attention_mass_op() if kernel and fp32_cpu else None
+    op = cpu_kernel.attention_mass_op() if kernel and fp32_cpu and not cpu_kernel.disabled() else None
     if op is not None:
         out, mass, ent = op(qs, kk, vv, past, block or max(1, KERNEL_ROWS // g), entropy)
         return out.view(b, hq, lq, dv), mass.view(b, hkv, n), ent.view(b, hq, lq) if entropy else None

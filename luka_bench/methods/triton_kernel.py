@@ -25,6 +25,7 @@ installed)."""
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -36,7 +37,8 @@ try:  # module globals: the interpreter patches ``tl`` in the kernels' globals
 except Exception:  # not installed (a CPU install without the test extras): the explicit path runs
     triton = tl = None
 
-BM, BN = 64, 64  # query and key tile sizes
+BM, BN = 64, 64  # query and key tile sizes (fp32 with head size > 64: 32, 32, to fit shared memory)
+NUM_WARPS, NUM_STAGES = 4, 2
 
 
 def available(device: torch.device) -> bool:
@@ -138,7 +140,12 @@ def _kernels():
 
 def interpreted() -> bool:
     """Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
-    return triton is not None and bool(triton.knobs.runtime.interpret)
+    if triton is None:
+        return False
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones read the environment
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _pow2(x: int) -> int:
@@ -167,11 +174,13 @@ def attention_mass(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int
     # input dtype) are multiplied in fp32; compiled, they are bf16 tensor-core products with fp32 accumulation
     dot32 = interpreted() and qs.dtype == torch.bfloat16
     bd, bdv = _pow2(d), _pow2(dv)
-    fwd[(triton.cdiv(lq, BM), bh * g)](
+    bm, bn = (BM, BN) if qs.element_size() <= 2 or max(bd, bdv) <= 64 else (32, 32)
+    fwd[(triton.cdiv(lq, bm), bh * g)](
         qs, k, v, out, lse, ent, lq, n, past, g,
         lq * d, d, k.stride(0), k.stride(1), v.stride(0), v.stride(1), lq * dv, dv,
-        D=d, DV=dv, BD=bd, BDV=bdv, BM=BM, BN=BN, ENTROPY=entropy, PREC=prec, DOT32=dot32)
-    mass_k[(triton.cdiv(n, BN), bh)](
+        D=d, DV=dv, BD=bd, BDV=bdv, BM=bm, BN=bn, ENTROPY=entropy, PREC=prec, DOT32=dot32,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    mass_k[(triton.cdiv(n, bn), bh)](
         qs, k, lse, mass, lq, n, past, g, lq * d, d, k.stride(0), k.stride(1),
-        D=d, BD=bd, BM=BM, BN=BN, PREC=prec, DOT32=dot32)
+        D=d, BD=bd, BM=bm, BN=bn, PREC=prec, DOT32=dot32, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out, mass, ent if entropy else None
