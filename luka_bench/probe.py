@@ -479,50 +479,40 @@ def summary_markdown(summary, topk: int) -> str:
     return "\n".join([head, sep, *body])
 
 
-def plot(layers, path: Path) -> None:
+def _plot_by_layer(layers, path: Path, panels: dict[str, str], suptitle: str | None = None) -> None:
+    """One panel per metric (``panels``: column -> title), one line per method: means over KV heads, steps and
+    prompts by layer."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    by_layer = layers.groupby(["method", "layer"], sort=False)[["rel_err", "recall", "mass"]].mean().reset_index()
-    for ax, metric, title in zip(axes, ("rel_err", "recall", "mass"),
-                                 ("relative L2 error of the attention output", "recall of the true top-k",
-                                  "exact attention mass attended")):
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels) + (1 if len(panels) < 3 else 0), 4))
+    by_layer = layers.groupby(["method", "layer"], sort=False)[list(panels)].mean().reset_index()
+    for ax, (metric, title) in zip(axes, panels.items()):
         for m, d in by_layer.groupby("method", sort=False):
             ax.plot(d["layer"], d[metric], marker="o", ms=3, label=m)
         ax.set_xlabel("layer")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot(layers, path: Path) -> None:
+    _plot_by_layer(layers, path, {"rel_err": "relative L2 error of the attention output",
+                                  "recall": "recall of the true top-k", "mass": "exact attention mass attended"})
 
 
 def plot_needle(layers, path: Path, mode: str) -> None:
-    """Needle recall (share of the needle's tokens read) and the exact attention mass on the needle by layer, one
-    line per method (means over KV heads, steps and prompts)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    by_layer = layers.groupby(["method", "layer"], sort=False)[list(NEEDLE)].mean().reset_index()
-    for ax, metric, title in zip(axes, ("needle_recall", "needle_mass_read"),
-                                 ("needle recall: share of its tokens read", "exact attention mass on needle tokens read")):
-        for m, d in by_layer.groupby("method", sort=False):
-            ax.plot(d["layer"], d[metric], marker="o", ms=3, label=m)
-        ax.set_xlabel("layer")
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(mode, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    """Needle recall (share of the needle's tokens read) and the exact attention mass on the needle tokens read,
+    by layer, one line per method."""
+    _plot_by_layer(layers, path, {"needle_recall": "needle recall: share of its tokens read",
+                                  "needle_mass_read": "exact attention mass on needle tokens read"}, mode)
 
 
 def write_tables(frames, seconds, cpu, out_dir: Path, topk: int, plot_it: bool, closed: bool, what: str):

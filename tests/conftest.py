@@ -117,3 +117,13 @@ def masked_eager_logits(model, ids, allowed: torch.Tensor) -> torch.Tensor:
     mask = mask.view(1, -1, *allowed.shape[-2:])
     with attn_impl(model, "eager"):
         return model(ids, attention_mask=mask, use_cache=False).logits[0, -1]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a loaded machine a parallel region of a tiny matmul
+    waits for a descheduled thread (measured here: 25 ms per linear instead of 0.03 ms)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -28,17 +28,10 @@ from luka_bench.methods.lychee import Lychee
 
 from conftest import DEVICE, tiny
 
-pytestmark = pytest.mark.device  # LUKA_TEST_DEVICE=cuda: the same tests on the GPU (tiny() builds there)
+# LUKA_TEST_DEVICE=cuda: the same tests on the GPU (tiny() builds there); one torch thread (conftest.one_thread)
+pytestmark = [pytest.mark.device, pytest.mark.usefixtures("one_thread")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from a second thread, and on a loaded machine a parallel region of a tiny matmul
-    waits for a descheduled thread (measured here: 25 ms per linear instead of 0.03 ms)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "method"
 METHODS = sorted(p.stem for p in CONF.glob("*.yaml"))

@@ -22,17 +22,9 @@ from luka_bench.models import TinyRandomModel
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "method"
 DEVICE = os.environ.get("LUKA_TEST_DEVICE", "cpu")
-pytestmark = pytest.mark.device
+pytestmark = [pytest.mark.device, pytest.mark.usefixtures("one_thread")]  # one torch thread: conftest.one_thread
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from a second thread, and on a loaded machine a parallel region of a tiny matmul
-    waits for a descheduled thread (measured here: 25 ms per linear instead of 0.03 ms)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 # syncs allowed on a step with events (host_sync.events: layers that flushed / updated their index this step), as
 # a function of the number of events. lychee: 1 per step that closes chunks (the new tokens' separator levels, read
 # from the host-side token ids) + 2 per layer that updates its index then (its CSR layout's padded gather widths:
