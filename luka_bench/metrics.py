@@ -188,8 +188,9 @@ def cluster_of(record: dict) -> str:
 def mean_se(values: list[float], clusters: list[str] | None = None) -> dict:
     """Mean of per-item ``values`` with its standard error clustered by ``clusters`` (the cluster-robust
     "sandwich" estimate with the G/(G-1) small-sample factor: SE^2 = G/(G-1) * sum_g (sum_{i in g} (x_i -
-    mean))^2 / n^2). With one item per cluster it is the usual s/sqrt(n). ``se`` is NaN with fewer than two
-    clusters. Returns {mean, se, n (items), clusters}."""
+    mean))^2 / n^2). With one item per cluster it is the usual s/sqrt(n). ``se`` is None (undefined) with fewer
+    than two clusters: None, not NaN, so that metrics.json stays valid JSON and equal to itself when re-read.
+    Returns {mean, se, n (items), clusters}."""
     import math
 
     n = len(values)
@@ -201,7 +202,9 @@ def mean_se(values: list[float], clusters: list[str] | None = None) -> dict:
     for v, c in zip(values, clusters):
         sums[c] = sums.get(c, 0.0) + (v - m)
     g = len(sums)
-    se = math.sqrt(g / (g - 1) * sum(s * s for s in sums.values())) / n if g > 1 else float("nan")
+    if g < 2:
+        return {"mean": m, "se": None, "n": n, "clusters": g}
+    se = math.sqrt(g / (g - 1) * sum(s * s for s in sums.values())) / n
     if se < 1e-12 * max(1.0, abs(m)):  # clusters with equal means: 0, not rounding noise (4e-17)
         se = 0.0
     return {"mean": m, "se": se, "n": n, "clusters": g}
@@ -222,7 +225,7 @@ def perplexity_se(records: list[dict]) -> dict:
         var = g / (g - 1) * sum((a - rate * b) ** 2 for a, b in zip(nll, tok)) / total ** 2
         se = math.exp(rate) * math.sqrt(var)
     else:
-        se = float("nan")
+        se = None  # undefined with one document (see mean_se)
     return {"mean": math.exp(rate), "se": se, "n": g, "clusters": g}
 
 

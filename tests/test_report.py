@@ -326,7 +326,7 @@ def test_cluster_se_counts_an_example_once():
     naive = mean_se(vals)  # one cluster per item: s / sqrt(n)
     assert naive["se"] == pytest.approx(statistics.stdev(vals) / len(vals) ** 0.5)
     assert got["se"] > 1.5 * naive["se"]  # treating questions as independent understates the error
-    assert mean_se([1.0], ["a"])["se"] != mean_se([1.0], ["a"])["se"]  # one cluster: NaN, not 0
+    assert mean_se([1.0], ["a"])["se"] is None  # one cluster: undefined (None, valid JSON), not 0
 
 
 def test_perplexity_se_is_zero_for_identical_documents_and_grows_with_spread():
