@@ -3,7 +3,9 @@ each finishes), ``metrics.json`` (written atomically at the end), ``env.json`` (
 
 Resume: opening a folder that already holds a run of the *same* config returns the finished item ids, so they
 are not redone; a half-written last line (a crash mid-write) is dropped. A folder holding a run of a different
-config is refused with one line, and nothing in it is touched.
+config is refused with one line, and nothing in it is touched. One process at a time: an open run folder holds an
+exclusive lock (``.lock``, ``fcntl.flock``) until its run ends, and a second process opening it (two sweeps on one
+sweep_name, a run started twice) is refused with one line before it writes anything.
 """
 from __future__ import annotations
 
@@ -79,6 +81,47 @@ class RunFolderError(RuntimeError):
     """The folder cannot take this run. One line."""
 
 
+class RunFolderBusy(RunFolderError):
+    """Another process holds the folder's lock. Nothing is written to the folder (not even error.txt)."""
+
+
+LOCK_FILE = ".lock"
+
+
+def _lock(path: Path, stamp: bool = True) -> int | None:
+    """An exclusive, non-blocking lock on ``path/.lock``: the open file descriptor (closing it releases the
+    lock; so does the process ending, also when it is killed), or RunFolderError naming the holder's pid when
+    another process holds it. None where the platform has no ``fcntl`` (no lock, as before)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        try:
+            holder = os.read(fd, 32).decode("ascii", "replace").strip() or "?"
+        except OSError:
+            holder = "?"
+        os.close(fd)
+        raise RunFolderBusy(
+            f"{path} is in use by another process (pid {holder}): wait for it to finish, or give this run a new "
+            "hydra.run.dir (sweep: a new sweep_name)") from None
+    if stamp:  # the holder's pid, for the refusal's message
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode("ascii"))
+    return fd
+
+
+def _unlock(fd: int | None) -> None:
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def _flatten(d: Any, prefix: tuple = ()) -> dict[tuple, Any]:
     if isinstance(d, dict):
         out: dict[tuple, Any] = {}
@@ -113,9 +156,12 @@ class RunFolder:
     constructor validates and then writes ``config.yaml`` and repairs a half-written last prediction line."""
 
     def __init__(self, path: str | Path, config: dict):
+        self._lock_fd: int | None = None
         self.check(path, config)
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock(self.path)  # before anything in the folder is read or written
+        self.check(path, config, probe_lock=False)  # again, now that no other process can change it
         self.config = config
         self.pred_path = self.path / "predictions.jsonl"
         self.metrics_path = self.path / "metrics.json"
@@ -123,12 +169,28 @@ class RunFolder:
         self.total: int | None = None  # items of the whole run, once the evaluation loop knows them
         self._write_atomic(self.path / "config.yaml", yaml.safe_dump(config, sort_keys=False))
 
+    def close(self) -> None:
+        """Release the folder's lock (the run is over). Also on garbage collection and at process exit."""
+        _unlock(self._lock_fd)
+        self._lock_fd = None
+
+    def __enter__(self) -> "RunFolder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        _unlock(getattr(self, "_lock_fd", None))
+
     @staticmethod
-    def check(path: str | Path, config: dict) -> None:
+    def check(path: str | Path, config: dict, probe_lock: bool = True) -> None:
         """RunFolderError (one line) when ``path`` cannot take a run of ``config``: it holds a run of another
         config, or of a larger ``data.limit`` (a smaller limit would rewrite a run's config and metrics to fewer
         items than its predictions hold: refused, the folder is never rewritten smaller). Writes nothing."""
         path = Path(path)
+        if probe_lock and (path / LOCK_FILE).exists():  # in use now? (checked without keeping the lock; RunFolder() takes it)
+            _unlock(_lock(path, stamp=False))
         cfg_path = path / "config.yaml"
         if not cfg_path.exists():
             return

@@ -26,7 +26,7 @@ from luka_bench import metrics as M
 from luka_bench.data.base import evidence_positions, qa_prompt_ids
 from luka_bench.errors import PromptTooLong, RunConfigError, RunInterrupted, one_line_errors, unwrap
 from luka_bench.methods.hf import MethodCache, attach
-from luka_bench.results import RunFolder, config_difference, environment, write_job_error
+from luka_bench.results import RunFolder, RunFolderBusy, config_difference, environment, write_job_error
 
 log = logging.getLogger("luka_bench")
 
@@ -467,6 +467,10 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
         exit_code = 0
         return result
     except Exception as e:
+        if isinstance(unwrap(e), RunFolderBusy):  # another process's folder: leave it exactly as it is
+            if tracking.in_multirun():  # the sweep's other jobs go on; its closing lines name this one
+                return {"failed": f"RunFolderBusy: {unwrap(e)}"}
+            raise
         if tracking.in_multirun():
             cfg_path = Path(run_dir) / "config.yaml"
             if not cfg_path.exists():  # failed before the folder was opened: leave its config for the report
@@ -494,8 +498,12 @@ def _run(cfg: DictConfig, run_dir: str | Path, tracker, prepared: Prepared | Non
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(cfg.seed))
+    with RunFolder(run_dir, prepared.resolved) as folder:  # locked against a second process until the run ends
+        return _run_in(cfg, prepared, folder, tracker)
+
+
+def _run_in(cfg: DictConfig, prepared: Prepared, folder: RunFolder, tracker) -> dict:
     method, task = prepared.method, prepared.task
-    folder = RunFolder(run_dir, prepared.resolved)
     loaded = prepared.model.load()
     folder.write_env(environment(int(cfg.seed), loaded.info["device"], loaded.info["dtype"]))
     t0 = time.perf_counter()

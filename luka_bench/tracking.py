@@ -302,6 +302,7 @@ class SweepProgress(Callback):
         self.name: str | None = None
         self.sweep_dir: str | None = None
         self.started: float | None = None
+        self.busy: list[tuple[str, str]] = []  # (run folder, message): jobs refused a folder another process held
 
     def on_multirun_start(self, config, **kwargs: Any) -> None:
         self.started = time.time()
@@ -337,6 +338,8 @@ class SweepProgress(Callback):
             else:
                 cause = getattr(value, "__cause__", None) or value
                 message = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+            if message.startswith("RunFolderBusy"):  # no error.txt in another process's folder: remember it here
+                self.busy.append((str(config.hydra.runtime.output_dir), message))
             _say(f"{self._job(config)} FAILED: {message} ({config.hydra.runtime.output_dir}); "
                  "re-run the sweep to retry it")
         else:
@@ -352,9 +355,10 @@ class SweepProgress(Callback):
                         if self.started is None or p.stat().st_mtime >= self.started - 1)
         _say(f"sweep {Path(sweep_dir).name}: {done}/{len(runs)} run folders complete in {sweep_dir}\n"
              f"  tables and plots: {python_command()} -m luka_bench.report {os.path.relpath(sweep_dir)}")
-        if failed:  # bad input in some jobs (real crashes have raised already, with their traceback)
-            lines = "\n".join(f"  {p.parent.name}: {read_job_error(p.parent)}" for p in failed)
-            _say(f"error: {len(failed)} job(s) of sweep {Path(sweep_dir).name} failed:\n{lines}")
+        if failed or self.busy:  # bad input in some jobs (real crashes have raised already, with their traceback)
+            lines = "\n".join([f"  {p.parent.name}: {read_job_error(p.parent)}" for p in failed]
+                              + [f"  {Path(d).name}: {m}" for d, m in self.busy])
+            _say(f"error: {len(failed) + len(self.busy)} job(s) of sweep {Path(sweep_dir).name} failed:\n{lines}")
             raise SystemExit(2)
 
 

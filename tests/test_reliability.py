@@ -9,6 +9,7 @@ bad-input case goes through: exit code, one ``error:`` line and no traceback, ev
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -550,3 +551,81 @@ def test_sweep_hint_names_the_python_that_works(monkeypatch, tmp_path):
     monkeypatch.chdir(Path(sys.executable).parent.parent.parent)  # the venv's parent: a relative path
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/python")
     assert tracking.python_command() == os.path.relpath(os.path.abspath(sys.executable))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 11. one process per run folder: two sweeps on one sweep_name once appended to the same predictions.jsonl
+# ---------------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def hold(run: Path):
+    """``run`` opened by another process (``RunFolder`` of its own config.yaml), held until the block ends.
+    Yields that process's pid."""
+    import subprocess
+
+    config = (run / "config.yaml").read_text(encoding="utf-8")
+    code = ("import sys, yaml; from luka_bench.results import RunFolder; "
+            f"f = RunFolder({str(run)!r}, yaml.safe_load({config!r})); print('held', flush=True); sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        yield proc.pid
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+
+
+def test_a_folder_in_use_is_refused_and_left_alone(finished, tmp_path, capsys):
+    """An interrupted run (metrics.json gone, one prediction dropped: a resume would write) held by another
+    process: opening it, checking it and running the command line on it are all refused with one line naming
+    the holder, and the folder stays byte-identical. Once the holder ends, the same command resumes it."""
+    import shutil
+
+    import yaml
+
+    from luka_bench.results import RunFolder, RunFolderBusy
+
+    run = tmp_path / "r"
+    shutil.copytree(finished, run)
+    (run / "metrics.json").unlink()
+    lines = (run / "predictions.jsonl").read_bytes().splitlines(keepends=True)
+    (run / "predictions.jsonl").write_bytes(b"".join(lines[:-1]))
+    config = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+    with hold(run) as pid:
+        before = snapshot(run)
+        with pytest.raises(RunFolderBusy, match=f"in use by another process \\(pid {pid}\\)"):
+            RunFolder(run, config)
+        with pytest.raises(RunFolderBusy):  # prepare's check (writes nothing) refuses it too
+            RunFolder.check(run, config)
+        line = assert_bad_input([*TINY, f"hydra.run.dir={run}"], run, capsys, str(run),
+                                "in use by another process", f"pid {pid}")
+        assert "new hydra.run.dir" in line
+        assert snapshot(run) == before and not (run / "error.txt").exists()
+    code, out, err = cli([*TINY, f"hydra.run.dir={run}"], capsys)  # free again: resumes
+    assert code == 0, err[-3000:]
+    assert _count(run / "predictions.jsonl") == 8 and (run / "metrics.json").exists()
+    with RunFolder(run, config):  # the finished run released its lock
+        pass
+
+
+def test_a_sweep_skips_a_folder_in_use_and_runs_the_others(tmp_path, capsys):
+    """The defect: two sweeps on one sweep_name both ran a job and appended to one predictions.jsonl. Now the
+    second sweep leaves the held job's folder byte-identical (no error.txt the report would read as a failure),
+    runs the free job, and exits 2 naming the busy one."""
+    sweep = ["-m", "model=tiny_llama", "method=full,streaming_llm", "max_new_tokens=2", "progress=false",
+             "threads=1", f"hydra.sweep.dir={tmp_path / 'sw'}"]
+    code, _, err = cli([*sweep, "data.limit=1"], capsys)
+    assert code == 0, err[-3000:]
+    runs = [d for d in (tmp_path / "sw").iterdir() if (d / "config.yaml").exists()]
+    full, = [d for d in runs if "method=full," in d.name]
+    other, = [d for d in runs if "method=streaming_llm," in d.name]
+    n_other = _count(other / "predictions.jsonl")
+    with hold(full):
+        before = snapshot(full)
+        code, out, err = cli([*sweep, "data.limit=2"], capsys)
+        assert code == 2, (out[-2000:], err[-2000:])
+        assert "error: 1 job(s) of sweep sw failed" in err and "in use by another process" in err, err[-2000:]
+        assert full.name in err and "Traceback" not in err
+        assert snapshot(full) == before and not (full / "error.txt").exists()
+    assert _count(other / "predictions.jsonl") > n_other  # the free job ran (extended to data.limit=2)
