@@ -55,10 +55,11 @@ def check_source(dataset: str, source: str, sources: tuple[str, ...], path: str 
         raise DataError(f"data.limit={limit!r} must be an integer >= 1 or null (every item)")
 
 
-def require_fields(rows, fields: tuple[str, ...], src: str, noun: str = "row") -> list[dict[str, str]]:
-    """Rows of a real-schema file or hub split, checked: a list of objects, each with every field present and a
-    string. Returns the rows reduced to those fields; anything else is a one-line DataError naming the source,
-    the row and the field."""
+def require_fields(rows, fields: tuple[str, ...], src: str, noun: str = "row",
+                   strings: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    """Rows of a real-schema file or hub split, checked: a list of objects, each with every field present (not
+    null) and a string (only the fields in ``strings`` when given: the caller checks the others). Returns the rows
+    reduced to those fields; anything else is a one-line DataError naming the source, the row and the field."""
     from collections.abc import Mapping, Sequence
 
     names = ", ".join(fields)
@@ -71,7 +72,7 @@ def require_fields(rows, fields: tuple[str, ...], src: str, noun: str = "row") -
         for k in fields:
             if k not in row or row[k] is None:
                 raise DataError(f"{src}: {noun} {i} is missing required field {k!r} (required: {names})")
-            if not isinstance(row[k], str):
+            if (strings is None or k in strings) and not isinstance(row[k], str):
                 raise DataError(f"{src}: {noun} {i} field {k!r} must be a string, got {type(row[k]).__name__}")
         out.append({k: row[k] for k in fields})
     return out

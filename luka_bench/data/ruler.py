@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from luka_bench.data.base import DataError, QAExample, Question, check_source, qa_prompt_ids, read_json_or_jsonl
+from luka_bench.data.base import (DataError, QAExample, Question, check_source, qa_prompt_ids, read_json_or_jsonl,
+                                   require_fields)
 from luka_bench.data.scoring_ruler import METRIC_BY_TASK, ruler_summary, score_item
 
 __all__ = ["Ruler", "TASKS", "TEMPLATES", "Sample", "split_sentences", "essay_words", "word_lists", "make_sample",
@@ -728,19 +729,8 @@ class Ruler:
 def validate_hub_rows(rows: Any, src: str) -> list[dict]:
     """Rows of the ``simonjegou/ruler`` schema, checked: string context/question/answer_prefix/task, answer a
     string or a list of strings, max_new_tokens an integer >= 1, task one of the 13."""
-    if not isinstance(rows, Sequence) or isinstance(rows, (str, bytes)):
-        raise DataError(f"{src}: expected a list of rows with fields {', '.join(HUB_FIELDS)}, "
-                        f"got {type(rows).__name__}")
-    out = []
+    rows = require_fields(rows, HUB_FIELDS, src, "row", strings=("context", "question", "answer_prefix", "task"))
     for i, row in enumerate(rows):
-        if not isinstance(row, Mapping):
-            raise DataError(f"{src}: row {i} is a {type(row).__name__}, not an object")
-        for k in HUB_FIELDS:
-            if k not in row or row[k] is None:
-                raise DataError(f"{src}: row {i} is missing required field {k!r} (required: {', '.join(HUB_FIELDS)})")
-        for k in ("context", "question", "answer_prefix", "task"):
-            if not isinstance(row[k], str):
-                raise DataError(f"{src}: row {i} field {k!r} must be a string, got {type(row[k]).__name__}")
         ans = [row["answer"]] if isinstance(row["answer"], str) else row["answer"]
         if not isinstance(ans, Sequence) or not ans or not all(isinstance(a, str) for a in ans):
             raise DataError(f"{src}: row {i} field 'answer' must be a string or a non-empty list of strings")
@@ -749,5 +739,5 @@ def validate_hub_rows(rows: Any, src: str) -> list[dict]:
             raise DataError(f"{src}: row {i} field 'max_new_tokens' must be an integer >= 1, got {mnt!r}")
         if row["task"] not in TASKS:
             raise DataError(f"{src}: row {i} task {row['task']!r} is unknown; allowed: {', '.join(TASKS)}")
-        out.append({**{k: row[k] for k in HUB_FIELDS}, "answer": list(ans)})
-    return out
+        row["answer"] = list(ans)
+    return rows
