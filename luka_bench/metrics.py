@@ -210,23 +210,49 @@ def mean_se(values: list[float], clusters: list[str] | None = None) -> dict:
     return {"mean": m, "se": se, "n": n, "clusters": g}
 
 
+NLL_BLOCK = 256  # tokens per block of a document's NLL (pg19 records' ``nll_blocks``)
+
+
+def nll_blocks(nll: list[float], size: int = NLL_BLOCK) -> list[list[float]]:
+    """A document's per-token NLL cut into consecutive blocks of ``size`` tokens (the last may be shorter):
+    ``[[nll sum, tokens], ...]``, the units of a one-document perplexity's standard error."""
+    return [[float(sum(nll[i:i + size])), len(nll[i:i + size])] for i in range(0, len(nll), size)]
+
+
+def _ratio_se(nll: list[float], tok: list[int]) -> float | None:
+    """SE of exp(sum nll / sum tok) by the delta method, the (nll, tok) pairs as clusters (the ratio
+    estimator's linearisation with the G/(G-1) factor); None with fewer than two."""
+    import math
+
+    g, total = len(nll), sum(tok)
+    if g < 2 or total <= 0:
+        return None
+    rate = sum(nll) / total
+    var = g / (g - 1) * sum((a - rate * b) ** 2 for a, b in zip(nll, tok)) / total ** 2
+    return math.exp(rate) * math.sqrt(var)
+
+
 def perplexity_se(records: list[dict]) -> dict:
-    """Corpus perplexity exp(sum NLL / sum tokens) with a standard error by the delta method over documents
-    (the ratio estimator's linearisation, documents as clusters): SE(ppl) = ppl * SE(mean NLL per token)."""
+    """Corpus perplexity exp(sum NLL / sum tokens) with a standard error by the delta method: documents as the
+    clusters when there are two or more; with one document, its consecutive blocks of ``NLL_BLOCK`` tokens
+    (``nll_blocks`` in the record; neighbouring tokens are correlated, blocks much less, so this SE is a lower
+    bound on the document-to-document spread it cannot see). ``unit`` says which: ``documents``,
+    ``256-token blocks``, or None (one document without blocks: SE undefined)."""
     import math
 
     nll = [float(r["nll_sum"]) for r in records]
     tok = [int(r["n_tokens"]) for r in records]
     g, total = len(records), sum(tok)
     if not g or total <= 0:
-        return {"mean": None, "se": None, "n": 0, "clusters": 0}
-    rate = sum(nll) / total
+        return {"mean": None, "se": None, "n": 0, "clusters": 0, "unit": None}
+    ppl = math.exp(sum(nll) / total)
     if g > 1:
-        var = g / (g - 1) * sum((a - rate * b) ** 2 for a, b in zip(nll, tok)) / total ** 2
-        se = math.exp(rate) * math.sqrt(var)
-    else:
-        se = None  # undefined with one document (see mean_se)
-    return {"mean": math.exp(rate), "se": se, "n": g, "clusters": g}
+        return {"mean": ppl, "se": _ratio_se(nll, tok), "n": g, "clusters": g, "unit": "documents"}
+    blocks = records[0].get("nll_blocks") or []
+    if len(blocks) > 1:
+        return {"mean": ppl, "se": _ratio_se([float(b[0]) for b in blocks], [int(b[1]) for b in blocks]),
+                "n": 1, "clusters": len(blocks), "unit": f"{NLL_BLOCK}-token blocks"}
+    return {"mean": ppl, "se": None, "n": 1, "clusters": 1, "unit": None}
 
 
 # Per-item fields that get a standard error besides the item scores (QA) and perplexity (teacher forcing).

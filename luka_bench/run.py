@@ -287,7 +287,7 @@ def evaluate_ppl(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item
         ids = d.meta["ids"]
         t0 = time.perf_counter()
         nll, steps = teacher_forced_nll(lm.model, cache, ids)
-        rec = {"item_id": d.id, "n_tokens": len(nll), "nll_sum": float(sum(nll)),
+        rec = {"item_id": d.id, "n_tokens": len(nll), "nll_sum": float(sum(nll)), "nll_blocks": M.nll_blocks(nll),
                "perplexity": math.exp(sum(nll) / len(nll)), "tpot_s": M.mean(steps), "ttft_s": None,
                "latency_breakdown": breakdown(cache.timings, steps),
                "wall_s": time.perf_counter() - t0, "kv_bytes_prefill": None, **_mem(cache),
@@ -563,7 +563,10 @@ def summary_table(m: dict, path: Path) -> str:
 
     unc = m.get("uncertainty") or {}
     for k in keys:
-        if k in unc and k not in ("ttft_s", "tpot_s"):  # scores: mean ± SE clustered by example (n items)
+        if k == "perplexity" and k in unc and unc[k].get("unit"):  # corpus perplexity ± SE over its units
+            u = unc[k]
+            rows.append((f"perplexity (± SE over {u['clusters']} {u['unit']})", fmt_mean_se(u["mean"], u["se"])))
+        elif k in unc and k not in ("ttft_s", "tpot_s"):  # scores: mean ± SE clustered by example (n items)
             rows.append((f"{k} (± SE, n)", fmt_mean_se(unc[k]["mean"], unc[k]["se"], unc[k]["n"])))
         elif k in m:
             rows.append((k, _fmt(m[k])))

@@ -40,6 +40,10 @@ def test_pg19_streaming_budget_one_equals_full(tmp_path):
     s1 = R.run(compose("data=pg19", "data.max_tokens=96", "method=streaming_llm", "method.budget=1.0",
                        "progress=false"), tmp_path / "s")
     assert f"{full['perplexity']:.4g}" == f"{s1['perplexity']:.4g}"
+    rec = json.loads((tmp_path / "f" / "predictions.jsonl").read_text().splitlines()[0])
+    assert sum(b[0] for b in rec["nll_blocks"]) == pytest.approx(rec["nll_sum"])  # the SE's units add up
+    assert [b[1] for b in rec["nll_blocks"]] == [rec["n_tokens"]]  # 95 predicted tokens: one block, SE None
+    assert full["uncertainty"]["perplexity"]["se"] is None
 
 
 def test_bench_decode_both_modes_and_table(tmp_path):

@@ -337,6 +337,35 @@ def test_perplexity_se_is_zero_for_identical_documents_and_grows_with_spread():
                             {"nll_sum": 30.0, "n_tokens": 10}])
     assert same["mean"] == pytest.approx(spread["mean"]) and same["se"] == pytest.approx(0.0)
     assert spread["se"] > 0 and spread["n"] == 3
+    assert same["unit"] == spread["unit"] == "documents"
+
+
+def test_one_document_perplexity_gets_its_se_from_256_token_blocks():
+    """pg19 runs of one document (the default) had no SE at all. Its blocks of NLL_BLOCK tokens are the units:
+    equal blocks give 0, spread blocks the documents formula applied to the blocks; a document without blocks
+    (a run made before ``nll_blocks``) or of one block keeps SE None."""
+    import math
+    import random
+
+    from luka_bench.metrics import NLL_BLOCK, nll_blocks, perplexity_se
+
+    rng = random.Random(0)
+    nll = [rng.uniform(1.0, 5.0) for _ in range(2 * NLL_BLOCK + 100)]
+    blocks = nll_blocks(nll)
+    assert [b[1] for b in blocks] == [NLL_BLOCK, NLL_BLOCK, 100]
+    assert sum(b[0] for b in blocks) == pytest.approx(sum(nll))
+    assert blocks[1][0] == pytest.approx(sum(nll[NLL_BLOCK:2 * NLL_BLOCK]))
+    rec = {"nll_sum": sum(nll), "n_tokens": len(nll), "nll_blocks": blocks}
+    got = perplexity_se([rec])
+    as_docs = perplexity_se([{"nll_sum": b[0], "n_tokens": b[1]} for b in blocks])
+    assert got["mean"] == pytest.approx(math.exp(sum(nll) / len(nll))) == pytest.approx(as_docs["mean"])
+    assert got["se"] == pytest.approx(as_docs["se"]) and got["se"] > 0
+    assert got["unit"] == f"{NLL_BLOCK}-token blocks" and got["clusters"] == 3 and got["n"] == 1
+    flat = perplexity_se([{"nll_sum": 6.0 * NLL_BLOCK, "n_tokens": 2 * NLL_BLOCK,
+                           "nll_blocks": [[3.0 * NLL_BLOCK, NLL_BLOCK]] * 2}])
+    assert flat["se"] == pytest.approx(0.0)
+    assert perplexity_se([{"nll_sum": 30.0, "n_tokens": 10}])["se"] is None
+    assert perplexity_se([{"nll_sum": 30.0, "n_tokens": 10, "nll_blocks": [[30.0, 10]]}])["se"] is None
 
 
 @pytest.fixture
