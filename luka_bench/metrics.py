@@ -278,13 +278,23 @@ def item_uncertainty(records: list[dict]) -> dict[str, dict]:
 def paired_difference(records: list[dict], reference: list[dict], metric: str) -> dict:
     """Mean of ``metric`` minus the reference's on the items both hold (same ``item_id``), with its SE clustered
     by example: a paired comparison, so the items' own difficulty cancels. {mean, se, n, clusters}; for
-    perplexity runs the per-document difference of NLL per token (log perplexity)."""
+    perplexity runs the difference of NLL per token (log perplexity): per 256-token block where both runs
+    recorded ``nll_blocks`` (clustered by document; one document: by block), else per document."""
     def value(r: dict) -> float | None:
         if metric == "perplexity" and "nll_sum" in r:
             return float(r["nll_sum"]) / max(1, int(r["n_tokens"]))
         v = (r.get("scores") or {}).get(metric, r.get(metric))
         return float(v) if isinstance(v, (int, float)) else None
 
+    if metric == "perplexity" and records and all(r.get("nll_blocks") for r in [*records, *reference]):
+        # per 256-token block, paired on the same text: documents as clusters, or with one common document
+        # its blocks (as perplexity_se does)
+        refb = {r["item_id"]: r["nll_blocks"] for r in reference}
+        common = [r for r in records if r["item_id"] in refb and len(refb[r["item_id"]]) == len(r["nll_blocks"])]
+        pairs = [(b[0] / b[1] - a[0] / a[1], r["item_id"] if len(common) > 1 else f"{r['item_id']}#{k}")
+                 for r in common for k, (a, b) in enumerate(zip(refb[r["item_id"]], r["nll_blocks"]))
+                 if a[1] == b[1] and a[1] > 0]
+        return mean_se([d for d, _ in pairs], [c for _, c in pairs])
     ref = {r["item_id"]: value(r) for r in reference}
     pairs = [(value(r) - ref[r["item_id"]], cluster_of(r)) for r in records
              if r.get("item_id") in ref and ref[r["item_id"]] is not None and value(r) is not None]

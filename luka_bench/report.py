@@ -76,7 +76,10 @@ def build(folder: str | Path, rows: Sequence[str] = ("data_name",), cols: Sequen
         diffs = paired_strings(sel, folder, paired, rows, cols, metrics[0], order)
         what = "each dataset's headline metric" if metrics[0] == HEADLINE else metrics[0]
         pnote = (f"cells: {what} minus {paired}'s on the same items (same model and data settings), mean ± "
-                 "standard error of the paired differences (n = shared items), clustered by example")
+                 "standard error of the paired differences (n = shared items), clustered by example"
+                 + ("; perplexity: the difference of log perplexity (NLL per token), n = shared 256-token blocks where "
+                    "the runs recorded them (clustered by document; one document: by block)"
+                    if metrics[0] == "perplexity" else ""))
         paired_md = to_markdown(diffs, pnote)
         ptag = f"pivot_paired_{paired}_{metrics[0]}".replace("/", "_")
         (out / f"{ptag}.md").write_text(paired_md, encoding="utf-8")

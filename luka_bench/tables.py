@@ -454,7 +454,7 @@ def to_latex(strings: pd.DataFrame, note: str = "") -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 SE_NOTE = ("cells: mean ± standard error (n = items); QA: SE clustered by example (questions that share a context "
-           "are one cluster, not independent draws), perplexity: delta method over documents")
+           "are one cluster, not independent draws), perplexity: delta method over documents (one document: over its 256-token blocks)")
 
 
 def paired_runs(df: pd.DataFrame, folder: str | Path, ref: str, metric: str = HEADLINE) -> pd.DataFrame:

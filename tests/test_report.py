@@ -368,6 +368,26 @@ def test_one_document_perplexity_gets_its_se_from_256_token_blocks():
     assert perplexity_se([{"nll_sum": 30.0, "n_tokens": 10, "nll_blocks": [[30.0, 10]]}])["se"] is None
 
 
+
+def test_paired_perplexity_of_one_document_is_per_block():
+    """Two methods on the same document: the paired difference of log perplexity per token is taken block by
+    block (the blocks a method leaves unchanged give 0, and the SE is over blocks), not None as with one document
+    as the only unit."""
+    import statistics
+
+    from luka_bench.metrics import paired_difference
+
+    ref = {"item_id": "d", "nll_sum": 40.0, "n_tokens": 40, "nll_blocks": [[10.0, 10]] * 4}
+    rec = {"item_id": "d", "nll_sum": 42.0, "n_tokens": 40,
+           "nll_blocks": [[10.0, 10], [10.0, 10], [10.5, 10], [11.5, 10]]}
+    got = paired_difference([rec], [ref], "perplexity")
+    diffs = [0.0, 0.0, 0.05, 0.15]
+    assert got["mean"] == pytest.approx(statistics.mean(diffs))
+    assert got["se"] == pytest.approx(statistics.stdev(diffs) / 2) and got["clusters"] == 4
+    old = paired_difference([{k: v for k, v in rec.items() if k != "nll_blocks"}], [ref], "perplexity")
+    assert old["mean"] == pytest.approx(0.05) and old["se"] is None  # without blocks: one unit, SE undefined
+
+
 @pytest.fixture
 def scored(tmp_path) -> Path:
     root = tmp_path / "s"
