@@ -274,7 +274,20 @@ def _json_default(o):
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
+_SHA_AT_LOAD: dict[str, dict] = {}
+
+
 def git_sha(repo_dir: Path) -> dict:
+    """The checkout's commit and whether tracked files differ from it, read once per process: a sweep runs all
+    its jobs with the code it loaded at its first job, so every job's ``env.json`` names that commit, not a
+    HEAD that moved while the sweep ran (a later commit's code never ran in this process)."""
+    key = str(repo_dir)
+    if key not in _SHA_AT_LOAD:
+        _SHA_AT_LOAD[key] = _read_git_sha(repo_dir)
+    return dict(_SHA_AT_LOAD[key])
+
+
+def _read_git_sha(repo_dir: Path) -> dict:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo_dir, capture_output=True, text=True,
                              timeout=10).stdout.strip()

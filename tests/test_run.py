@@ -132,3 +132,24 @@ def test_a_new_null_setting_keeps_old_runs_resumable(tmp_path):
     RunFolder(tmp_path / "r", {**old, "data": {"limit": 5, "repeat": 1, "target_chars": None}})
     with pytest.raises(RunFolderError, match="method.budget: 0.25 -> 0.5"):
         RunFolder(tmp_path / "r", {**old, "method": {"budget": 0.5}})
+
+
+def test_env_names_the_commit_the_process_loaded(tmp_path):
+    """A sweep process keeps the code it imported; a commit made while it runs must not appear in the env.json of
+    its later jobs (it did: RULER jobs of one sweep named three different commits)."""
+    import subprocess
+
+    from luka_bench import results as Rs
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (repo / "f").write_text("1")
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    first = Rs.git_sha(repo)
+    (repo / "f").write_text("2")
+    subprocess.run([*git, "commit", "-qam", "two"], check=True)
+    assert Rs.git_sha(repo) == first and first["git_sha"] and first["git_dirty"] is False
+    assert Rs._read_git_sha(repo)["git_sha"] != first["git_sha"]  # HEAD did move
