@@ -82,7 +82,7 @@ def compress_policy(info: LayerInfo, q, k, v, scaling, rho: float, mode: str, **
     store.append(k, v)
     store.policy.attend(store, q, scaling)
     cache.end_prefill()
-    return store
+    return cache, store  # the caller keeps the cache: a store holds it weakly
 
 
 def policy_readout(store, q, scaling):
@@ -116,7 +116,7 @@ def evaluate_layer(rec: dict, prefix: int, heldout: int, rhos, n_ref: int, **kw)
             t0 = time.perf_counter()
             if name.startswith("entropy"):
                 mode = {"entropy_ols": "ols", "entropy_ols_linear": "linear", "entropy_drop": "drop"}[name]
-                store = compress_policy(info, qp, kp, vp, s, rho, mode, n_ref=n_ref, **kw)
+                cache, store = compress_policy(info, qp, kp, vp, s, rho, mode, n_ref=n_ref, **kw)
                 eh, er = policy_readout(store, qh, s), policy_readout(store, qr, s)
                 fair = store.n + store.policy.extra_entries()
                 real = store.held_bytes() + store.policy.extra_bytes()

@@ -355,12 +355,15 @@ def test_lazily_grown_index_keeps_filling_the_budget_and_its_recall():
     values = torch.randn(1, hkv, n1, d, generator=gen)
     info = LayerInfo(layer_idx=5, num_layers=8, num_heads=hkv * g, num_kv_heads=hkv, head_dim=d)
 
+    keep = []
+
     def index_over(n_build):
         cache = MethodCache(m, [info])
         store = cache.stores[0]
         store.update(keys[:, :, :n_build], values[:, :, :n_build])
         cache.phase = "decode"
         store.policy._sync_index(store)
+        keep.append(cache)  # a store holds its cache weakly
         return store, store.policy
 
     def query():
