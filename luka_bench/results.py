@@ -244,6 +244,12 @@ class RunFolder:
             os.replace(tmp, self.pred_path)
         return records
 
+    def reread(self) -> dict[str, dict]:
+        """Finished items as ``predictions.jsonl`` holds them now (what a resume will find; a line cut by an
+        interrupt is dropped, as on resume)."""
+        self.done = self._read_predictions()
+        return self.done
+
     def append(self, record: dict) -> None:
         line = json.dumps(record, ensure_ascii=False, default=_json_default) + "\n"
         with open(self.pred_path, "a", encoding="utf-8") as f:

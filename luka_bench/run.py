@@ -517,7 +517,8 @@ def _run_in(cfg: DictConfig, prepared: Prepared, folder: RunFolder, tracker) -> 
             records = evaluate(loaded, attached, task, folder, cfg, on_item)
     except KeyboardInterrupt:  # Ctrl-C: what is saved stays saved (predictions.jsonl is flushed per item)
         of = f"/{folder.total}" if folder.total is not None else ""
-        raise RunInterrupted(f"interrupted: {len(folder.done)}{of} items saved in {folder.path}; run the same "
+        saved = len(folder.reread())  # the file, not the in-memory count: Ctrl-C can land between the two
+        raise RunInterrupted(f"interrupted: {saved}{of} items saved in {folder.path}; run the same "
                              "command to resume") from None
     result = {
         "model": cfg.get("model_name"), "method": cfg.get("method_name"), "data": cfg.get("data_name"),
