@@ -181,7 +181,8 @@ class RunFolder:
         self.close()
 
     def __del__(self) -> None:
-        _unlock(getattr(self, "_lock_fd", None))
+        if hasattr(self, "_lock_fd"):  # a constructor that failed before the lock has nothing to release
+            self.close()
 
     @staticmethod
     def check(path: str | Path, config: dict, probe_lock: bool = True) -> None:

@@ -469,7 +469,7 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     except Exception as e:
         if isinstance(unwrap(e), RunFolderBusy):  # another process's folder: leave it exactly as it is
             if tracking.in_multirun():  # the sweep's other jobs go on; its closing lines name this one
-                return {"failed": f"RunFolderBusy: {unwrap(e)}"}
+                return {"failed": f"RunFolderBusy: {unwrap(e)}", "busy": True}
             raise
         if tracking.in_multirun():
             cfg_path = Path(run_dir) / "config.yaml"

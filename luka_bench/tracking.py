@@ -338,7 +338,7 @@ class SweepProgress(Callback):
             else:
                 cause = getattr(value, "__cause__", None) or value
                 message = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
-            if message.startswith("RunFolderBusy"):  # no error.txt in another process's folder: remember it here
+            if isinstance(value, dict) and value.get("busy"):  # no error.txt in another process's folder: kept here
                 self.busy.append((str(config.hydra.runtime.output_dir), message))
             _say(f"{self._job(config)} FAILED: {message} ({config.hydra.runtime.output_dir}); "
                  "re-run the sweep to retry it")
