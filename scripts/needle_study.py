@@ -69,10 +69,19 @@ GROUPS = [
     ("streaming_llm 1/2", ["method=streaming_llm", "method.budget=0.5"], [("streaming_llm 1/2", {})]),
     ("luka_lined 1/8", ["method=luka_lined", "method.budget=0.125"], [("luka_lined 1/8", {})]),
     ("luka_lined 1/2", ["method=luka_lined", "method.budget=0.5"], [("luka_lined 1/2", {})]),
+    ("luka_mixed 1/8", ["method=luka_mixed", "method.budget=0.125", "method.default.refine.k=3"],
+     [("luka_mixed 1/8 k=3", {})]),
+    ("luka_mixed 1/2", ["method=luka_mixed", "method.budget=0.5", "method.default.refine.k=64"],
+     [("luka_mixed 1/2 k=64", {})]),
+    ("h2o_outer 1/8", ["method=h2o_outer", "method.rules.0.method.budget=0.125"], [("h2o_outer 1/8", {})]),
+    ("h2o_outer 1/2", ["method=h2o_outer", "method.rules.0.method.budget=0.5"], [("h2o_outer 1/2", {})]),
+    ("laser_kv 1/8", ["method=laser_kv", "method.budget=0.125"], [("laser_kv 1/8", {})]),
+    ("laser_kv 1/2", ["method=laser_kv", "method.budget=0.5"], [("laser_kv 1/2", {})]),
+    ("entropy_ols 1/8", ["method=entropy_ols", "method.budget=0.125"], [("entropy_ols 1/8", {})]),
+    ("entropy_ols 1/2", ["method=entropy_ols", "method.budget=0.5"], [("entropy_ols 1/2", {})]),
 ]
 METHODS = [v for _, _, vs in GROUPS for v, _ in vs]
-ORACLE_FOR = ("snapkv qa 1/8", "snapkv qa 1/2", "h2o 1/8", "h2o 1/2", "luka_clustered k=3", "luka_clustered k=64",
-              "lychee 1024", "lychee 2048")
+ORACLE_FOR = tuple(m for m in METHODS if m != "full")  # the oracle at every method's tokens read
 
 
 def haystack_text() -> str:
@@ -192,6 +201,7 @@ def study(args) -> None:
     eos = eos_token_ids(lm.model, lm.tokenizer)
     essays = haystack_text()
     only = set(args.methods.split(",")) if args.methods else None
+    code = code_version()  # the commit this process loaded (a later commit does not change the code running)
     for i in range(args.start, args.prompts):
         pr = build_prompt(lm.tokenizer, essays, i, args.tokens)
         read = {m: prior[(i, m)] for m in ORACLE_FOR if (i, m) in prior}  # a resumed prompt: the oracle still matches
@@ -221,7 +231,7 @@ def study(args) -> None:
                     rec, _ = run_one(lm, method, pr, eos, args.max_new, cache=None if base is None else base.clone())
                     rec["method"] = label + args.suffix
                     read[label] = rec["tokens_read"]
-                    rec["code"] = code_version()
+                    rec["code"] = code
                     f.write(json.dumps(rec) + "\n")
                     f.flush()
                     print(f"[{i}] {label}: {rec['answer']!r} correct={rec['correct']} read={rec['tokens_read']:.0f} "
@@ -242,7 +252,7 @@ def study(args) -> None:
                 for label, k in oracles:
                     method.token_budget = max(1, round(k))
                     rec, _ = run_one(lm, method, pr, eos, args.max_new, cache=base.clone())
-                    rec["method"], rec["oracle_budget"] = label, method.token_budget
+                    rec["method"], rec["oracle_budget"], rec["code"] = label, method.token_budget, code
                     f.write(json.dumps(rec) + "\n")
                     f.flush()
                     print(f"[{i}] {label} (k={method.token_budget}): {rec['answer']!r} correct={rec['correct']} "
@@ -256,10 +266,6 @@ def records(folder: str) -> list[dict]:
         if (r["prompt"], r["method"]) not in seen:  # two processes resuming one prompt: the first record counts
             seen.add((r["prompt"], r["method"]))
             recs.append(r)
-    for r in recs:  # lychee changed on main during the study (issue 25's fill rule): records stamped with a
-        # commit (made after the merge) are kept apart from the earlier ones
-        if r.get("code") and r["method"].startswith("lychee") and not r["method"].endswith(")"):
-            r["method"] += " (main)"
     return recs
 
 
@@ -270,9 +276,8 @@ def table(folder: str) -> str:
     df = pd.DataFrame(recs)
     full = set(df[df.method == "full"].prompt)
     # only prompts every method finished (a table over whole prompts)
-    core = ~df.method.str.startswith("oracle_topk k=") & ~df.method.str.endswith(")")  # sweeps/reruns may cover fewer
-    # prompts every method finished (lychee aside: its records split at the merge of main, each row its own n)
-    per = df[core & ~df.method.str.contains("lychee")].groupby("method").prompt.apply(set)
+    core = df.method.isin(METHODS)  # fixed-budget oracle runs may cover fewer prompts
+    per = df[core].groupby("method").prompt.apply(set)
     common = set.intersection(*per.values) if len(per) else set()
     df = df[df.prompt.isin(common)]
     rows = []
@@ -293,8 +298,9 @@ def table(folder: str) -> str:
     head = ("| method | accuracy | needle read (share of its tokens, mean over steps/layers/heads) | "
             "exact mass on needle tokens read | exact mass on the needle | tokens read / step / layer | n |\n"
             "|:--|--:|--:|--:|--:|--:|--:|")
-    note = (f"\nn = prompts every method finished ({len(common)}: {sorted(common)}; full finished {len(full)}; "
-            "lychee rows: those of these prompts run before (plain) or after (main) main's lychee changed); accuracy: share "
+    codes = sorted({str(c) for c in df.get("code", pd.Series(dtype=str)).fillna("unstamped")})
+    note = (f"\nn = prompts every method finished ({len(common)}: {sorted(common)}; full finished {len(full)}); "
+            f"code: {', '.join(codes)}; accuracy: share "
             "containing the 7-digit number, ± binomial SE; other columns mean ± SE over prompts; needle metrics "
             "closed loop over the 11 generated-token forwards. oracle_topk@X: oracle top-k with token_budget = X's "
             "tokens read per step and layer on the same prompt.")
