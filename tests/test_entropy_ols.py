@@ -161,6 +161,9 @@ def test_budget_fair_real_accounting_every_step(mode, tiny_llama):
 
     c = run_decode(model, m, ids, 40, check)
     assert max(seen_flush) > 0
+    # attention reads every held token and every synthetic entry: the share of held entries read is exactly 1
+    # (it was 1.78 on RULER when the synthetic entries were counted as read but not as held)
+    assert c.attended_stats()["attended_ratio"] == pytest.approx(1.0)
     if mode == "ols":
         assert all(s.policy.S > 0 for s in c.stores)
     if mode == "drop":

@@ -48,4 +48,6 @@ def test_method_runs_on_dataset(method, data, tmp_path):
     headline = m["headline"]
     assert m[headline] is not None and math.isfinite(m[headline])
     assert m["kv_ratio"] > 0
+    # read at most what is held: extra entries (summaries, synthetic pairs) count on both sides
+    assert m.get("attended_ratio") is None or 0 < m["attended_ratio"] <= 1 + 1e-9, m["attended_ratio"]
     assert (Path(tmp_path / "run") / "metrics.json").exists()

@@ -377,7 +377,7 @@ class MethodCache(Cache):
             per_head = s.policy.attended_count(s) + s.policy.attended_extra()
             toks = toks + per_head
             byts = byts + per_head * s.token_bytes()
-            held += s.n
+            held += s.n + s.policy.extra_entries()  # entries held besides the store are read as entries too
         self._attended_pending.append((toks, byts, held))
 
     def _resolve_attended(self) -> tuple[list[float], list[float], list[float]]:
@@ -409,7 +409,8 @@ class MethodCache(Cache):
     def attended_stats(self, since: int = 0) -> dict:
         """Over the decode forwards from number ``since`` on, the mean per forward of: ``attended_tokens`` (held
         tokens read by attention, per layer: mean over KV heads and layers), ``attended_bytes`` (their keys and
-        values, all layers) and ``attended_ratio`` (attended / held tokens). None when there was no such forward."""
+        values, all layers) and ``attended_ratio`` (attended / held entries: the store's tokens plus the policy's
+        ``extra_entries``, so a method reading all it holds has 1.0). None when there was no such forward."""
         t, b, h = self.attended_tokens[since:], self.attended_bytes[since:], self.held_token_steps[since:]
         if not t:
             return {"attended_tokens": None, "attended_bytes": None, "attended_ratio": None}
