@@ -46,6 +46,19 @@ def cell(values: list[float]) -> str:
     return f"{m:.1f} ± {se:.1f}" if se is not None else f"{m:.1f} (n=1)"
 
 
+def task_mean(d: dict[str, list[float]], tasks) -> tuple[float, float | None, bool]:
+    """Mean of the task means over ``tasks``, its SE (sqrt(sum SE_t^2)/T; with one sample per task, the SE over
+    those T items, which mixes task difficulty into it) and whether that one-sample rule was used."""
+    stats = [mean_se(d[t]) for t in tasks]
+    mu = sum(s[0] for s in stats) / len(stats)
+    ses = [s[1] for s in stats]
+    if all(x is not None for x in ses):
+        return mu, math.sqrt(sum(x * x for x in ses)) / len(ses), False
+    if all(len(d[t]) == 1 for t in tasks):
+        return mu, mean_se([d[t][0] for t in tasks])[1], True
+    return mu, None, False
+
+
 def ruler_table(sweep: Path) -> tuple[str, list[dict]]:
     rs = runs(sweep)
     head = ["task"] + [m + ("" if done else " (partial)") for m, done, _ in rs]
@@ -62,22 +75,19 @@ def ruler_table(sweep: Path) -> tuple[str, list[dict]]:
             if d.get(t):
                 mu, se = mean_se(d[t])
                 csv.append({"method": m, "task": t, "mean": mu, "se": se, "n": len(d[t])})
-    overall = ["**RULER score** (mean over tasks)"]
     one_each = False
-    for d in per_method_task:
-        if len(d) == len(TASKS):
-            stats = [mean_se(v) for v in d.values()]
-            mu = sum(s[0] for s in stats) / len(stats)
-            ses = [s[1] for s in stats]
-            if all(x is not None for x in ses):
-                se = math.sqrt(sum(x * x for x in ses)) / len(ses)
-            else:  # one sample per task: the mean of the tasks is the mean of the 13 items; SE over those items
-                one_each = all(len(v) == 1 for v in d.values())
-                se = mean_se([v[0] for v in d.values()])[1] if one_each else None
-            overall.append(f"**{mu:.1f}**" + (f" ± {se:.1f}" if se is not None else ""))
-        else:
-            overall.append(f"- ({len(d)}/{len(TASKS)} tasks)")
-    rows.append(overall)
+    niah = [t for t in TASKS if t.startswith("niah")]
+    for label, tasks in ((f"**RULER score** (mean over tasks)", TASKS),
+                         (f"niah tasks (mean over the {len(niah)} niah_* tasks)", niah)):
+        row = [label]
+        for d in per_method_task:
+            if all(t in d for t in tasks):
+                mu, se, one = task_mean(d, tasks)
+                one_each = one_each or one
+                row.append((f"**{mu:.1f}**" if tasks is TASKS else f"{mu:.1f}") + (f" ± {se:.1f}" if se is not None else ""))
+            else:
+                row.append(f"- ({sum(t in d for t in tasks)}/{len(tasks)} tasks)")
+        rows.append(row)
     # paired with full attention on the same samples (same seed: identical prompts), SE over the paired items
     if rs and rs[0][0] == "full":
         base = {(t, i): x for t, v in per_method_task[0].items() for i, x in enumerate(v)}
@@ -97,7 +107,7 @@ def ruler_table(sweep: Path) -> tuple[str, list[dict]]:
            f"error over samples; n = {', '.join(map(str, n))} sample(s) per task (n=1: no standard error). "
            "The overall score is the mean of the 13 task means (its SE: sqrt(sum SE_t^2)/13"
            + ("; with one sample per task: the SE over the 13 items, which mixes task difficulty into it"
-              if one_each else "") + "). The paired difference is over the items both methods answered.\n")
+              if one_each else "") + "); the niah row likewise over the niah_* tasks only. The paired difference is over the items both methods answered.\n")
     return md, csv
 
 

@@ -1,0 +1,56 @@
+"""scripts/ruler_table.py: the RULER summary from a sweep folder — per-task means, the overall score (mean of the
+task means), the niah-only row over the niah_* tasks, and the paired difference from full attention."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def fake_run(folder, method, scores: dict[str, list[float]], complete=True):
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump({"method_name": method}))
+    lines = [json.dumps({"meta": {"task": t}, "scores": {"ruler": x}}) for t, xs in scores.items() for x in xs]
+    (folder / "predictions.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "metrics.json").write_text(json.dumps({"complete": complete}))
+
+
+def test_overall_niah_and_paired_rows(tmp_path):
+    import ruler_table as RT
+    from luka_bench.data.ruler import TASKS
+
+    niah = [t for t in TASKS if t.startswith("niah")]
+    full = {t: [100.0, 100.0] if t in niah else [0.0, 50.0] for t in TASKS}
+    other = {t: [0.0, 100.0] if t in niah else [0.0, 50.0] for t in TASKS}
+    fake_run(tmp_path / "a", "full", full)
+    fake_run(tmp_path / "b", "snapkv", other)
+    md, csv = RT.ruler_table(tmp_path)
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in md.splitlines()
+            if r.startswith("| ") and not r.startswith("| task")}
+    n_other = len(TASKS) - len(niah)
+    se_all = (n_other * 25.0 ** 2) ** 0.5 / len(TASKS)  # the other tasks: 25 ± 25 each; niah 100 ± 0
+    assert rows["**RULER score** (mean over tasks)"][0] == f"**{(len(niah) * 100 + n_other * 25) / len(TASKS):.1f}** ± {se_all:.1f}"
+    # snapkv: each niah task 50 ± 50 (two samples), so the niah mean is 50 with SE sqrt(T * 50^2) / T
+    se = (len(niah) * 50.0 ** 2) ** 0.5 / len(niah)
+    assert rows[f"niah tasks (mean over the {len(niah)} niah_* tasks)"] == ["100.0 ± 0.0", f"50.0 ± {se:.1f}"]
+    assert rows["difference from full (paired items)"][1].startswith(f"{-50 * len(niah) / len(TASKS):+.1f}")
+    assert {r["method"] for r in csv} == {"full", "snapkv"} and len(csv) == 2 * len(TASKS)
+
+
+def test_a_method_missing_a_niah_task_says_how_many_it_has(tmp_path):
+    import ruler_table as RT
+    from luka_bench.data.ruler import TASKS
+
+    fake_run(tmp_path / "a", "full", {t: [100.0] for t in TASKS})
+    fake_run(tmp_path / "b", "h2o", {t: [0.0] for t in list(TASKS)[1:]}, complete=False)
+    md, _ = RT.ruler_table(tmp_path)
+    niah_row = next(r for r in md.splitlines() if r.startswith("| niah tasks"))
+    n_niah = sum(t.startswith("niah") for t in TASKS)
+    assert f"- ({n_niah - 1}/{n_niah} tasks)" in niah_row
+    assert "h2o (partial)" in md
