@@ -270,40 +270,54 @@ def records(folder: str) -> list[dict]:
 
 
 def table(folder: str) -> str:
+    """One row per method: its tokens read per step and layer, accuracy ± binomial SE, and beside it the oracle
+    top-k reading as many tokens on the same prompts; the needle diagnostics of both. Only prompts every method
+    finished count (a table over whole prompts); the fixed-budget oracle rows below, over the prompts they ran."""
     import pandas as pd
 
-    recs = records(folder)
-    df = pd.DataFrame(recs)
-    full = set(df[df.method == "full"].prompt)
-    # only prompts every method finished (a table over whole prompts)
-    core = df.method.isin(METHODS)  # fixed-budget oracle runs may cover fewer prompts
-    per = df[core].groupby("method").prompt.apply(set)
+    df = pd.DataFrame(records(folder))
+    per = df[df.method.isin(METHODS)].groupby("method").prompt.apply(set)
     common = set.intersection(*per.values) if len(per) else set()
-    df = df[df.prompt.isin(common)]
-    rows = []
-    fixed = sorted({m for m in df.method if m.startswith("oracle_topk k=")}, key=lambda m: int(m.split("=")[1]))
-    extra = sorted(m for m in set(df.method) if m not in METHODS and not m.startswith("oracle_topk"))
-    order = METHODS + extra + [f"oracle_topk@{m}" for m in ORACLE_FOR] + fixed
-    for m in [m for m in order if m in set(df.method)]:
-        d = df[df.method == m]
-        n = len(d)
-        p = d.correct.mean()
+    missing = [m for m in METHODS if m not in set(per.index)]
+    d_all = df[df.prompt.isin(common)]
+
+    def acc(d) -> str:
+        n, p = len(d), d.correct.mean()
         se = math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan")
-        def ms(c, fmt=".3f"):
-            x = d[c].astype(float)
-            s = x.std(ddof=1) / math.sqrt(len(x)) if len(x) > 1 else float("nan")
-            return f"{x.mean():{fmt}} ± {s:{fmt}}"
-        rows.append(f"| {m} | {p:.2f} ± {se:.2f} | {ms('needle_recall')} | {ms('needle_mass_read')} | "
-                    f"{ms('needle_mass')} | {d.tokens_read.mean():,.0f} | {n} |")
-    head = ("| method | accuracy | needle read (share of its tokens, mean over steps/layers/heads) | "
-            "exact mass on needle tokens read | exact mass on the needle | tokens read / step / layer | n |\n"
-            "|:--|--:|--:|--:|--:|--:|--:|")
+        return f"{p:.2f} ± {se:.2f}"
+
+    def ms(d, c, fmt=".3f") -> str:
+        x = d[c].astype(float)
+        se = x.std(ddof=1) / math.sqrt(len(x)) if len(x) > 1 else float("nan")
+        return f"{x.mean():{fmt}} ± {se:{fmt}}"
+
+    rows = []
+    for m in [m for m in METHODS if m in set(d_all.method)]:
+        d, o = d_all[d_all.method == m], d_all[d_all.method == f"oracle_topk@{m}"]
+        oc = (acc(o), ms(o, "needle_recall"), ms(o, "needle_mass_read")) if len(o) == len(d) and len(o) else ("-",) * 3
+        rows.append(f"| {m} | {d.tokens_read.mean():,.0f} | {acc(d)} | {oc[0]} | {ms(d, 'needle_recall')} | {oc[1]} | "
+                    f"{ms(d, 'needle_mass_read')} | {oc[2]} | {len(d)} |")
+    fixed = sorted({m for m in df.method if m.startswith("oracle_topk k=")}, key=lambda m: int(m.split("=")[1]))
+    for m in fixed:
+        d = df[df.method == m]
+        rows.append(f"| {m} | {d.tokens_read.mean():,.0f} | {acc(d)} | | {ms(d, 'needle_recall')} | | "
+                    f"{ms(d, 'needle_mass_read')} | | {len(d)} |")
+    head = ("| method | tokens read / step / layer | accuracy | oracle_topk, same tokens read | needle recall | "
+            "oracle's | exact mass on the needle tokens read | oracle's | n |\n"
+            "|:--|--:|--:|--:|--:|--:|--:|--:|--:|")
     codes = sorted({str(c) for c in df.get("code", pd.Series(dtype=str)).fillna("unstamped")})
-    note = (f"\nn = prompts every method finished ({len(common)}: {sorted(common)}; full finished {len(full)}); "
-            f"code: {', '.join(codes)}; accuracy: share "
-            "containing the 7-digit number, ± binomial SE; other columns mean ± SE over prompts; needle metrics "
-            "closed loop over the 11 generated-token forwards. oracle_topk@X: oracle top-k with token_budget = X's "
-            "tokens read per step and layer on the same prompt.")
+    full = d_all[d_all.method == "full"]
+    note = (f"\nn = prompts every method finished ({len(common)}: {sorted(common)})"
+            + (f"; not run: {', '.join(missing)}" if missing else "") + f"; code: {', '.join(codes)}. "
+            "Accuracy: share of prompts whose answer contains the 7-digit number, ± binomial SE "
+            "(sqrt(p(1-p)/(n-1)); 0 when every prompt agrees). Other columns: mean ± SE over prompts. "
+            "Tokens read: the method's `attended_tokens` (per decode step and layer, mean over KV heads, layers "
+            "and steps). oracle_topk, same tokens read: `oracle_topk` with token_budget = that mean on the same "
+            "prompt. Needle recall: the share of the needle sentence's tokens read; exact mass: full attention's "
+            "weights (this step's query, all tokens) summed over the needle tokens read, mean over the 11 "
+            "generated-token forwards (closed loop), layers and KV heads"
+            + (f"; full attention's mass on the whole needle is {full.needle_mass.mean():.3f}" if len(full) else "")
+            + ". Fixed-budget oracle rows (oracle_topk k=...): over the prompts they ran.")
     return head + "\n" + "\n".join(rows) + note
 
 
