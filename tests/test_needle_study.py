@@ -27,3 +27,29 @@ def test_prompt_protocol(smollm2_tokenizer, i):
     assert 3500 <= len(pr["ctx"]) + len(pr["q"]) <= 3800
     assert abs(pr["needle"][0] / len(pr["ctx"]) - pr["depth"]) < 0.05
     assert len(pr["value"]) == 7 and N.INSTRUCTION in tok.decode(pr["ctx"][:80])
+
+
+def test_table_pairs_each_method_with_its_oracle_over_prompts_every_method_finished(tmp_path):
+    """The table counts only prompts every method finished, puts the oracle at a method's tokens read beside it,
+    and says which methods did not run."""
+    import json
+
+    import needle_study as N
+
+    recs = []
+    for p in range(3):
+        for m in N.METHODS[:3]:
+            if m == N.METHODS[2] and p == 2:
+                continue  # prompt 2 unfinished for one method: it must leave the table
+            base = {"prompt": p, "needle_recall": 0.5, "needle_mass": 0.03, "needle_mass_read": 0.01, "code": "abc"}
+            recs.append({**base, "method": m, "correct": int(p == 0), "tokens_read": 400.0 + p})
+            recs.append({**base, "method": f"oracle_topk@{m}", "correct": 1, "tokens_read": 400.0 + p,
+                         "needle_mass_read": 0.03})
+    (tmp_path / "records.jsonl").write_text("\n".join(map(json.dumps, recs)) + "\n")
+    t = N.table(str(tmp_path))
+    row = next(r for r in t.splitlines() if r.startswith(f"| {N.METHODS[1]} |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[1] == "400"  # tokens read: mean over prompts 0 and 1 (400.0, 401.0) -> 400.5 -> "400"
+    assert cells[2] == "0.50 ± 0.50" and cells[3] == "1.00 ± 0.00"  # method 1/2, its oracle 2/2
+    assert cells[6] == "0.010 ± 0.000" and cells[7] == "0.030 ± 0.000" and cells[8] == "2"
+    assert "(2: [0, 1])" in t and "not run: " + N.METHODS[3] in t and "code: abc" in t
