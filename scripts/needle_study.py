@@ -334,15 +334,21 @@ def plot_by_layer(folder: str, path: str) -> None:
     for r in recs:
         if r.get("needle_recall_by_layer") and not r["method"].startswith("oracle_topk k="):
             by.setdefault(r["method"], []).append(r["needle_recall_by_layer"])
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
-    for m, rows in by.items():
-        ax = axes[1 if m.startswith("oracle") else 0]
-        ax.plot(np.nanmean(np.array(rows, dtype=float), 0), marker="o", ms=2, label=f"{m} (n={len(rows)})")
-    for ax, t in zip(axes, ("methods", "oracle_topk at each method's tokens read")):
+    fig, axes = plt.subplots(1, 3, figsize=(18, 7.5), sharey=True)
+    for ax in axes:
+        ax.set_prop_cycle(color=plt.cm.tab20(np.linspace(0, 1, 20)))
+    small = {m for m, _, vs in GROUPS for m, _ in vs if m.endswith(("1/8", "k=3", "1024", "1024 qmu"))}
+    for m, rows in sorted(by.items(), key=lambda kv: (kv[0] != "full", kv[0])):
+        base = m.removeprefix("oracle_topk@")
+        for i in ((0, 1) if m == "full" else (2,) if m.startswith("oracle") else (0,) if base in small else (1,)):
+            axes[i].plot(np.nanmean(np.array(rows, dtype=float), 0), marker="o", ms=2,
+                         color="black" if m == "full" else None, label=f"{m} (n={len(rows)})")
+    for ax, t in zip(axes, ("methods, small budget", "methods, large budget",
+                            "oracle_topk at each method's tokens read")):
         ax.set_title(f"needle recall by layer: {t}", fontsize=10)
         ax.set_xlabel("layer")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6.5, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.12))
     axes[0].set_ylabel("share of the needle's tokens read")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
