@@ -176,7 +176,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=3700)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", default=None, help="write every measured row here (JSON)")
+    ap.add_argument("--report", default=None, help="print the report of rows written by --rows, without running")
     args = ap.parse_args()
+    if args.report:
+        import json
+
+        report(json.loads(Path(args.report).read_text()), args)
+        return
     torch.set_num_threads(args.threads)
     from hydra.utils import instantiate
 
@@ -263,7 +269,7 @@ def report(acc, args) -> None:
 
     import pandas as pd
 
-    if args.rows:
+    if args.rows and not args.report:
         Path(args.rows).write_text(json.dumps(acc))
 
     print(f"# needle_why: prompts {args.start}..{args.start + args.prompts - 1} of scripts/needle_study.py "
@@ -279,8 +285,10 @@ def report(acc, args) -> None:
         print(f"- logits: summary key {d.summary_logit.mean():.2f}, raw max {d.raw_max_logit.mean():.2f}, raw "
               f"log-mean-exp {d.raw_lme_logit.mean():.2f}\n")
         t3 = d[d.true_top3]
+        print(f"- page 0 (the first tokens: attention sinks, sink=0) among the 3 refined: {d.page0_refined.mean():.3f} "
+              f"of all rows")
         print(f"- when the needle page is in the true top-3 (n = {len(t3)} rows): refined {t3.refined.mean():.3f}; "
-              f"page 0 (the first tokens: attention sinks, sink=0) among the refined: {d.page0_refined.mean():.3f}")
+              f"page 0 among the refined {t3.page0_refined.mean():.3f}")
         print(f"- true mass of the 3 refined pages {d.refined_true_mass.mean():.3f} vs the best 3 pages "
               f"{d.best3_true_mass.mean():.3f} (mean over group heads)\n")
         g = d.groupby("layer")[["refined", "true_top3", "needle_page_true_mass"]].mean()
@@ -300,7 +308,11 @@ def report(acc, args) -> None:
         print(f"- when the needle chunk is in the true top-10 chunks (n = {len(t10)} rows): retrieved "
               f"{t10.retrieved.mean():.3f}, unit kept {t10.unit_kept.mean():.3f}, its cluster in the kept count by UB "
               f"{(t10.cluster_rank_ub < t10.clusters_kept).mean():.3f}, by q.mu "
-              f"{(t10.cluster_rank_qmu < t10.clusters_kept).mean():.3f}\n")
+              f"{(t10.cluster_rank_qmu < t10.clusters_kept).mean():.3f}")
+        u = t10[t10.unit_kept.astype(bool)]
+        print(f"- of those, when its coarse unit was kept (n = {len(u)}): retrieved {u.retrieved.mean():.3f}, its "
+              f"cluster in the kept count by UB {(u.cluster_rank_ub < u.clusters_kept).mean():.3f}, by q.mu "
+              f"{(u.cluster_rank_qmu < u.clusters_kept).mean():.3f}\n")
         g = d.groupby("layer")[["retrieved", "unit_kept"]].mean()
         print(g.round(3).T.to_markdown() + "\n")
     if acc["snap"]:
