@@ -58,6 +58,8 @@ GROUPS = [
     ("full", ["method=full"], [("full", {})]),
     ("luka_clustered", ["method=luka_clustered", "method.refine.k=3"],
      [("luka_clustered k=3", {"refine.k": 3}), ("luka_clustered k=64", {"refine.k": 64})]),
+    ("luka_clustered sink=16", ["method=luka_clustered", "method.refine.k=3", "method.sink=16"],
+     [("luka_clustered k=3 sink=16", {})]),  # page 0 (the attention sinks) off the refinement slots
     ("lychee", ["method=lychee", "method.token_budget=1024"],
      [("lychee 1024", {"token_budget": 1024, "ranking": "ub"}), ("lychee 2048", {"token_budget": 2048, "ranking": "ub"}),
       ("lychee 1024 qmu", {"token_budget": 1024, "ranking": "qmu"})]),
