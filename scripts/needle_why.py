@@ -181,7 +181,10 @@ def main() -> None:
     if args.report:
         import json
 
-        report(json.loads(Path(args.report).read_text()), args)
+        import gzip
+
+        f = Path(args.report)
+        report(json.loads(gzip.decompress(f.read_bytes()) if f.suffix == ".gz" else f.read_text()), args)
         return
     torch.set_num_threads(args.threads)
     from hydra.utils import instantiate

@@ -53,3 +53,21 @@ def test_table_pairs_each_method_with_its_oracle_over_prompts_every_method_finis
     assert cells[2] == "0.50 ± 0.50" and cells[3] == "1.00 ± 0.00"  # method 1/2, its oracle 2/2
     assert cells[6] == "0.010 ± 0.000" and cells[7] == "0.030 ± 0.000" and cells[8] == "2"
     assert "(2: [0, 1])" in t and "not run: " + N.METHODS[3] in t and "code: abc" in t
+
+
+def test_why_report_conditions_the_page0_share_on_the_rows_it_names(capsys):
+    """needle_why's luka line 'when the needle page is in the true top-3 ...: page 0 among the refined' is over those
+    rows, not all rows (it printed the all-rows share there)."""
+    import argparse
+
+    import needle_why as W
+
+    row = {"layer": 0, "rank_score": 5, "rank_true": 5, "pages": 10, "refined": False, "refined_true_mass": 0.3,
+           "best3_true_mass": 0.4, "needle_page_true_mass": 0.01, "summary_logit": -5.0, "raw_max_logit": -3.0,
+           "raw_lme_logit": -4.0}
+    rows = [dict(row, true_top3=True, page0_refined=True)] * 3 + [dict(row, true_top3=False, page0_refined=False)] * 7
+    W.report({"luka": rows, "lychee": [], "snap": [], "h2o": []},
+             argparse.Namespace(rows=None, report="x", start=0, prompts=1, tokens=3700))
+    out = capsys.readouterr().out
+    assert "among the 3 refined: 0.300 of all rows" in out
+    assert "(n = 3 rows): refined 0.000; page 0 among the refined 1.000" in out
