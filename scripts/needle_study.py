@@ -54,6 +54,12 @@ KEYS = ("amber-lantern", "quiet-harbor", "silver-thistle", "hollow-comet", "bris
 # (group, method overrides, variants): a group is prefilled once with its overrides; each variant decodes a clone
 # of that cache with its settings applied (only decode-time settings: the prefill does not read them — LuKA's
 # refine.k, lychee's token_budget / ranking — as the runner answers several questions from one context).
+def _two_budgets(name: str, knob: str = "method.budget", label: str | None = None, extra=()) -> list:
+    """A method at the study's two budgets, 1/8 and 1/2 (one group each: the budget is a prefill setting)."""
+    return [(f"{label or name} {b}", [f"method={name}", *extra, f"{knob}={v}"], [(f"{label or name} {b}", {})])
+            for b, v in (("1/8", 0.125), ("1/2", 0.5))]
+
+
 GROUPS = [
     ("full", ["method=full"], [("full", {})]),
     ("luka_clustered", ["method=luka_clustered", "method.refine.k=3"],
@@ -63,24 +69,17 @@ GROUPS = [
     ("lychee", ["method=lychee", "method.token_budget=1024"],
      [("lychee 1024", {"token_budget": 1024, "ranking": "ub"}), ("lychee 2048", {"token_budget": 2048, "ranking": "ub"}),
       ("lychee 1024 qmu", {"token_budget": 1024, "ranking": "qmu"})]),
-    ("snapkv 1/8", ["method=snapkv", "method.question_aware=true", "method.budget=0.125"], [("snapkv qa 1/8", {})]),
-    ("snapkv 1/2", ["method=snapkv", "method.question_aware=true", "method.budget=0.5"], [("snapkv qa 1/2", {})]),
-    ("h2o 1/8", ["method=h2o", "method.budget=0.125"], [("h2o 1/8", {})]),
-    ("h2o 1/2", ["method=h2o", "method.budget=0.5"], [("h2o 1/2", {})]),
-    ("streaming_llm 1/8", ["method=streaming_llm", "method.budget=0.125"], [("streaming_llm 1/8", {})]),
-    ("streaming_llm 1/2", ["method=streaming_llm", "method.budget=0.5"], [("streaming_llm 1/2", {})]),
-    ("luka_lined 1/8", ["method=luka_lined", "method.budget=0.125"], [("luka_lined 1/8", {})]),
-    ("luka_lined 1/2", ["method=luka_lined", "method.budget=0.5"], [("luka_lined 1/2", {})]),
+    *_two_budgets("snapkv", label="snapkv qa", extra=["method.question_aware=true"]),
+    *_two_budgets("h2o"),
+    *_two_budgets("streaming_llm"),
+    *_two_budgets("luka_lined"),
     ("luka_mixed 1/8", ["method=luka_mixed", "method.budget=0.125", "method.default.refine.k=3"],
      [("luka_mixed 1/8 k=3", {})]),
     ("luka_mixed 1/2", ["method=luka_mixed", "method.budget=0.5", "method.default.refine.k=64"],
      [("luka_mixed 1/2 k=64", {})]),
-    ("h2o_outer 1/8", ["method=h2o_outer", "method.rules.0.method.budget=0.125"], [("h2o_outer 1/8", {})]),
-    ("h2o_outer 1/2", ["method=h2o_outer", "method.rules.0.method.budget=0.5"], [("h2o_outer 1/2", {})]),
-    ("laser_kv 1/8", ["method=laser_kv", "method.budget=0.125"], [("laser_kv 1/8", {})]),
-    ("laser_kv 1/2", ["method=laser_kv", "method.budget=0.5"], [("laser_kv 1/2", {})]),
-    ("entropy_ols 1/8", ["method=entropy_ols", "method.budget=0.125"], [("entropy_ols 1/8", {})]),
-    ("entropy_ols 1/2", ["method=entropy_ols", "method.budget=0.5"], [("entropy_ols 1/2", {})]),
+    *_two_budgets("h2o_outer", "method.rules.0.method.budget"),  # the H2O layers' budget; the middle stays full
+    *_two_budgets("laser_kv"),
+    *_two_budgets("entropy_ols"),
 ]
 METHODS = [v for _, _, vs in GROUPS for v, _ in vs]
 ORACLE_FOR = tuple(m for m in METHODS if m != "full")  # the oracle at every method's tokens read

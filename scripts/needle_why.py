@@ -179,9 +179,8 @@ def main() -> None:
     ap.add_argument("--report", default=None, help="print the report of rows written by --rows, without running")
     args = ap.parse_args()
     if args.report:
-        import json
-
         import gzip
+        import json
 
         f = Path(args.report)
         report(json.loads(gzip.decompress(f.read_bytes()) if f.suffix == ".gz" else f.read_text()), args)
@@ -212,6 +211,10 @@ def main() -> None:
         h2o = instantiate(compose(["method=h2o", "method.budget=0.125"]).method)
         acc["h2o"].append(_h2o(P, h2o, cap, pr))
         print(f"prompt {i} done", file=sys.stderr, flush=True)
+    if args.rows:
+        import json
+
+        Path(args.rows).write_text(json.dumps(acc))
     report(acc, args)
 
 
@@ -268,12 +271,7 @@ def _h2o(P, method, cap, pr) -> dict:
 
 
 def report(acc, args) -> None:
-    import json
-
     import pandas as pd
-
-    if args.rows and not args.report:
-        Path(args.rows).write_text(json.dumps(acc))
 
     print(f"# needle_why: prompts {args.start}..{args.start + args.prompts - 1} of scripts/needle_study.py "
           f"(~{args.tokens} tokens), open loop (full attention's queries)\n")

@@ -77,14 +77,14 @@ def ruler_table(sweep: Path) -> tuple[str, list[dict]]:
                 csv.append({"method": m, "task": t, "mean": mu, "se": se, "n": len(d[t])})
     one_each = False
     niah = [t for t in TASKS if t.startswith("niah")]
-    for label, tasks in ((f"**RULER score** (mean over tasks)", TASKS),
-                         (f"niah tasks (mean over the {len(niah)} niah_* tasks)", niah)):
+    for label, tasks, bold in (("**RULER score** (mean over tasks)", list(TASKS), True),
+                               (f"niah tasks (mean over the {len(niah)} niah_* tasks)", niah, False)):
         row = [label]
         for d in per_method_task:
             if all(t in d for t in tasks):
                 mu, se, one = task_mean(d, tasks)
                 one_each = one_each or one
-                row.append((f"**{mu:.1f}**" if tasks is TASKS else f"{mu:.1f}") + (f" ± {se:.1f}" if se is not None else ""))
+                row.append((f"**{mu:.1f}**" if bold else f"{mu:.1f}") + (f" ± {se:.1f}" if se is not None else ""))
             else:
                 row.append(f"- ({sum(t in d for t in tasks)}/{len(tasks)} tasks)")
         rows.append(row)
@@ -107,7 +107,8 @@ def ruler_table(sweep: Path) -> tuple[str, list[dict]]:
            f"error over samples; n = {', '.join(map(str, n))} sample(s) per task (n=1: no standard error). "
            "The overall score is the mean of the 13 task means (its SE: sqrt(sum SE_t^2)/13"
            + ("; with one sample per task: the SE over the 13 items, which mixes task difficulty into it"
-              if one_each else "") + "); the niah row likewise over the niah_* tasks only. The paired difference is over the items both methods answered.\n")
+              if one_each else "") + "); the niah row likewise over the niah_* tasks only. The paired difference is "
+           "over the items both methods answered.\n")
     return md, csv
 
 
