@@ -2,8 +2,9 @@
 
 Each layer raises its own one-line error type (data: ``DataError``, methods: ``MethodConfigError``, models:
 ``ModelUnavailable`` / ``ModelConfigError``, run folders: ``RunFolderError``, prompts: ``PromptTooLong``, the
-run's own settings and output folders: ``RunConfigError``); the command line (``__main__``) and a sweep job
-(``run.run``) both ask ``one_line_errors()`` which of them to print as one line. The command line's own checks,
+run's own settings and output folders: ``RunConfigError``), each a subclass of ``OneLineError``, which the
+command line (``__main__``) and a sweep job (``run.run``) print as one line. This module imports no other module
+of the package, so every layer can import it. The command line's own checks,
 made before Hydra starts (unknown model/method/data names, output folders that cannot be written), are here
 too, for every entry point (``python -m luka_bench``, ``python -m luka_bench.probe``).
 """
@@ -14,7 +15,12 @@ import os
 from pathlib import Path
 
 
-class PromptTooLong(ValueError):
+class OneLineError(Exception):
+    """Bad input: the message is one line naming the bad value and the allowed ones, printed as ``error: ...``
+    (exit 2) instead of a traceback."""
+
+
+class PromptTooLong(OneLineError, ValueError):
     """A prompt does not fit the model's context. One line."""
 
 
@@ -22,7 +28,7 @@ class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C during a run; the message is the one line the command line prints (items saved, how to resume)."""
 
 
-class RunConfigError(ValueError):
+class RunConfigError(OneLineError, ValueError):
     """A bad top-level setting (``seed``, ``threads``, ``max_new_tokens``, ...) or an output folder that cannot
     be written. One line."""
 
@@ -59,14 +65,8 @@ def check_writable_dir(key: str, path: str | Path) -> None:
 
 
 def one_line_errors() -> tuple[type[BaseException], ...]:
-    # Imported here: the command line checks group names before anything heavy (torch, transformers) loads.
-    from luka_bench.data.base import DataError
-    from luka_bench.methods.base import MethodConfigError
-    from luka_bench.models import ModelConfigError, ModelUnavailable
-    from luka_bench.results import RunFolderError
-
-    return (DataError, MethodConfigError, ModelUnavailable, ModelConfigError, RunFolderError, PromptTooLong,
-            RunConfigError)
+    """The errors printed as one line (every ``OneLineError``)."""
+    return (OneLineError,)
 
 
 def unwrap(e: BaseException) -> BaseException:

@@ -138,11 +138,9 @@ def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool =
     ids = ids.to(dev)
     out = []
     with hf.attach(model, method, tokenizer) as att:
-        cache = att.new_cache()
-        cache.reference_length = prompt_len
+        cache = att.new_cache(reference_length=prompt_len)
         cache.add_tokens(host_ids[:prompt_len])
-        model(input_ids=ids[:, :prompt_len], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache.end_prefill()
+        model(input_ids=ids[:, :prompt_len], past_key_values=cache, use_cache=True, logits_to_keep=1)  # the prefill
         before = events(cache)
         for i in range(steps):
             x = ids[:, prompt_len + i: prompt_len + i + 1]

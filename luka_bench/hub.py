@@ -25,14 +25,29 @@ def _offline_env() -> bool:
                for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
+def server_problem(url: str, timeout: float = REACH_TIMEOUT_S) -> str | None:
+    """Why the server at ``url`` (the hub, a W&B server) cannot be reached (a TCP connection within ``timeout``
+    seconds), else None. Only a connection is opened: nothing is sent."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    if not u.hostname:
+        return f"{url!r} has no host"
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        with socket.create_connection((u.hostname, port), timeout=timeout):
+            return None
+    except OSError as e:
+        return f"unreachable at {u.hostname}:{port} ({type(e).__name__}{': ' + e.strerror if e.strerror else ''})"
+
+
 def hub_problem(timeout: float = REACH_TIMEOUT_S) -> str | None:
     """Why the hub cannot be used here (offline mode set, or no connection within ``timeout`` s), else None."""
     if _offline_env():
         return "switched off (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE / HF_DATASETS_OFFLINE)"
     url = endpoint()
     if url not in _problems:
-        from luka_bench.tracking import server_problem
-
         _problems[url] = server_problem(url, timeout)
     return _problems[url]
 

@@ -19,14 +19,16 @@ from typing import Any
 
 import torch
 
+from luka_bench.errors import OneLineError
+
 log = logging.getLogger(__name__)
 
 
-class ModelUnavailable(RuntimeError):
+class ModelUnavailable(OneLineError, RuntimeError):
     """The model cannot be had here. The message is one line saying how to get it."""
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(OneLineError, ValueError):
     """A bad model setting (dtype, device, arch). One line naming the value and the allowed ones."""
 
 

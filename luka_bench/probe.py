@@ -130,7 +130,7 @@ def _key(model_cfg: dict, prompt: Prompt) -> str:
 @torch.no_grad()
 def _continue(model, cache, prompt: Prompt, j: int) -> list[int]:
     """Feed continuation ``j`` to ``cache`` (the chunk, then ``steps`` tokens); returns the forward lengths."""
-    from luka_bench.run import forward
+    from luka_bench.engine import forward
 
     lengths = []
     logits = None
@@ -150,8 +150,8 @@ def _continue(model, cache, prompt: Prompt, j: int) -> list[int]:
 @torch.no_grad()
 def capture(lm, prompt: Prompt, cache_dir: str | Path | None = None, model_cfg: dict | None = None) -> Capture:
     """Run the model once on ``prompt`` with a recording policy; load from / save to ``cache_dir`` if given."""
+    from luka_bench.engine import prefill
     from luka_bench.methods.hf import attach
-    from luka_bench.run import prefill
 
     path = None
     if cache_dir is not None:
@@ -283,9 +283,7 @@ def replay(method: KVMethod, cap: Capture, topk: int, tag: tuple = (0,), needle:
     from luka_bench.methods.hf import MethodCache, replay_forward
 
     obs = Observer(topk, needle)
-    cache = MethodCache(method, cap.infos)
-    cache.observer = obs
-    cache.reference_length = cap.context
+    cache = MethodCache(method, cap.infos, reference_length=cap.context, observer=obs, manual=True)
     n = cap.context
 
     def one(c: MethodCache, sl: slice) -> None:
@@ -313,14 +311,13 @@ def replay(method: KVMethod, cap: Capture, topk: int, tag: tuple = (0,), needle:
 @torch.no_grad()
 def closed_loop(lm, method: KVMethod, prompt: Prompt, topk: int, tag: tuple = (0,)) -> Observer:
     """Generate with ``method`` attached and measure every decode step against exact attention."""
+    from luka_bench.engine import forward, prefill
     from luka_bench.methods.hf import attach
-    from luka_bench.run import forward, prefill
 
     obs = Observer(topk, prompt.needle)
     with attach(lm.model, method, lm.tokenizer) as att:
-        cache = att.new_cache()
-        cache.observer = obs
-        cache.question_ids = [t for c in prompt.chunks for t in c] or None  # question-aware methods, as the runner
+        # question-aware methods see every continuation's ids, as the runner gives them every question's
+        cache = att.new_cache(observer=obs, question_ids=[t for c in prompt.chunks for t in c] or None)
         prefill(lm.model, prompt.context, cache)
         for j in range(len(prompt.chunks)):
             c = cache.clone()
@@ -359,28 +356,16 @@ def needle_positions(tokenizer, use_chat: bool, task, ex) -> list[int] | None:
 
 
 def prompts(lm, task, steps: int, questions: int) -> list[Prompt]:
-    """The probed prompts of a dataset (``data.limit`` examples / documents), built as the runner builds them."""
-    from luka_bench.data.base import qa_prompt_ids
+    """The probed prompts of a dataset (``data.limit`` examples / documents): the engine's plan of them
+    (``engine.plan_qa``, the runner's prompts), ``steps`` new tokens reserved."""
+    from luka_bench.engine import plan_qa
     from luka_bench.errors import PromptTooLong
 
     out = []
     if task.kind == "qa":
-        if hasattr(task, "prepare"):
-            task.prepare(lm.tokenizer, lm.max_context - steps, chat_template=lm.chat_template)
-        for ex in task.examples():
-            ctx, chunks = None, []
-            for q in ex.questions[: max(1, questions)]:
-                prefix = task.answer_prefix(q) if hasattr(task, "answer_prefix") else ""  # as the runner: RULER's
-                c, qi = qa_prompt_ids(lm.tokenizer, lm.chat_template, task.context_block(ex), task.question_block(q),
-                                      prefix)
-                ctx = ctx or c
-                chunks.append(qi)
-            need = len(ctx) + max(len(c) for c in chunks) + steps
-            if need > lm.max_context:
-                raise PromptTooLong(f"example {ex.id!r} needs {need} tokens but model.max_context={lm.max_context}; "
-                                    f"allowed: <= {lm.max_context} — use a shorter data setting or fewer probe.steps")
-            out.append(Prompt(str(ex.id), ctx, chunks, None, steps,
-                              needle_positions(lm.tokenizer, lm.chat_template, task, ex)))
+        for p in plan_qa(task, lm, steps, max(1, questions), evidence=False):
+            out.append(Prompt(str(p.example.id), p.context_ids, [q.ids for q in p.questions], None, steps,
+                              needle_positions(lm.tokenizer, lm.chat_template, task, p.example)))
     else:
         for d in task.documents(lm.tokenizer):
             ids = d.meta["ids"]
@@ -599,6 +584,10 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig, open_dict
+
+    from luka_bench.results import register_resolvers
+
+    register_resolvers()
 
     @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="probe")
     def _app(cfg: DictConfig):

@@ -19,10 +19,38 @@ import time
 from pathlib import Path
 from typing import Any
 
+from luka_bench.errors import CONF_DIR, OneLineError
+
 import yaml
 
-# Keys that may change between a run and its resumption (more items, display, how many CPU threads ran it).
-_VOLATILE = {("data", "limit"), ("progress",), ("threads",)}
+# What identifies a run, decided here and nowhere else (the folder name, resume, the report's columns): its
+# resolved config, less the keys below. NOT_RECORDED are not part of the run at all (where it is logged, the
+# sweep it belongs to, the experiment file that set its values); NOT_COMPARED are recorded in its config.yaml but
+# may change between a run and its resumption (more items, display, how many CPU threads ran it).
+NOT_RECORDED = ("logger", "sweep_name", "experiment")
+NOT_COMPARED = ("data.limit", "progress", "threads")
+
+
+def identifies_run(key: str | tuple) -> bool:
+    """Whether a config key (``"method.budget"`` or ``("method", "budget")``) tells two runs apart."""
+    k = ".".join(map(str, key)) if isinstance(key, tuple) else str(key)
+    return not any(k == x or k.startswith(x + ".") for x in NOT_RECORDED + NOT_COMPARED)
+
+
+def folder_name_excludes() -> list[str]:
+    """The command-line keys left out of a run folder's name (Hydra's ``override_dirname.exclude_keys``, set by
+    ``conf/config.yaml`` through the ``luka_not_identity`` resolver): the keys that do not identify a run, with
+    every logger setting spelled out (Hydra matches whole keys)."""
+    import glob
+
+    import yaml as _yaml
+
+    keys = list(NOT_RECORDED + NOT_COMPARED)
+    for f in sorted(glob.glob(str(CONF_DIR / "logger" / "*.yaml"))):
+        for k in (_yaml.safe_load(Path(f).read_text(encoding="utf-8")) or {}):
+            if not k.startswith("_") and f"logger.{k}" not in keys:
+                keys.append(f"logger.{k}")
+    return keys
 
 
 # A sweep job stopped by bad input does not raise: it leaves its one-line error in its folder's error.txt and
@@ -75,9 +103,11 @@ def register_resolvers() -> None:
 
     if not OmegaConf.has_resolver("luka_run_dir"):
         OmegaConf.register_new_resolver("luka_run_dir", lambda *parts: run_dir_name(*parts))
+    if not OmegaConf.has_resolver("luka_not_identity"):
+        OmegaConf.register_new_resolver("luka_not_identity", folder_name_excludes)
 
 
-class RunFolderError(RuntimeError):
+class RunFolderError(OneLineError, RuntimeError):
     """The folder cannot take this run. One line."""
 
 
@@ -137,7 +167,7 @@ def config_difference(old: dict, new: dict) -> list[str]:
     a, b = _flatten(old), _flatten(new)
     diffs = []
     for key in sorted(set(a) | set(b), key=str):
-        if key in _VOLATILE or key[:2] in _VOLATILE:
+        if not identifies_run(key):
             continue
         if a.get(key) is None and b.get(key) is None:
             continue

@@ -23,16 +23,13 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from luka_bench.metrics import item_uncertainty
-from luka_bench.results import (count_lines, find_runs, read_env, read_metrics, read_predictions,
+from luka_bench.stats import item_uncertainty
+from luka_bench.results import (count_lines, identifies_run, find_runs, read_env, read_metrics, read_predictions,
                                 read_run_config)
 
 HEADLINE = "headline"
 # Metrics where lower is better (everything else, e.g. em / f1 / accuracy, is higher-is-better).
 LOWER_IS_BETTER = {"perplexity", "ttft_s", "tpot_s", "wall_s", "kv_ratio", "peak_rss_bytes", "nll"}
-# Config keys that say how a run was executed, not what it measured: never used to tell runs apart.
-NOT_IDENTITY = {"progress", "threads", "sweep_name", "data.limit"}
-NOT_IDENTITY_PREFIXES = ("logger.",)
 # Metrics keys that repeat config names (the config's *_name columns hold them).
 _DUPLICATE_METRICS = {"model", "method", "data"}
 
@@ -78,7 +75,7 @@ def load_runs(folder: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
             row.update(flat)
             headline = metrics.get("headline")
             row["headline_value"] = metrics.get(headline) if isinstance(headline, str) else None
-            # ± SE and n of every per-item metric, from the predictions (clustered by example; metrics.item_uncertainty)
+            # ± SE and n of every per-item metric, from the predictions (clustered by example; stats.item_uncertainty)
             for k, u in item_uncertainty(read_predictions(run)).items():
                 row[f"{k}_se"], row[f"{k}_n"] = u["se"], u["n"]
                 if k == headline:
@@ -108,7 +105,8 @@ def _order_columns(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def is_identity(col: str) -> bool:
-    return col not in NOT_IDENTITY and not col.startswith(NOT_IDENTITY_PREFIXES)
+    """Config columns that tell runs apart (``results.identifies_run``: never how a run was executed)."""
+    return identifies_run(col)
 
 
 def config_columns(df: pd.DataFrame) -> list[str]:
@@ -459,9 +457,9 @@ SE_NOTE = ("cells: mean ± standard error (n = items); QA: SE clustered by examp
 
 def paired_runs(df: pd.DataFrame, folder: str | Path, ref: str, metric: str = HEADLINE) -> pd.DataFrame:
     """Each complete run's paired difference to the run of method ``ref`` on the same model and data settings:
-    ``metric`` minus the reference's on the items both answered (``metrics.paired_difference``). Columns: the
+    ``metric`` minus the reference's on the items both answered (``stats.paired_difference``). Columns: the
     run's own, plus ``paired``, ``paired_se``, ``paired_n``. The reference runs themselves get NaN."""
-    from luka_bench.metrics import paired_difference
+    from luka_bench.stats import paired_difference
 
     done = complete(df).copy()
     need_columns(done, ["method_name"], "--paired")
@@ -513,3 +511,57 @@ def paired_strings(df: pd.DataFrame, folder: str | Path, ref: str, rows: Sequenc
     out.columns = [f"{name} − {ref} (paired)" if c == "paired" else c for c in out.columns]
     out.index.name = f"{'/'.join(rows)} \\ {'/'.join(cols) or 'metric'}"
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One run's closing summary
+
+def _fmt_summary(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={_fmt_summary(x)}" for k, x in v.items())
+    return str(v)
+
+
+def _bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def run_summary(m: dict, path: Path) -> str:
+    """The table a run prints at its end (and a re-run of a finished one): its metrics.json, ± SE and n."""
+    import os
+
+    where = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else str(path)
+    rows = [("run", where), ("model / method / data", f"{m['model']} / {m['method']} / {m['data']}"),
+            ("n_examples", _fmt_summary(m["n_examples"]))]
+    keys = ["em", "em_lenient", "f1", "accuracy"] + sorted(k for k in m if k.startswith("accuracy_")) + \
+        ["perplexity", "n_tokens", "ttft_s", "tpot_s", "kv_ratio", "attended_tokens", "attended_ratio"]
+    unc = m.get("uncertainty") or {}
+    for k in keys:
+        if k == "perplexity" and k in unc and unc[k].get("unit"):  # corpus perplexity ± SE over its units
+            u = unc[k]
+            rows.append((f"perplexity (± SE over {u['clusters']} {u['unit']})", fmt_mean_se(u["mean"], u["se"])))
+        elif k in unc and k not in ("ttft_s", "tpot_s"):  # scores: mean ± SE clustered by example (n items)
+            rows.append((f"{k} (± SE, n)", fmt_mean_se(unc[k]["mean"], unc[k]["se"], unc[k]["n"])))
+        elif k in m:
+            rows.append((k, _fmt_summary(m[k])))
+    if m.get("latency_breakdown") and len(m["latency_breakdown"]) > 1:
+        rows.append(("latency_breakdown (s/token)", _fmt_summary(m["latency_breakdown"])))
+    if m.get("attended_bytes") is not None:
+        rows.append(("attended_bytes (per step)", _bytes(m["attended_bytes"])))
+    rows.append(("kv_bytes (peak / full)", f"{_bytes(m['kv_bytes']['peak'])} / {_bytes(m['kv_bytes_full']['peak'])}"))
+    rows.append(("peak_rss_bytes", _bytes(m["peak_rss_bytes"])))
+    rows.append(("wall_s", _fmt_summary(m["wall_s"])))
+    w = max(len(r[0]) for r in rows)
+    line = "+" + "-" * (w + 2) + "+" + "-" * (max(len(r[1]) for r in rows) + 2) + "+"
+    body = "\n".join(f"| {a:<{w}} | {b:<{len(line) - w - 7}} |" for a, b in rows)
+    return f"{line}\n{body}\n{line}"

@@ -26,6 +26,8 @@ from urllib.parse import urlparse
 
 from hydra.experimental.callback import Callback
 
+from luka_bench.hub import REACH_TIMEOUT_S, server_problem  # noqa: F401 (one reachability check)
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Trackers
@@ -33,6 +35,8 @@ from hydra.experimental.callback import Callback
 
 class NullTracker:
     """``logger=none``: nothing leaves the run folder."""
+
+    logs_items = False  # the runner computes running metrics only for a tracker that logs them
 
     run_dir: Path | None = None
     sweep_name: str | None = None
@@ -66,7 +70,6 @@ def flatten(d: dict, prefix: str = "", sep: str = "/") -> dict[str, Any]:
 
 
 # How long a W&B server may take to accept a connection before a run logs offline instead (seconds).
-REACH_TIMEOUT_S = 3.0
 # A sweep's jobs share what the first one found: the server answered or not (<sweep folder>/REACH_FILE; one
 # process per job with the local and SLURM launchers), so an unreachable server costs one timeout per sweep.
 REACH_FILE = ".wandb_unreachable"
@@ -75,22 +78,6 @@ _unreachable: dict[str, str] = {}  # base URL -> why, for this process
 
 def wandb_base_url() -> str:
     return os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
-
-
-def server_problem(url: str, timeout: float = REACH_TIMEOUT_S) -> str | None:
-    """Why the W&B server at ``url`` cannot be reached (a TCP connection within ``timeout`` seconds), else None.
-    Only a connection is opened: nothing is sent."""
-    import socket
-
-    u = urlparse(url)
-    if not u.hostname:
-        return f"WANDB_BASE_URL={url!r} has no host"
-    port = u.port or (443 if u.scheme == "https" else 80)
-    try:
-        with socket.create_connection((u.hostname, port), timeout=timeout):
-            return None
-    except OSError as e:
-        return f"unreachable at {u.hostname}:{port} ({type(e).__name__}{': ' + e.strerror if e.strerror else ''})"
 
 
 def wandb_logged_in() -> bool:
@@ -196,6 +183,8 @@ class WandbTracker:
             print(f"wandb: online start failed ({type(e).__name__}: {e}); logging offline instead "
                   f"(upload later with `wandb sync`)", file=sys.stderr)
             self.run = wandb.init(mode="offline", **kwargs)
+
+    logs_items = True
 
     def log(self, step: int, metrics: dict) -> None:
         if self.run is not None:

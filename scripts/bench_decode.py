@@ -46,9 +46,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-import _conf  # noqa: E402  (scripts/_conf.py)
+from luka_bench import config as _conf  # noqa: E402
 REFS = ("stock", "full")
 MASS_READERS = ("h2o", "luka_lined", "luka_clustered", "luka_mixed", "entropy_ols")  # prefill needs the masses
 EXPLICIT = "+explicit"  # suffix of a --kernel-ab run with LUKA_BENCH_NO_KERNEL=1
@@ -199,7 +198,7 @@ def main() -> None:
     from luka_bench.data.pg19 import essays_text
     from luka_bench.methods.hf import attach
     from luka_bench.methods import cpu_kernel
-    from luka_bench.run import breakdown, forward, prefill
+    from luka_bench.engine import breakdown, forward, prefill
 
     cpu_kernel.attention_mass_op()  # build/load the fused prefill kernel now, never inside a timed prefill
 

@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-import _conf  # noqa: E402  (scripts/_conf.py: the scripts' Hydra composition)
+from luka_bench import config as _conf  # noqa: E402
 
 VARIANTS = {  # name -> method overrides (block size and budget added below)
     "full": ["method=full"],
@@ -58,10 +55,11 @@ def context_lengths(data_overrides: list[str]) -> list[int]:
 
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
-    n = len(xs)
-    m = sum(xs) / n
-    se = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n) if n > 1 else float("nan")
-    return m, se
+    """Mean and SE of independent samples (``stats.mean_se``); NaN for the SE of one (printed as such)."""
+    from luka_bench.stats import mean_se as _mean_se
+
+    r = _mean_se(xs)
+    return r["mean"], float("nan") if r["se"] is None else r["se"]
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """The LuKA study's table (methods/luka_clustered.md) and the Table-1 layout (conf/experiment/luka_table1.yaml):
-for each WikiSalad level and run in a sweep folder, lenient EM with its standard error over examples, the paired
+for each WikiSalad level and run in a sweep folder, lenient EM with its standard error clustered by example (``luka_bench.stats``), the paired
 difference to lined at 1/8 on the same questions, attended tokens per layer and step, and kv_ratio. Every row
 names the rules its run used, read from the run's own ``config.yaml``: ``mass: exact`` (the reference code's
 corrected refinement mass, the default) or ``mass: parent`` (eq. 3 of the paper) for clustered layers; ``tail on
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from em_with_se import paired, summary  # noqa: E402
+from luka_bench.results import read_predictions
+from luka_bench.stats import cluster_of, mean_se, paired_difference
 
 LEVELS = ["easy", "medium", "hard", "very_hard"]
 ORDER = ["full", "luka_lined", "luka_clustered", "luka_mixed"]
@@ -64,15 +64,16 @@ def main() -> None:
         for (_, method, ov), d in rows:
             cfg = yaml.safe_load((d / "config.yaml").read_text()) if (d / "config.yaml").exists() else {}
             label = " ".join([method] + [f"{k.removeprefix('method.')}={v}" for k, v in sorted(ov.items())])
-            s = summary(d, "em_lenient")
+            recs = read_predictions(d)
+            s = mean_se([float(r["scores"]["em_lenient"]) for r in recs], [cluster_of(r) for r in recs])
             m = json.loads((d / "metrics.json").read_text())
             if base is None or d == base:
                 diff = "—"
             else:
-                dd, se, _ = paired(d, base, "em_lenient")
-                diff = f"{dd:+.3f} ± {se:.3f}"
+                p = paired_difference(recs, read_predictions(base), "em_lenient")
+                diff = f"{p['mean']:+.3f} ± {p['se']:.3f}"
             print(f"| {level.replace('_', ' ')} | {label} | {'; '.join(rules(cfg.get('method') or {})) or '—'} | "
-                  f"{s['examples']} / {s['questions']} | {s['mean']:.3f} ± {s['se_examples']:.3f} | {diff} | "
+                  f"{s['clusters']} / {s['n']} | {s['mean']:.3f} ± {s['se']:.3f} | {diff} | "
                   f"{m.get('attended_tokens') or float('nan'):.0f} | {m['kv_ratio']:.3f} |")
 
 

@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-import _conf  # noqa: E402  (scripts/_conf.py)
+from luka_bench import config as _conf  # noqa: E402
 
 VARIANTS = {"ub": [], "qmu": ["ranking=qmu"], "fixed": ["chunking=fixed"], "max": ["pooling=max"]}
 
@@ -82,7 +80,7 @@ def main() -> None:
     from luka_bench.data.pg19 import essays_text
     from luka_bench.methods.hf import attach
     from luka_bench.methods.lychee import LycheePolicy
-    from luka_bench.run import forward
+    from luka_bench.engine import forward
 
     names = [v for v in args.variants.split(",") if v]
     _, model_cfg = compose_method(args.set)
@@ -95,8 +93,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     with attach(model, Full(), tok) as a:
-        base = a.new_cache()
-        base.reference_length = args.n
+        base = a.new_cache(reference_length=args.n)
         forward(model, ids[: args.n], base)
     print(f"prefill {args.n} tokens: {time.perf_counter() - t0:.0f} s", flush=True)
     results: dict[str, dict] = {}
@@ -108,11 +105,9 @@ def main() -> None:
         attended: list[float] = []
         t0 = time.perf_counter()
         with attach(model, method, tok) as a:
-            cache = a.new_cache()
-            cache.reference_length = args.n
-            cache.token_ids = list(base.token_ids)
             n0 = args.lazy_from or args.n
-            cache.reference_length = n0
+            cache = a.new_cache(reference_length=n0, manual=True)
+            cache.add_tokens(base.token_ids)
             for new, old in zip(cache.stores, base.stores):
                 new.update(old.keys[:, :, :n0].clone(), old.values[:, :, :n0].clone())
             cache.end_prefill()

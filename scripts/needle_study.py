@@ -31,14 +31,12 @@ import argparse
 import json
 import math
 import random
-import re
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 INSTRUCTION = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
                "I will quiz you about the numbers afterwards.")
@@ -158,21 +156,21 @@ def held_digits(cache, digits: list[int]) -> list[float]:
 def run_one(lm, method, pr: dict, eos, max_new: int, cache=None):
     from luka_bench.methods.hf import attach
     from luka_bench.probe import Observer
-    from luka_bench.run import greedy_answer, prefill
+    from luka_bench.engine import greedy_answer, prefill
 
     t0 = time.perf_counter()
     obs = Observer(32, pr["needle"])
     obs.tag = (pr["id"], 0, 0)  # (example, continuation, step): steps are not told apart here
     with attach(lm.model, method, lm.tokenizer) as att:
-        c = att.new_cache() if cache is None else cache
-        if cache is not None:  # a clone of a prefilled cache that holds every token (the oracle): the prefill's K/V
+        if cache is None:
+            c = att.new_cache(question_ids=list(pr["q"]), observer=obs)
+            prefill(lm.model, pr["ctx"], c)
+        else:  # a clone of a prefilled cache that holds every token (the oracle): the prefill's K/V
+            c = cache
             assert all(s.n == s.seen for s in c.stores)
             obs.k = {s.policy.info.layer_idx: s.keys.clone() for s in c.stores}
             obs.v = {s.policy.info.layer_idx: s.values.clone() for s in c.stores}
-        c.observer = obs
-        if cache is None:
-            c.question_ids = list(pr["q"])
-            prefill(lm.model, pr["ctx"], c)
+            c.observer = obs
         gen = greedy_answer(lm.model, lm.tokenizer, c, pr["q"], max_new, eos, stop_strings=())
     rec = {"prompt": pr["id"], "depth": pr["depth"], "context_tokens": len(pr["ctx"]), "gold": pr["value"],
            "answer": gen.text, "correct": int(pr["value"] in gen.text),
@@ -186,8 +184,8 @@ def run_one(lm, method, pr: dict, eos, max_new: int, cache=None):
 def study(args) -> None:
     from hydra.utils import instantiate
 
-    from _conf import compose
-    from luka_bench.run import eos_token_ids
+    from luka_bench.config import compose
+    from luka_bench.engine import eos_token_ids
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -216,11 +214,10 @@ def study(args) -> None:
                 base = None
                 if len(variants) > 1:  # one prefill, each variant decodes a clone
                     from luka_bench.methods.hf import attach
-                    from luka_bench.run import prefill
+                    from luka_bench.engine import prefill
 
                     with attach(lm.model, method, lm.tokenizer) as att:
-                        base = att.new_cache()
-                        base.question_ids = list(pr["q"])
+                        base = att.new_cache(question_ids=list(pr["q"]))
                         prefill(lm.model, pr["ctx"], base)
                 for label, settings in todo:
                     for k, v in settings.items():
@@ -244,7 +241,7 @@ def study(args) -> None:
             if oracles and not args.no_oracle:
                 from luka_bench.methods.hf import attach
                 from luka_bench.methods.oracle_topk import OracleTopK
-                from luka_bench.run import prefill
+                from luka_bench.engine import prefill
 
                 method = OracleTopK(token_budget=10 ** 9)
                 with attach(lm.model, method, lm.tokenizer) as att:

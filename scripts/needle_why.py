@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def rank_of(scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -189,7 +188,7 @@ def main() -> None:
     from hydra.utils import instantiate
 
     import needle_study as N
-    from _conf import compose
+    from luka_bench.config import compose
     from luka_bench import probe as P
 
     lm = instantiate(compose(["model=smollm2_135m"]).model).load()
@@ -222,9 +221,7 @@ def _replay(P, method, cap, why: Why):
     """``probe.replay`` with ``why``'s observer on the cache."""
     from luka_bench.methods.hf import MethodCache, replay_forward
 
-    cache = MethodCache(method, cap.infos)
-    cache.observer = why.obs
-    cache.reference_length = cap.context
+    cache = MethodCache(method, cap.infos, reference_length=cap.context, observer=why.obs, manual=True)
     n = cap.context
 
     def one(c, sl):
@@ -245,8 +242,7 @@ def _replay(P, method, cap, why: Why):
 def _h2o(P, method, cap, pr) -> dict:
     from luka_bench.methods.hf import MethodCache, replay_forward
 
-    cache = MethodCache(method, cap.infos)
-    cache.reference_length = cap.context
+    cache = MethodCache(method, cap.infos, reference_length=cap.context, manual=True)
     n = cap.context
     with torch.no_grad():
         cache.add_tokens(cap.ids[:n])

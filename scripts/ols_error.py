@@ -75,8 +75,7 @@ def subset(k, v, index):
 def compress_policy(info: LayerInfo, q, k, v, scaling, rho: float, mode: str, **kw):
     """A real EntropyOLS policy and store after a prefill of (q, k, v) and its compaction."""
     method = EntropyOLS(budget=rho, mode=mode, **kw)
-    cache = MethodCache(method, [info])
-    cache.reference_length = k.shape[2]
+    cache = MethodCache(method, [info], reference_length=k.shape[2], manual=True)
     store = cache.stores[0]
     store.lazy_initialization(k, v)
     store.append(k, v)

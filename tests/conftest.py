@@ -13,6 +13,15 @@ CONF = ROOT / "conf"
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+
+@pytest.fixture(autouse=True, scope="session")
+def _resolvers():
+    """The config's resolvers (run folder names, what identifies a run), as the command line registers them
+    before Hydra composes."""
+    from luka_bench.results import register_resolvers
+
+    register_resolvers()
+
 # The device tests run on: cpu (default) or cuda (``LUKA_TEST_DEVICE=cuda``: tests that make sense on a GPU run
 # there, e.g. the Triton kernel compiled for real, the host-sync counts). On the CPU, Triton kernels run in
 # Triton's interpreter, which must be chosen before Triton is first imported.

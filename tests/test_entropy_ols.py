@@ -118,8 +118,7 @@ def test_attention_with_extra_entries():
 
 def run_decode(model, method, ids, ctx, check=None):
     with attach(model, method) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = ctx
+        c = a.new_cache(reference_length=ctx, manual=True)
         model(ids[:, :ctx], past_key_values=c)
         c.end_prefill()
         for t in range(ctx, ids.shape[1]):
@@ -177,8 +176,7 @@ def test_flush_frees_the_bin_and_attention_reads_only_what_is_held(tiny_llama):
     m = EntropyOLS(budget=0.5, mode="ols", bin_size=8, rank=2, n_ref=4, sink=2)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(4))
     with attach(model, m) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 20
+        c = a.new_cache(reference_length=20, manual=True)
         model(ids[:, :20], past_key_values=c)
         s0 = c.stores[0]
         n0, pos0 = s0.n, s0.positions.clone()
@@ -291,8 +289,7 @@ def test_bin_takes_high_entropy_low_mass_tokens_first(tiny_gqa3, monkeypatch):
     m = EntropyOLS(budget=0.8, mode="ols", bin_size=8, rank=2, n_ref=4, sink=2)
     ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(9))
     with attach(model, m) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 60
+        c = a.new_cache(reference_length=60, manual=True)
         model(ids, past_key_values=c)
         c.end_prefill()
     assert len(seen) == model.config.num_hidden_layers

@@ -66,8 +66,7 @@ def test_h2o_scores_are_attention_column_sums(arch, request):
     model = lm.model
     ids = torch.randint(0, 256, (1, 36), generator=torch.Generator().manual_seed(8))
     with attach(model, H2O(budget=1.0)) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 30
+        c = a.new_cache(reference_length=30, manual=True)
         model(ids[:, :30], past_key_values=c)
         c.end_prefill()
         for t in range(30, 36):
@@ -84,7 +83,7 @@ def test_h2o_decay_applies_per_forward(tiny_llama):
     model = tiny_llama.model
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(9))
     with attach(model, H2O(budget=1.0, decay=0.5)) as a, torch.no_grad():
-        c = a.new_cache()
+        c = a.new_cache(manual=True)
         model(ids[:, :10], past_key_values=c)
         c.end_prefill()
         model(ids[:, 10:11], past_key_values=c)
@@ -101,8 +100,7 @@ def test_h2o_keeps_heavy_hitters_and_recent_per_kv_head_and_frees_memory():
     ids = torch.randint(0, 256, (1, 81), generator=torch.Generator().manual_seed(10))
     method = H2O(budget=0.25, recent_fraction=0.5)
     with attach(model, method) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 80
+        c = a.new_cache(reference_length=80, manual=True)
         model(ids[:, :80], past_key_values=c)
         store = c.stores[0]
         mass = store.aux(MASS).clone()
@@ -131,8 +129,7 @@ def test_h2o_evicts_at_every_decode_step(tiny_llama):
     model = tiny_llama.model
     ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(11))
     with attach(model, H2O(budget=0.5)) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 40
+        c = a.new_cache(reference_length=40, manual=True)
         model(ids[:, :40], past_key_values=c)
         c.end_prefill()
         sizes = []
@@ -169,8 +166,7 @@ def test_h2o_one_token_eviction_equals_the_full_top_k(ties, tiny_llama, monkeypa
         monkeypatch.setattr(H2OPolicy, "incremental", incremental)
         states, logits = [], []
         with attach(model, H2O(budget=0.25)) as a, torch.no_grad():
-            c = a.new_cache()
-            c.reference_length = 60
+            c = a.new_cache(reference_length=60, manual=True)
             model(ids[:, :60], past_key_values=c)
             c.end_prefill()
             for t in range(60, 90):
@@ -215,8 +211,7 @@ def test_lined_tail_on_top_of_or_inside_the_heavy_budget(where, tiny_llama):
     ids = torch.randint(0, 256, (1, L + 6), generator=torch.Generator().manual_seed(31))
     m = H2O(budget=budget, recent_fraction=0.0, min_recent=tail, recent_budget=where)
     with attach(model, m) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = L
+        c = a.new_cache(reference_length=L, manual=True)
         model(ids[:, :L], past_key_values=c)
         c.end_prefill()
         for t in range(L, L + 6):
@@ -272,8 +267,7 @@ def test_snapkv_kept_indices_equal_slow_reference(arch, pooling, request):
     method.policy_class = RecordingSnapKV  # instance attribute: records queries/keys before compressing
     ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(12))
     with attach(model, method) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 50
+        c = a.new_cache(reference_length=50, manual=True)
         model(ids, past_key_values=c)
         c.end_prefill()
     for store in c.stores:
@@ -293,8 +287,7 @@ def test_snapkv_observes_the_last_window_queries_of_the_prompt(arch, pooling, re
     L, w, cap = 56, 6, 20
     ids = torch.randint(0, 256, (1, L), generator=torch.Generator().manual_seed(21))
     with attach(model, SnapKV(budget=cap / L, window=w, kernel=5, pooling=pooling)) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = L
+        c = a.new_cache(reference_length=L, manual=True)
         model(ids, past_key_values=c)
         c.end_prefill()
     g = model.config.num_attention_heads // model.config.num_key_value_heads
@@ -335,8 +328,7 @@ def test_snapkv_compresses_once_then_grows(tiny_llama):
     model = tiny_llama.model
     ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(13))
     with attach(model, SnapKV(budget=0.25, window=8)) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 60
+        c = a.new_cache(reference_length=60, manual=True)
         model(ids[:, :60], past_key_values=c)
         c.end_prefill()
         assert c.held_tokens() == [15] * 3
@@ -352,8 +344,7 @@ def test_snapkv_chunked_prefill_keeps_the_last_window(tiny_llama):
     kept = []
     for chunk in (50, 16):
         with attach(model, SnapKV(budget=0.3, window=8)) as a, torch.no_grad():
-            c = a.new_cache()
-            c.reference_length = 50
+            c = a.new_cache(reference_length=50, manual=True)
             for s in range(0, 50, chunk):
                 model(ids[:, s: s + chunk], past_key_values=c)
             c.end_prefill()
@@ -376,8 +367,7 @@ def test_no_state_leaks_between_prompts(method, tiny_llama):
     b_ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(16))
 
     def run(ids, att):
-        c = att.new_cache()
-        c.reference_length = 32
+        c = att.new_cache(reference_length=32, manual=True)
         with torch.no_grad():
             model(ids[:, :32], past_key_values=c)
             c.end_prefill()
@@ -413,14 +403,13 @@ def test_assignment_puts_each_method_on_exactly_its_layers():
     infos = layer_infos(lm.model)
     assert method.assignment(infos) == ["h2o"] * 2 + ["full"] * 4 + ["h2o"] * 2
     with attach(lm.model, method) as a:
-        c = a.new_cache()
+        c = a.new_cache(manual=True)
     kinds = [type(s.policy).__name__ for s in c.stores]
     assert kinds == ["H2OPolicy"] * 2 + ["LayerPolicy"] * 4 + ["H2OPolicy"] * 2
     # and the H2O layers evict while the full ones keep everything
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(17))
     with attach(lm.model, method) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 40
+        c = a.new_cache(reference_length=40, manual=True)
         lm.model(ids, past_key_values=c)
         c.end_prefill()
     assert c.held_tokens() == [5, 5, 40, 40, 40, 40, 5, 5]

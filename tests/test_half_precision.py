@@ -60,8 +60,7 @@ def run(lm, method, x):
     model_ = lm.model
     x = x.to(model_.device)
     with attach(model_, method, lm.tokenizer) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = CTX
+        c = a.new_cache(reference_length=CTX, manual=True)
         out = []
         for lo, hi in [(0, CTX), (CTX, CTX + QUESTION)] + [(t, t + 1) for t in range(CTX + QUESTION, x.shape[1])]:
             c.add_tokens(x[0, lo:hi].tolist())

@@ -10,7 +10,7 @@ from luka_bench.methods.base import MethodConfigError
 from luka_bench.methods.hf import attach
 from luka_bench.methods.laser_kv import STATE, LaserKV, collision_counts, held_tokens, simhash_codes
 from luka_bench.methods.snapkv import SnapKV
-from luka_bench.run import forward
+from luka_bench.engine import forward
 
 from conftest import attn_impl
 
@@ -36,13 +36,10 @@ def closed_form(L: int, S: int, r: float, n: int) -> tuple[int, int]:
 
 def run_laser(model, method, ids, question=(3, 4, 5, 6), trace=False):
     with attach(model, method) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = ids.numel()
-        c.question_ids = list(question) if question else None
+        c = a.new_cache(reference_length=ids.numel(), question_ids=list(question) if question else None)
         if trace:
             method.state(c)["trace"] = []
-        forward(model, ids, c, method.prefill_chunk())
-        c.end_prefill()
+        forward(model, ids, c)  # the prefill, in the method's blocks; compressed after it
     return c
 
 
@@ -166,9 +163,7 @@ def test_block_logits_equal_eager_forward_with_earlier_evictions_masked(arch, re
     m = LaserKV(budget=0.3, block_size=S)
     allowed = torch.zeros(L, L, dtype=torch.bool)
     with attach(model, m) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = L
-        c.question_ids = [7, 8, 9]
+        c = a.new_cache(reference_length=L, question_ids=[7, 8, 9], manual=True)
         for t in range(L // S):
             held = c.stores[0].positions[0, 0].tolist() if c.stores[0].n else []
             rows = slice(t * S, (t + 1) * S)
@@ -225,9 +220,7 @@ def test_question_aware_snapkv_uses_the_question(tiny_llama):
     kept = []
     for q in ((1, 2, 3), (90, 91, 92, 93)):
         with attach(model, SnapKV(budget=0.3, window=8, question_aware=True)) as a, torch.no_grad():
-            c = a.new_cache()
-            c.reference_length = 100
-            c.question_ids = list(q)
+            c = a.new_cache(reference_length=100, question_ids=list(q), manual=True)
             model(ids[None], past_key_values=c)
             c.end_prefill()
         assert all(s.n == 30 and s.seen == 100 for s in c.stores)

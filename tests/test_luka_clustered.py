@@ -70,8 +70,7 @@ def test_no_refinement_equals_summaries_plus_tail(tiny_llama):
     model = tiny_llama.model
     method = luka(refine={"rule": "none"}, compressor="mean")
     with attach(model, method) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 100
+        c = a.new_cache(reference_length=100, manual=True)
         model(IDS[:, :100], past_key_values=c)
         c.end_prefill()
         store = c.stores[0]
@@ -105,8 +104,7 @@ def test_parent_mass_is_mass_preserving(tiny_llama):
     model = tiny_llama.model
     method = luka(refine={"rule": "top_k", "k": 1, "mass": "parent"}, compressor="mean")
     with attach(model, method) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 100
+        c = a.new_cache(reference_length=100, manual=True)
         model(IDS[:, :100], past_key_values=c)
         c.end_prefill()
         store = c.stores[1]
@@ -142,8 +140,7 @@ def test_attention_weighted_uses_accumulated_mass(tiny_llama):
     """pi = softmax(w / tau) with w = accumulated attention mass: check the first page's summary."""
     model = tiny_llama.model
     with attach(model, luka(compressor="attention_weighted", tau=0.5)) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 100
+        c = a.new_cache(reference_length=100, manual=True)
         model(IDS[:, :100], past_key_values=c)
         store = c.stores[2]
         w = store.aux(MASS)[0, :, :8].clone()
@@ -159,8 +156,7 @@ def test_zero_value_summaries_contribute_nothing(tiny_llama):
     model = tiny_llama.model
     method = luka(compressor="zero_value", refine={"rule": "none"})
     with attach(model, method) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 100
+        c = a.new_cache(reference_length=100, manual=True)
         model(IDS[:, :100], past_key_values=c)
         c.end_prefill()
         store = c.stores[0]
@@ -182,8 +178,7 @@ def test_tail_never_summarised_pages_from_oldest(tiny_llama):
     model = tiny_llama.model
     method = luka(tail=20, compress_every=5, page_size=8)
     with attach(model, method) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 50
+        c = a.new_cache(reference_length=50, manual=True)
         model(IDS[:, :50], past_key_values=c)
         c.end_prefill()
         pol = c.stores[0].policy
@@ -295,8 +290,7 @@ def test_decode_attended_count_equals_the_mask(kw, tiny_qwen3):
             seen.append((pol.attended_count(store), LayerPolicy.attended_count(pol, store), pol._att_count))
 
     with attach(model, luka(**kw)) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 90
+        c = a.new_cache(reference_length=90, manual=True)
         model(IDS[:, :90], past_key_values=c)
         c.end_prefill()
         c.observer = observe

@@ -14,7 +14,7 @@ from luka_bench.methods.hf import MethodCache, attach
 from luka_bench.methods.lychee import (Chunker, Lychee, LycheePolicy, boundary_levels, split_chunks, token_levels,
                                        vocab_levels)
 from luka_bench.models import byte_tokenizer
-from luka_bench.run import forward, prefill
+from luka_bench.engine import forward, prefill
 
 TEXT = ("The cat sat on the mat. It was happy, and calm; very calm!\n\nThen {x: [1, 2]} > 3 and more text "
         "follows here without much structure at all for a while so that chunks are forced somewhere. ") * 6

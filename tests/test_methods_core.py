@@ -29,8 +29,7 @@ def method_logits(model, method, ids, split, question=5, reference_length=None):
     """Context prefill of ids[:split-question], end_prefill, a question chunk, then one token at a time."""
     ctx = split - question
     with attach(model, method) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = ctx if reference_length is None else reference_length
+        c = a.new_cache(reference_length=ctx if reference_length is None else reference_length, manual=True)
         out = [model(ids[:, :ctx], past_key_values=c).logits]
         c.end_prefill()
         out.append(model(ids[:, ctx:split], past_key_values=c).logits)
@@ -68,8 +67,7 @@ def test_streaming_evicts_physically_keeps_positions(tiny_llama):
     ids = torch.randint(0, 256, (1, 120), generator=torch.Generator().manual_seed(3))
     method = StreamingLLM(budget=0.25, sink=4)
     with attach(model, method) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 100
+        c = a.new_cache(reference_length=100, manual=True)
         model(ids[:, :100], past_key_values=c)
         before = c.allocated_bytes()
         full_before = c.full_bytes()
@@ -98,8 +96,7 @@ def test_streaming_positions_match_a_manual_reference(tiny_llama):
     model = tiny_llama.model
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(4))
     with attach(model, StreamingLLM(budget=0.25, sink=2)) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 63
+        c = a.new_cache(reference_length=63, manual=True)
         model(ids[:, :63], past_key_values=c)
         c.end_prefill()
         kept = c.stores[0].positions[0, 0].tolist()  # 16 tokens: 2 sinks + 14 recent
@@ -121,8 +118,7 @@ def test_clone_isolates_questions(tiny_llama):
     model = tiny_llama.model
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(5))
     with attach(model, StreamingLLM(budget=0.5)) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 30
+        c = a.new_cache(reference_length=30, manual=True)
         model(ids[:, :30], past_key_values=c)
         c.end_prefill()
         snapshot = [(s.n, s.seen, s.keys.clone()) for s in c.stores]
@@ -153,7 +149,7 @@ def test_a_dropped_cache_and_its_clones_are_freed_at_once(tiny_llama, tmp_path):
     gc.disable()
     try:
         with attach(model, StreamingLLM(budget=0.5)) as a, torch.no_grad():
-            c = a.new_cache()
+            c = a.new_cache(manual=True)
             model(ids[:, :30], past_key_values=c)
             c.end_prefill()
             q = c.clone()
@@ -185,8 +181,7 @@ def test_sliding_window_layers_left_to_windowed_attention(tiny_gemma3):
     model = tiny_gemma3.model
     ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(6))
     with attach(model, StreamingLLM(budget=0.5)) as a, torch.no_grad():
-        c = a.new_cache()
-        c.reference_length = 60
+        c = a.new_cache(reference_length=60, manual=True)
         model(ids, past_key_values=c)
         c.end_prefill()
     for s in c.stores:
@@ -248,8 +243,7 @@ def test_streaming_cache_positions_put_every_key_at_its_place_in_the_cache(arch,
     ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(23))
     for mode in ("cache", "original"):
         with attach(model, StreamingLLM(budget=0.25, sink=4, positions=mode)) as a, torch.no_grad():
-            c = a.new_cache()
-            c.reference_length = 50
+            c = a.new_cache(reference_length=50, manual=True)
             model(ids[:, :50], past_key_values=c)
             c.end_prefill()
             for t in range(50, 70):

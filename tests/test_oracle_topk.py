@@ -11,7 +11,7 @@ from luka_bench.methods.base import LayerPolicy, MethodConfigError
 from luka_bench.methods.full import Full
 from luka_bench.methods.hf import attach
 from luka_bench.methods.oracle_topk import OracleTopK, oracle_topk_attention
-from luka_bench.run import greedy_answer, prefill
+from luka_bench.engine import greedy_answer, prefill
 
 
 def slow_reference(q, K, V, scaling, k, sink=0, recent=0):

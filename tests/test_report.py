@@ -314,7 +314,7 @@ def make_scored_run(root: Path, name: str, method: str, data: str, scores: dict[
 def test_cluster_se_counts_an_example_once():
     import statistics
 
-    from luka_bench.metrics import mean_se
+    from luka_bench.stats import mean_se
 
     # questions of one example answered alike: the examples, not the questions, are the independent draws
     per_example = [0.0, 1.0, 1.0, 0.0, 1.0]
@@ -330,7 +330,7 @@ def test_cluster_se_counts_an_example_once():
 
 
 def test_perplexity_se_is_zero_for_identical_documents_and_grows_with_spread():
-    from luka_bench.metrics import perplexity_se
+    from luka_bench.stats import perplexity_se
 
     same = perplexity_se([{"nll_sum": 30.0, "n_tokens": 10}] * 3)
     spread = perplexity_se([{"nll_sum": 20.0, "n_tokens": 10}, {"nll_sum": 40.0, "n_tokens": 10},
@@ -347,7 +347,7 @@ def test_one_document_perplexity_gets_its_se_from_256_token_blocks():
     import math
     import random
 
-    from luka_bench.metrics import NLL_BLOCK, nll_blocks, perplexity_se
+    from luka_bench.stats import NLL_BLOCK, nll_blocks, perplexity_se
 
     rng = random.Random(0)
     nll = [rng.uniform(1.0, 5.0) for _ in range(2 * NLL_BLOCK + 100)]
@@ -375,7 +375,7 @@ def test_paired_perplexity_of_one_document_is_per_block():
     as the only unit."""
     import statistics
 
-    from luka_bench.metrics import paired_difference
+    from luka_bench.stats import paired_difference
 
     ref = {"item_id": "d", "nll_sum": 40.0, "n_tokens": 40, "nll_blocks": [[10.0, 10]] * 4}
     rec = {"item_id": "d", "nll_sum": 42.0, "n_tokens": 40,
@@ -401,7 +401,7 @@ def scored(tmp_path) -> Path:
 def test_every_cell_shows_mean_se_and_n(scored):
     import re
 
-    from luka_bench.metrics import mean_se
+    from luka_bench.stats import mean_se
 
     res = report.build(scored, plots=False, echo=False)
     cell = res["pivot_strings"].loc["wikisalad_easy", "full"]
@@ -424,7 +424,7 @@ def test_values_at_the_precision_their_se_supports():
 
 
 def test_paired_differences_to_a_reference_on_shared_items(scored, capsys):
-    from luka_bench.metrics import mean_se
+    from luka_bench.stats import mean_se
 
     assert report.main([str(scored), "--paired", "full", "--no-plots"]) == 0
     out = capsys.readouterr().out

@@ -52,8 +52,7 @@ def test_shrunk_shape_runs_a_method_in_bfloat16(name):
     assert lm.info["parameters"] == implied_parameters(c) < 1e7  # shrunk: a few million
     ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(0))
     with attach(lm.model, H2O(budget=0.5)) as a, torch.no_grad():
-        cache = a.new_cache()
-        cache.reference_length = 70
+        cache = a.new_cache(reference_length=70, manual=True)
         lm.model(ids[:, :70], past_key_values=cache)
         cache.end_prefill()
         for t in range(70, 80):

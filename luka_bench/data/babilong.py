@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from luka_bench.data.bab_world import TASKS as SYNTHETIC_TASKS
 from luka_bench.data.bab_world import generate_story
-from luka_bench.data.base import DataError, QAExample, Question, check_source, read_json_or_jsonl, require_fields
+from luka_bench.data.base import Task, DataError, QAExample, Question, check_source, read_json_or_jsonl, require_fields
 from luka_bench.data.scoring_babilong import TASK_LABELS, accuracy_summary, compare_answers
 
 __all__ = [
@@ -376,7 +376,7 @@ def _task_list(task: Any) -> list[str]:
 
 
 @dataclass
-class BABILong:
+class BABILong(Task):
     """BABILong task (a Hydra ``_target_``).
 
     task: ``qa1`` ... (``qa1``-``qa10`` synthetic; ``qa1``-``qa20`` from the hub/file), a comma string or a list.

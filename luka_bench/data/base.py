@@ -10,10 +10,12 @@ Two kinds of task:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+from luka_bench.errors import OneLineError
 
 
-class DataError(ValueError):
+class DataError(OneLineError, ValueError):
     """Bad data input (missing file, missing field, unknown source). The message is one line."""
 
 
@@ -38,6 +40,76 @@ class Document:
     id: str
     text: str
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Task:
+    """The contract between a dataset and every client of the engine (the runner, the probe, the studies): every
+    hook a client calls, with its default. A dataset is a dataclass (its settings, checked in ``__post_init__``)
+    subclassing ``Task`` and overriding what it needs; ``conf/data/<name>.yaml`` names it as ``_target_``.
+
+    QA datasets override ``examples``, ``context_block``, ``question_block`` and ``score`` (and ``postprocess``
+    where the answer needs cutting); perplexity datasets set ``kind = "ppl"`` and override ``documents``."""
+
+    kind: ClassVar[str] = "qa"  # "qa": examples with questions; "ppl": documents, teacher-forced
+    headline: ClassVar[str] = "em_lenient"  # the metric a table shows first
+    max_new_tokens: ClassVar[int] = 24  # new tokens per answer, unless the run sets max_new_tokens
+    stop_strings: ClassVar[tuple[str, ...]] = ("\n",)  # greedy decoding stops once the answer contains one
+
+    # -- checks, before the model loads -------------------------------------------------------------------------
+    def check(self) -> None:
+        """One-line ``DataError`` when the data cannot be read (a missing file, a bad schema)."""
+
+    def check_model(self, model) -> None:
+        """One-line error when the configured model (its loader config) cannot hold the data's lengths."""
+
+    def hub_datasets(self) -> list[str]:
+        """Hub dataset ids this configuration downloads (checked for reachability before anything runs)."""
+        return []
+
+    # -- QA --------------------------------------------------------------------------------------------------
+    def prepare(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = True) -> None:
+        """Called once with the model's tokenizer before ``examples``: datasets whose lengths are measured in the
+        model's tokens (BABILong, RULER, NIAH) or truncated to fit it (LongBench v2) build them here."""
+
+    def examples(self) -> list[QAExample]:
+        raise NotImplementedError(f"{type(self).__name__} has no QA examples (kind={self.kind!r})")
+
+    def context_block(self, ex: QAExample) -> str:
+        """The part of the user message before the question: prefilled once, compressed by the method."""
+        return ex.context
+
+    def question_block(self, q: Question) -> str:
+        return q.question
+
+    def answer_prefix(self, q: Question) -> str:
+        """Text that starts the model's answer (after the assistant header with a chat template)."""
+        return ""
+
+    def max_new_tokens_for(self, q: Question) -> int:
+        """New tokens for one question (RULER: its task's ``tokens_to_generate``)."""
+        return self.max_new_tokens
+
+    def evidence_spans(self, ex: QAExample) -> list[tuple[int, int]] | None:
+        """Character spans of ``context_block(ex)`` holding the facts that answer the questions (for the
+        ``evidence_kept`` metric), or None."""
+        return None
+
+    def postprocess(self, generated: str) -> str:
+        return generated.strip()
+
+    def score(self, prediction: str, q: Question) -> dict[str, float]:
+        raise NotImplementedError(f"{type(self).__name__} does not score answers")
+
+    def aggregate(self, records: list[dict]) -> dict:
+        """The dataset's metrics over its records (per-item scores in ``record["scores"]``)."""
+        from luka_bench import metrics as M
+
+        return M.qa_summary(records) if self.kind == "qa" else M.ppl_summary(records)
+
+    # -- perplexity --------------------------------------------------------------------------------------------
+    def documents(self, tokenizer) -> list[Document]:
+        """Documents with their token ids in ``meta["ids"]``."""
+        raise NotImplementedError(f"{type(self).__name__} has no documents (kind={self.kind!r})")
 
 
 def check_source(dataset: str, source: str, sources: tuple[str, ...], path: str | None, file_hint: str,

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from luka_bench.data.base import (DataError, QAExample, Question, check_source, qa_prompt_ids, read_json_or_jsonl,
+from luka_bench.data.base import (Task, DataError, QAExample, Question, check_source, qa_prompt_ids, read_json_or_jsonl,
                                   require_fields)
 from luka_bench.data.scoring_longbench import DIFFICULTIES, LENGTHS, accuracy_summary, is_correct
 from luka_bench.data.synthetic_articles import generate_squad
@@ -250,7 +250,7 @@ def _make_item(rng, k, seed, length, difficulty, target_chars, texts, kinds, qas
 
 
 @dataclass
-class LongBenchV2:
+class LongBenchV2(Task):
     """LongBench v2 task (a Hydra ``_target_``).
 
     source: ``synthetic`` (offline) | ``hf`` (``dataset_id``, ``split``) | ``file`` (``path``).

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from luka_bench.data.base import DataError, QAExample, Question, evidence_positions, qa_prompt_ids
+from luka_bench.data.base import Task, DataError, QAExample, Question, evidence_positions, qa_prompt_ids
 from luka_bench.data.ruler import NEEDLE, TEMPLATES, _Gen, read_haystack
 from luka_bench.data.scoring_ruler import ruler_summary, score_item
 
@@ -58,7 +58,7 @@ def _as_list(v: Any, what: str, lo: float, hi: float | None, integer: bool) -> l
 
 
 @dataclass
-class NIAH:
+class NIAH(Task):
     """Needle in a haystack (a Hydra ``_target_``).
 
     lengths: total tokens (prompt + max_new_tokens) per cell, in the model's tokens. depths: needle depths, % of

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from luka_bench.data.base import DataError, Document
+from luka_bench.data.base import Task, DataError, Document
 
 SOURCES = ("essays", "file", "hf")
 
@@ -32,7 +32,7 @@ def essays_text() -> str:
 
 
 @dataclass
-class PG19:
+class PG19(Task):
     source: str = "essays"
     path: str | None = None
     split: str = "test"

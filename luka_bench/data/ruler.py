@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from luka_bench.data.base import (DataError, QAExample, Question, check_source, qa_prompt_ids, read_json_or_jsonl,
+from luka_bench.data.base import (Task, DataError, QAExample, Question, check_source, qa_prompt_ids, read_json_or_jsonl,
                                    require_fields)
 from luka_bench.data.scoring_ruler import METRIC_BY_TASK, ruler_summary, score_item
 
@@ -474,7 +474,7 @@ def min_length(task: str) -> int:
 
 
 @dataclass
-class Ruler:
+class Ruler(Task):
     """RULER (a Hydra ``_target_``).
 
     task: one of the 13 RULER tasks, a comma list, or ``all``.

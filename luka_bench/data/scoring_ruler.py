@@ -53,13 +53,11 @@ def score_item(task: str, prediction: str, references: Sequence[str]) -> float:
 
 
 def mean_se(values: Sequence[float]) -> tuple[float, float | None]:
-    """Mean and standard error of the mean (None for a single value)."""
-    n = len(values)
-    m = sum(values) / n
-    if n < 2:
-        return m, None
-    var = sum((v - m) ** 2 for v in values) / (n - 1)
-    return m, math.sqrt(var / n)
+    """Mean and standard error of the mean (None for a single value): ``stats.mean_se`` as a pair."""
+    from luka_bench.stats import mean_se as _mean_se
+
+    r = _mean_se(list(values))
+    return r["mean"], r["se"]
 
 
 def ruler_summary(records: Iterable[dict], prefix: str = "ruler") -> dict[str, float | None]:

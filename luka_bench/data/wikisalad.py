@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from luka_bench.data.base import DataError, QAExample, Question
+from luka_bench.data.base import Task, DataError, QAExample, Question
 from luka_bench.data.synthetic_articles import generate_squad
 from luka_bench.metrics import exact_match, f1_score, lenient_match
 
@@ -332,7 +332,7 @@ def build_example(articles: list[Article], pattern: str, rng: random.Random, ex_
 
 
 @dataclass
-class WikiSalad:
+class WikiSalad(Task):
     """WikiSalad task (usable as a Hydra ``_target_``).
 
     difficulty: easy (ABAB) | medium (AABBAABB) | hard (ABCABC) | very_hard (AAABBBCCCAAABBBCCC).

@@ -10,7 +10,7 @@ logical position of every held token) and acts at these points:
 ``attend``            every forward of this layer, after the new keys/values were appended. Returns the
                       attention output. Default: exact attention over what is held (SDPA, GQA-aware).
                       Methods that read attention (H2O) or replace it (LuKA clustered) override it.
-``after_prefill``     once, when the runner says the context has been prefilled (``MethodCache.end_prefill``).
+``after_prefill``     once, after the prefill (the first forward through a fresh cache; ``MethodCache.end_prefill``).
                       Prefill-time methods (SnapKV, StreamingLLM) compress here.
 ``after_step``        after ``attend`` of every forward *after* the prefill (question chunk, each generated or
                       teacher-forced token). Decode-time methods (StreamingLLM, H2O, LuKA) evict/compress here.
@@ -38,7 +38,7 @@ Method-level hooks (all optional; defaults keep existing behaviour):
                                 Block-wise prefill compression (LASER-KV) selects here.
 ``KVMethod.prefill_chunk()``    the prefill chunk size the method needs (LASER-KV: its block size S); the
                                 runner prefills in chunks of this size (0: the runner's ``prefill_chunk``).
-``MethodCache.question_ids``    the question's token ids, set by the runner before the prefill (several
+``MethodCache.question_ids``    the question's token ids, given when the cache is made (several
                                 questions on one context: their ids concatenated in order), None when there is
                                 no question (perplexity). For question-aware prefill compression.
 ``MethodCache.scratch_forward`` a forward of some ids at given logical positions (default: right after the
@@ -49,8 +49,9 @@ Method-level hooks (all optional; defaults keep existing behaviour):
 ==============================  ============================================================================
 =======
 Token ids and the tokenizer (for methods that look at the text, e.g. LycheeCluster's structure-aware chunks): the
-runner appends the ids of every forward (prefill chunks, the question, each generated or teacher-forced token) to
-``MethodCache.token_ids`` *before* the forward (``MethodCache.add_tokens``), so during a forward
+ids of every forward (prefill chunks, the question, each generated or teacher-forced token) are in
+``MethodCache.token_ids`` *before* the forward (the engine announces them, ``MethodCache.add_tokens``; for other
+callers ``attach``'s hook copies them from ``input_ids``), so during a forward
 ``cache.token_ids[:store.seen]`` are the ids of the tokens the store has seen; and ``hf.attach(model, method,
 tokenizer)`` calls ``KVMethod.bind(tokenizer)`` once (``method.tokenizer``). Code that drives the model itself
 (tests) may skip both; a method that needs them says so with a one-line error. Per-prompt state shared by
@@ -84,13 +85,15 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
+from luka_bench.errors import OneLineError
+
 from . import cpu_kernel
 
 if TYPE_CHECKING:  # pragma: no cover
     from luka_bench.methods.hf import KVStore, MethodCache
 
 
-class MethodConfigError(ValueError):
+class MethodConfigError(OneLineError, ValueError):
     """A method setting is out of range. The message is one line naming the value and what is allowed."""
 
 

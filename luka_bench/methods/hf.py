@@ -5,14 +5,22 @@ Extension points used, all public:
 - an attention function registered with ``AttentionInterface.register`` **and** a mask function registered with
   ``AttentionMaskInterface.register`` under the same name, selected with ``model.set_attn_implementation``.
 
-How a forward reaches the method: each decoder layer calls ``cache.update(k, v, layer_idx)``; our ``KVStore``
-appends the new keys/values and remembers itself as the layer being computed; the model then calls our
-attention function, which takes that store and hands the query to the store's ``LayerPolicy``. The attention
-function receives no cache object, which is why the store announces itself (checked against
-``module.layer_idx``).
+How a forward reaches the method: ``attach`` registers a forward pre-hook on the model; for a forward through a
+``MethodCache`` it puts that cache into the forward's keyword arguments (``CACHE_KWARG``), which transformers hands
+down to every attention call (as it does for its own attention kwargs). Each decoder layer calls
+``cache.update(k, v, layer_idx)``, which appends to the layer's ``KVStore``; our attention function then takes
+``cache.stores[module.layer_idx]`` and hands the query to the store's ``LayerPolicy``. No state is carried between
+the cache and the attention function outside the forward's own arguments.
 
-Method-level hooks (``MethodCache``): ``question_ids`` (the question token ids the runner hands over before the
-prefill, for question-aware prefill compression); ``state`` (a per-prompt dict a method may keep cross-layer state
+The prefill and the decode phase (``MethodCache.phase``): the first forward through a fresh cache is the prefill
+(``reference_length`` = its length unless given; in chunks of the method's ``prefill_chunk()`` when it asks, split
+by the pre-hook so the chunks reach the method one by one); after it the method compresses (``end_prefill``), and
+every later forward is a decode step. So ``model.generate(ids, past_key_values=attached.new_cache())`` runs the
+method exactly as the runner does. A cache made with ``manual=True`` leaves both to its caller (tests that look at
+the cache between the prefill and the compression, and the probe's replay, call ``end_prefill()`` themselves).
+
+Method-level hooks (``MethodCache``): ``question_ids`` (the question token ids given when the cache is made, for
+question-aware prefill compression); ``state`` (a per-prompt dict a method may keep cross-layer state
 in; copied by ``clone``); ``after_forward`` (called by a forward hook that ``attach`` registers on the model, once
 per model forward after the last layer, never for a scratch forward); ``scratch_forward(ids, start)`` (a forward
 whose keys/values are dropped afterwards: the stores are restored to their length and logical length).
@@ -36,9 +44,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, sdpa
 
 ATTN_NAME = "luka_bench"
-
-# The store whose update() ran last; the attention function of the same layer consumes it.
-_pending: "KVStore | None" = None
+CACHE_KWARG = "luka_bench_cache"  # the forward keyword that carries the MethodCache down to the attention calls
 
 
 def _rows(t: torch.Tensor, flat: torch.Tensor, m: int) -> torch.Tensor:
@@ -280,13 +286,11 @@ class KVStore(CacheLayerMixin):
 
     # -- CacheLayerMixin API -------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        global _pending
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.append(key_states, value_states)
         if self.cache.observer is not None:  # the fidelity probe reads what this forward added
             self.last_update = (key_states, value_states)
-        _pending = self
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -334,12 +338,25 @@ class MethodCache(Cache):
     (``new_cache``); ``clone()`` gives an independent copy (the runner answers every question from a clone of
     the context-only cache)."""
 
-    def __init__(self, method: KVMethod, infos: list[LayerInfo]):
+    def __init__(self, method: KVMethod, infos: list[LayerInfo], model: PreTrainedModel | None = None, *,
+                 reference_length: int | None = None, question_ids: list[int] | None = None, prefill_chunk: int = 0,
+                 observer=None, manual: bool = False):
+        """``reference_length``: the length the budget is a fraction of (QA: the context; perplexity: the
+        document); None: the first forward's length. ``question_ids``: the question's token ids, for
+        question-aware prefill compression (several questions on one context: concatenated in order).
+        ``prefill_chunk``: the prefill goes through the model in chunks of this size (the method's own
+        ``prefill_chunk()`` wins; 0: at once). ``observer``: see below. ``manual``: the caller says when the
+        prefill ends (``end_prefill``) and sizes the forwards itself; otherwise the first forward is the prefill."""
         self.method = method
-        self.model: PreTrainedModel | None = None  # set by new_cache; needed by scratch_forward
-        self.reference_length = 0
+        self.model = model  # needed by scratch_forward and rotate_keys
+        self.reference_length = 0 if reference_length is None else int(reference_length)
+        self._reference_from_prefill = reference_length is None
+        self.manual = manual
+        # a manual cache's caller sizes its forwards; otherwise the method's chunk size wins
+        self.prefill_chunk = int(prefill_chunk or 0) if manual else (method.prefill_chunk() or int(prefill_chunk or 0))
+        self._splitting = False  # inside the pre-hook's chunked prefill (the chunks are not the prefill's end)
         self.phase = "prefill"  # "prefill" -> "decode"; "scratch" during a scratch_forward
-        self.question_ids: list[int] | None = None  # set by the runner before the prefill (question-aware methods)
+        self.question_ids: list[int] | None = list(question_ids) if question_ids is not None else None
         self.state: dict = {}  # per-prompt, cross-layer method state (copied by clone)
         self.peak_bytes = 0  # bytes held at most during the decode phase (see _note)
         self._timings: dict[str, float] = {}  # seconds per component, summed (methods add: span / add_span)
@@ -347,8 +364,8 @@ class MethodCache(Cache):
         # Optional callable(store, query, out, scaling), called after every ``attend`` and before ``after_step`` (so the
         # policy's ``attended(store)`` describes this forward); ``store.last_update`` holds the keys/values this
         # forward appended. Used by the fidelity probe (luka_bench/probe.py); None costs nothing.
-        self.observer = None
-        self.token_ids: list[int] = []  # ids of every token fed so far, appended by the runner (add_tokens)
+        self.observer = observer
+        self.token_ids: list[int] = []  # ids of every token fed so far (add_tokens, or the pre-hook from input_ids)
         # attended metric: per decode forward, sum over layers of held tokens read and their bytes; a policy may
         # give its count as a device tensor (no host sync per step): resolved in one copy when the lists are read
         self._attended: tuple[list[float], list[float], list[float]] = ([], [], [])
@@ -361,8 +378,26 @@ class MethodCache(Cache):
         return self.layers  # type: ignore[return-value]
 
     def add_tokens(self, ids) -> None:
-        """The runner announces the ids of the next forward (before it runs): ``token_ids`` grows by them."""
+        """Announce the ids of the next forward before it runs (``token_ids`` grows by them): a caller holding them
+        on the host saves the pre-hook a device-to-host copy of ``input_ids``."""
         self.token_ids.extend(int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids))
+
+    @property
+    def seen(self) -> int:
+        """Tokens that went through the model so far (the logical length)."""
+        return self.stores[0].seen if self.stores else 0
+
+    def before_forward(self, input_ids: torch.Tensor | None, length: int) -> None:
+        """Called by ``attach``'s pre-hook before a forward of ``length`` tokens: the first one sets
+        ``reference_length`` (unless given) and ``token_ids`` catches up with ``input_ids`` when the caller did not
+        announce them (``add_tokens``)."""
+        if self.phase == "scratch":
+            return
+        if self.phase == "prefill" and self.seen == 0 and self._reference_from_prefill and not self._splitting:
+            self.reference_length = max(self.reference_length, int(length))
+        missing = self.seen + length - len(self.token_ids)
+        if missing > 0 and input_ids is not None:
+            self.token_ids.extend(int(i) for i in input_ids[0, -missing:].tolist())
 
     def _note_attended(self) -> None:
         """After a decode forward: tokens (and bytes) read by every layer's last attend (``LayerPolicy.attended``,
@@ -427,9 +462,13 @@ class MethodCache(Cache):
 
     def after_forward(self) -> None:
         """Called once after every model forward through this cache (after the last layer; see ``attach``), in
-        the prefill and decode phases; not for a scratch forward. Runs ``KVMethod.after_forward``."""
-        if self.phase != "scratch":
-            self.method.after_forward(self)
+        the prefill and decode phases; not for a scratch forward. Runs ``KVMethod.after_forward``; after the
+        first forward (the prefill, all its chunks) of a cache that is not ``manual``, ends the prefill."""
+        if self.phase == "scratch":
+            return
+        self.method.after_forward(self)
+        if self.phase == "prefill" and not self.manual and not self._splitting:
+            self.end_prefill()
 
     @torch.no_grad()
     def scratch_forward(self, ids: list[int] | torch.Tensor, start: int | None = None) -> torch.Tensor:
@@ -560,10 +599,9 @@ def layer_infos(model: PreTrainedModel) -> list[LayerInfo]:
     ]
 
 
-def new_cache(model: PreTrainedModel, method: KVMethod) -> MethodCache:
-    cache = MethodCache(method, layer_infos(model))
-    cache.model = model
-    return cache
+def new_cache(model: PreTrainedModel, method: KVMethod, **kwargs) -> MethodCache:
+    """A fresh cache for one prompt of ``model`` under ``method`` (keyword arguments: see ``MethodCache``)."""
+    return MethodCache(method, layer_infos(model), model, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -571,14 +609,14 @@ def new_cache(model: PreTrainedModel, method: KVMethod) -> MethodCache:
 # ---------------------------------------------------------------------------------------------------------
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """AttentionInterface function: query [B, Hq, Lq, D]; key/value as returned by the cache update."""
-    global _pending
+    """AttentionInterface function: query [B, Hq, Lq, D]; key/value as returned by the cache update. The forward's
+    ``MethodCache`` arrives in ``kwargs[CACHE_KWARG]`` (put there by ``attach``'s pre-hook)."""
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("attention logit soft-capping is not supported by luka_bench methods")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    store, _pending = _pending, None
-    if store is None or store.policy.info.layer_idx != module.layer_idx:
+    cache = kwargs.get(CACHE_KWARG)
+    if cache is None:
         # No method cache in play (use_cache=False, or another cache class): plain causal attention.
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             attention_mask = attention_mask > -1
@@ -588,7 +626,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
         out = sdpa(query, key, value, scaling, mask)
         return out.transpose(1, 2).contiguous(), None
-    out = run_policy(store, query, scaling)
+    out = run_policy(cache.stores[module.layer_idx], query, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -620,12 +658,10 @@ def replay_forward(cache: MethodCache, layer_idx: int, key: torch.Tensor, value:
                    query: torch.Tensor, scaling: float) -> torch.Tensor:
     """One layer's forward without the model (the fidelity probe's replay): append captured post-RoPE
     ``key``/``value`` [B, Hkv, L, D] to the layer's store and run its policy on ``query`` [B, Hq, L, D] exactly
-    as the attention function would. Call it layer by layer for each forward, and ``cache.end_prefill()`` after
-    the context, as the runner does."""
-    global _pending
+    as the attention function would. Call it layer by layer for each forward, on a ``manual`` cache, and
+    ``cache.end_prefill()`` after the context."""
     store = cache.stores[layer_idx]
     store.update(key, value)
-    _pending = None
     return run_policy(store, query, scaling)
 
 
@@ -651,12 +687,58 @@ def register() -> None:
 
 @dataclass
 class Attached:
+    """What ``attach`` yields: the model and method, and fresh caches for them."""
+
     model: PreTrainedModel
     method: KVMethod
     previous: str
 
-    def new_cache(self) -> MethodCache:
-        return new_cache(self.model, self.method)
+    def new_cache(self, **kwargs) -> MethodCache:
+        """A fresh cache for one prompt (keyword arguments: see ``MethodCache``). Passed to ``model(...)`` or
+        ``model.generate(..., past_key_values=cache)``, its first forward is the prefill, compressed by the method
+        after it; every later forward is a decode step."""
+        return new_cache(self.model, self.method, **kwargs)
+
+
+def _input_of(args, kwargs) -> tuple[torch.Tensor | None, torch.Tensor]:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    x = ids if ids is not None else kwargs.get("inputs_embeds")
+    if x is None:
+        raise ValueError("a forward through a luka_bench cache needs input_ids or inputs_embeds")
+    return ids, x
+
+
+def _before_forward(module, args, kwargs):
+    """Forward pre-hook on the model: a forward through a ``MethodCache`` gets the cache as ``CACHE_KWARG``
+    (handed down to the attention calls); positions come from the cache (its logical length), never from
+    ``position_ids`` derived from an attention mask; a prefill longer than the cache's ``prefill_chunk`` goes
+    through the model chunk by chunk (the leading chunks here, the last one as this forward)."""
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, MethodCache):
+        return None
+    ids, x = _input_of(args, kwargs)
+    if x.shape[0] != 1:
+        raise ValueError(f"luka_bench methods run one sequence at a time: got a batch of {x.shape[0]}; allowed: 1 "
+                         "(generate each prompt with its own cache)")
+    kwargs = {**kwargs, CACHE_KWARG: cache}
+    kwargs.pop("position_ids", None)  # the cache's logical length gives the positions (kept after eviction)
+    kwargs.pop("cache_position", None)
+    if cache.phase == "scratch" or cache._splitting:
+        return args, kwargs
+    n = x.shape[1]
+    cache.before_forward(ids, n)
+    chunk = cache.prefill_chunk
+    if cache.phase != "prefill" or not chunk or n <= chunk or ids is None:
+        return args, kwargs
+    last = (n - 1) // chunk * chunk  # start of the last chunk, which this forward itself runs
+    cache._splitting = True
+    try:
+        for s in range(0, last, chunk):
+            module(input_ids=ids[:, s: s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    finally:
+        cache._splitting = False
+    kwargs["input_ids"] = ids[:, last:]
+    return (), kwargs
 
 
 def _after_forward(module, args, kwargs, output):
@@ -668,17 +750,19 @@ def _after_forward(module, args, kwargs, output):
 
 @contextlib.contextmanager
 def attach(model: PreTrainedModel, method: KVMethod, tokenizer=None):
-    """Route the model's attention through the method for the duration of the block, and call the method's
-    ``after_forward`` after every forward of the model through one of its caches. ``tokenizer`` reaches the
-    method through ``KVMethod.bind`` (methods that chunk by token strings need it)."""
+    """Route the model's attention through the method for the duration of the block: every forward of the model
+    through one of its caches (``Attached.new_cache``) runs the method, ``model.generate`` included.
+    ``tokenizer`` reaches the method through ``KVMethod.bind`` (methods that chunk by token strings need it)."""
     register()
     if tokenizer is not None or method.tokenizer is None:
         method.bind(tokenizer)
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
-    hook = model.register_forward_hook(_after_forward, with_kwargs=True)
+    hooks = [model.register_forward_pre_hook(_before_forward, with_kwargs=True),
+             model.register_forward_hook(_after_forward, with_kwargs=True)]
     try:
         yield Attached(model, method, previous)
     finally:
-        hook.remove()
+        for h in hooks:
+            h.remove()
         model.set_attn_implementation(previous)

@@ -1,0 +1,166 @@
+"""The public API: ``lb.method``, ``lb.load_model``, ``lb.attach`` -> ``kv.generate`` / ``kv.new_cache`` under plain
+``model.generate``. Every conf/method through ``model.generate`` equals the runner's protocol token for token."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+import luka_bench as lb
+from luka_bench import engine as E
+from luka_bench.errors import group_options
+
+from conftest import ROOT
+
+PROMPT = 200
+NEW = 10
+
+
+def _prompt(seed: int = 0, n: int = PROMPT) -> torch.Tensor:
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", group_options("method"))
+def test_model_generate_through_a_method_cache_equals_kv_generate(name, tiny_llama, one_thread):
+    """``model.generate(ids, past_key_values=kv.new_cache())`` runs the method as the engine does with the whole
+    prompt as the context: same tokens, same tokens held in every layer."""
+    ids = _prompt()
+    with lb.attach(tiny_llama.model, lb.method(name)) as kv:
+        ans = kv.generate(ids[0].tolist(), max_new_tokens=NEW)
+        cache = kv.new_cache()
+        out = tiny_llama.model.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False)
+    got = out[0, PROMPT:].tolist()
+    assert got[: len(ans.token_ids)] == ans.token_ids
+    if len(ans.token_ids) < NEW:  # the engine stopped at an end-of-sequence id, which generate keeps
+        assert got[len(ans.token_ids)] in E.eos_token_ids(tiny_llama.model, None)
+    assert [layer.keys.shape[-2] for layer in cache.layers] == ans.kv_tokens
+    assert cache.phase == "decode" and cache.reference_length == PROMPT
+
+
+def test_full_through_model_generate_equals_stock_generate(tiny_llama, one_thread):
+    ids = _prompt(1)
+    stock = tiny_llama.model.generate(ids, max_new_tokens=NEW, do_sample=False)
+    with lb.attach(tiny_llama.model, "full") as kv:
+        got = tiny_llama.model.generate(ids, past_key_values=kv.new_cache(), max_new_tokens=NEW, do_sample=False)
+    assert got.tolist() == stock.tolist()
+
+
+def test_snapkv_through_model_generate_holds_its_budget(tiny_llama, one_thread):
+    """SnapKV at 0.125 compresses the prompt once, then keeps what it generates: every layer holds at most
+    ceil(0.125 x prompt) + generated tokens, and physically (``cache.layers[i].keys``)."""
+    ids = _prompt(2)
+    with lb.attach(tiny_llama.model, lb.method("snapkv", budget=0.125)) as kv:
+        cache = kv.new_cache()
+        out = tiny_llama.model.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False)
+    generated = out.shape[1] - PROMPT
+    for layer in cache.layers:
+        assert layer.keys.shape[-2] <= math.ceil(0.125 * PROMPT) + generated
+        assert layer.keys.shape[-2] < PROMPT // 4
+
+
+def test_a_method_that_prefills_in_blocks_gets_its_blocks_from_model_generate(tiny_llama, one_thread):
+    """LASER-KV selects after every block of S prompt tokens: one ``model(...)`` call with the whole prompt is
+    split into those blocks by the attach hook, so it equals feeding the blocks by hand (a manual cache)."""
+    ids = _prompt(3)
+    method = lb.method("laser_kv", block_size=64)
+    with lb.attach(tiny_llama.model, method) as kv, torch.no_grad():
+        auto = kv.new_cache()
+        a = [tiny_llama.model(ids, past_key_values=auto).logits[0, -1]]
+        hand = kv.new_cache(reference_length=PROMPT, manual=True)
+        for s in range(0, PROMPT, 64):
+            b = [tiny_llama.model(ids[:, s: s + 64], past_key_values=hand).logits[0, -1]]
+        hand.end_prefill()
+        nxt = _prompt(4, 5)
+        for t in range(5):
+            a.append(tiny_llama.model(nxt[:, t: t + 1], past_key_values=auto).logits[0, -1])
+            b.append(tiny_llama.model(nxt[:, t: t + 1], past_key_values=hand).logits[0, -1])
+    assert [s.n for s in auto.stores] == [s.n for s in hand.stores] and auto.stores[0].n < PROMPT
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y, atol=1e-5)
+
+
+def test_question_is_fed_through_the_compressed_cache_not_compressed(tiny_llama, one_thread):
+    """``kv.generate(context, question)``: the context is compressed, the question's tokens are all held after
+    it (StreamingLLM at 0.25 holds a quarter of the context, then every question token)."""
+    ctx, q = _prompt(5)[0].tolist(), _prompt(6, 12)[0].tolist()
+    with lb.attach(tiny_llama.model, lb.method("streaming_llm", budget=0.25)) as kv:
+        ans = kv.generate(ctx, question=q, max_new_tokens=1)
+    assert ans.kv_ratio_context == pytest.approx(0.25, abs=0.01)
+    assert ans.context_tokens == PROMPT and ans.question_tokens == 12
+
+
+def test_a_batch_is_refused_in_one_line(tiny_llama):
+    ids = torch.cat([_prompt(7), _prompt(8)])
+    with lb.attach(tiny_llama.model, "full") as kv, pytest.raises(ValueError) as e:
+        tiny_llama.model.generate(ids, past_key_values=kv.new_cache(), max_new_tokens=2, do_sample=False)
+    assert "batch of 2" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_method_settings_are_validated_as_the_command_line_validates_them():
+    from luka_bench.methods.base import MethodConfigError
+
+    assert lb.method("snapkv", budget=0.125).budget == 0.125
+    with pytest.raises(MethodConfigError, match="Did you mean 'snapkv'"):
+        lb.method("snapk")
+    with pytest.raises(MethodConfigError, match="budget"):
+        lb.method("snapkv", budget=1.5)
+    with pytest.raises(Exception, match="not a setting of method=snapkv; allowed: .*budget"):
+        lb.method("snapkv", bugdet=0.5)
+
+
+def test_load_model_takes_a_conf_name_a_loaded_model_or_refuses_in_one_line(tiny_llama):
+    from luka_bench.models import LoadedModel, ModelUnavailable
+
+    lm = lb.load_model("tiny_llama", num_hidden_layers=2)
+    assert isinstance(lm, LoadedModel) and lm.model.config.num_hidden_layers == 2
+    same = lb.load_model(tiny_llama.model, tokenizer=tiny_llama.tokenizer)
+    assert same.model is tiny_llama.model
+    with pytest.raises(ModelUnavailable, match="neither a conf/model name"):
+        lb.load_model("no_such_model")
+
+
+def _readme_snippet() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Use it from Python", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.slow
+def test_readme_python_snippet_runs_as_written_and_snapkv_holds_an_eighth(one_thread):
+    """The README's "Use it from Python" block, executed as written on SmolLM2: the answer comes back, and SnapKV
+    at 0.125 through plain ``model.generate`` holds at most 1/8 of the prompt (+ the generated tokens)."""
+    scope: dict = {}
+    exec(compile(_readme_snippet(), "README.md", "exec"), scope)
+    answer, out, cache, ids = scope["answer"], scope["out"], scope["cache"], scope["ids"]
+    assert answer.text and answer.kv_ratio_context <= math.ceil(answer.context_tokens / 8) / answer.context_tokens
+    prompt = ids.shape[1]
+    generated = out.shape[1] - prompt
+    assert max(layer.keys.shape[-2] for layer in cache.layers) <= math.ceil(prompt / 8) + generated
+
+
+def _plan(ctx, q):
+    from luka_bench.engine import ExamplePlan, QuestionPlan
+
+    qp = QuestionPlan(question=None, ids=q, max_new_tokens=3)
+    return ExamplePlan(example=None, context_ids=ctx, questions=[qp], question_ids=q), qp
+
+
+def test_query_aware_protocol_compresses_the_question_with_the_context(tiny_llama, one_thread):
+    """``query_aware``: a prefill-only method (StreamingLLM at 0.25) compresses context + question as one prompt,
+    so its compressed cache holds a quarter of both and includes the question's last tokens; the default feeds the
+    question through a cache compressed from the context alone."""
+    from luka_bench.engine import answer_example
+
+    ctx, q = _prompt(9)[0].tolist(), _prompt(10, 40)[0].tolist()
+    plan, qp = _plan(ctx, q)
+    with lb.attach(tiny_llama.model, lb.method("streaming_llm", budget=0.25, sink=4)) as kv:
+        aware = next(answer_example(tiny_llama, kv.attached, plan, [qp], set(), (), query_aware=True))
+        plain = next(answer_example(tiny_llama, kv.attached, plan, [qp], set(), ()))
+    n = PROMPT + len(q)
+    assert aware.prefill["kv_tokens_prefill"] == [math.ceil(0.25 * n)] * 3
+    assert plain.prefill["kv_tokens_prefill"] == [math.ceil(0.25 * PROMPT)] * 3
+    pos = aware.cache.stores[0].positions[0, 0].tolist()
+    assert set(range(n - 10, n)) <= set(pos) and aware.cache.reference_length == n  # question tokens compressed in
+    assert plain.cache.reference_length == PROMPT
