@@ -1,0 +1,113 @@
+"""Issue 38: a run stopped by what a cluster sends (SIGTERM; SIGUSR1/SIGUSR2 before a time limit) ends as Ctrl-C
+does, one line and the shell's exit status, and resumes; a garbage line in predictions.jsonl is reported and kept
+beside the file; a sweep_name cannot leave results/sweeps/; a directory or a device given as a data file says so.
+The requeue of a timed-out SLURM job is in tests/test_slurm_cluster.py."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+TINY = ["model=tiny_llama", "data.limit=20", "max_new_tokens=2", "progress=false", "threads=1"]  # 80 questions
+RUN_NAME = "tiny_llama,full,wikisalad_easy,max_new_tokens=2"
+
+
+def _lines(path: Path) -> list[bytes]:
+    return path.read_bytes().splitlines(keepends=True)
+
+
+def _stop_after(cwd: Path, sig: signal.Signals, after_lines: int = 3) -> tuple[subprocess.Popen, str, Path]:
+    """Start the tiny run in ``cwd``, send ``sig`` once ``after_lines`` items are saved; (process, stderr,
+    predictions.jsonl)."""
+    proc = subprocess.Popen([sys.executable, "-m", "luka_bench", *TINY], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    pred = cwd / "results" / "runs" / RUN_NAME / "predictions.jsonl"
+    deadline = time.time() + 240
+    while proc.poll() is None and time.time() < deadline:
+        if pred.exists() and pred.read_bytes().count(b"\n") >= after_lines:
+            proc.send_signal(sig)
+            break
+        time.sleep(0.02)
+    _, err = proc.communicate(timeout=120)
+    return proc, err, pred
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1", "SIGUSR2"])
+def test_stop_signal_is_one_line_exit_128_plus_signal_and_the_folder_resumes(tmp_path, sig):
+    sig = getattr(signal, sig)
+    proc, err, pred = _stop_after(tmp_path, sig)
+    assert proc.returncode == 128 + sig, (proc.returncode, err[-3000:])
+    assert "Traceback" not in err
+    lines = _lines(pred)
+    saved = len(lines)
+    assert 3 <= saved < 80
+    assert all(ln.endswith(b"\n") and "item_id" in json.loads(ln) for ln in lines)  # the last line is whole
+    last = [ln for ln in err.splitlines() if ln.strip()][-1]
+    assert last == (f"{sig.name}: interrupted: {saved}/80 items saved in {pred.parent}; run the same command to "
+                    "resume"), err[-3000:]
+    if sig != signal.SIGTERM:
+        return
+    again = subprocess.run([sys.executable, "-m", "luka_bench", *TINY], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert again.returncode == 0 and f"resuming: {saved}/80 items done" in again.stderr, again.stderr[-3000:]
+    ids = [json.loads(ln)["item_id"] for ln in _lines(pred)]
+    assert len(ids) == 80 == len(set(ids))  # every item once
+    assert json.loads((pred.parent / "metrics.json").read_text())["n_examples"] == 80
+
+
+def test_stop_guard_leaves_handlers_set_by_others_and_restores_its_own():
+    from luka_bench.stop_signals import StopGuard
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+    mine = []
+    signal.signal(signal.SIGUSR1, lambda *a: mine.append(a))  # someone else's handler (e.g. submitit's SIGTERM)
+    try:
+        with StopGuard("x") as g:
+            assert signal.getsignal(signal.SIGTERM) == g.interrupt
+            assert signal.getsignal(signal.SIGUSR1) is not g.interrupt
+        assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGUSR1, before[signal.SIGUSR1])
+
+
+def test_under_submitit_its_requeue_handler_stays_and_says_one_line(tmp_path, monkeypatch, capsys):
+    """Inside a submitit job submitit's preemption handler (checkpoint + ``scontrol requeue`` + exit) keeps the
+    signal, wrapped only to print one line; the other user signal goes to it too; SIGTERM stays submitit's."""
+    from luka_bench.stop_signals import StopGuard
+
+    (tmp_path / "predictions.jsonl").write_text('{"item_id": "a"}\n{"item_id": "b"}\n')
+    calls = []
+
+    def requeue(signum, frame):  # what submitit's SignalHandler.checkpoint_and_try_requeue ends with
+        calls.append(signum)
+        sys.exit(-1)
+
+    def bypass(signum, frame):
+        calls.append(("bypass", signum))
+
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    monkeypatch.delenv("SUBMITIT_PREEMPT_SIGNAL", raising=False)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+    signal.signal(signal.SIGUSR2, requeue)
+    signal.signal(signal.SIGTERM, bypass)
+    try:
+        with StopGuard(tmp_path) as g:
+            assert signal.getsignal(signal.SIGTERM) is bypass
+            for sig in (signal.SIGUSR2, signal.SIGUSR1):
+                with pytest.raises(SystemExit):
+                    signal.getsignal(sig)(sig, None)
+        assert signal.getsignal(signal.SIGUSR2) is requeue
+        assert calls == [signal.SIGUSR2, signal.SIGUSR1] and g.signum == signal.SIGUSR1
+        err = capsys.readouterr().err
+        assert f"SIGUSR2: 2 items saved in {tmp_path}; submitit requeued the job, which resumes from there" in err
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
