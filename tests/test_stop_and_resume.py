@@ -111,3 +111,49 @@ def test_under_submitit_its_requeue_handler_stays_and_says_one_line(tmp_path, mo
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sweep_name stays inside results/sweeps/
+# ---------------------------------------------------------------------------------------------------------
+
+def _main(args: list[str], cwd: Path, capsys) -> tuple[int, str]:
+    from luka_bench.__main__ import main
+
+    old_argv, old_cwd = sys.argv, os.getcwd()
+    sys.argv, code = ["luka_bench", *args], 0
+    try:
+        os.chdir(cwd)
+        main()
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv = old_argv
+        os.chdir(old_cwd)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["../../../x", "a/../../x", "..", "", "."])
+def test_a_sweep_name_that_leaves_results_sweeps_is_refused_in_one_line(tmp_path, capsys, name):
+    project = tmp_path / "project"
+    project.mkdir()
+    code, err = _main(["-m", "model=tiny_llama", f"sweep_name={name}"], project, capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"error: sweep_name={name!r} would put the sweep at ") and "hydra.sweep.dir" in lines[0]
+    assert list(tmp_path.rglob("*")) == [project]  # nothing written, inside or outside the project
+
+
+@pytest.mark.parametrize("name,where", [("paper/table1", "results/sweeps/paper/table1"),
+                                        ("/tmp/x", "results/sweeps/tmp/x"), ("a/../b", "results/sweeps/b")])
+def test_a_sweep_name_inside_results_sweeps_is_taken(name, where):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from luka_bench.errors import CONF_DIR, check_sweep_name
+
+    assert check_sweep_name([f"sweep_name={name}"]) is None
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[f"sweep_name={name}"], return_hydra_config=True)
+    assert os.path.normpath(cfg.hydra.sweep.dir) == where
