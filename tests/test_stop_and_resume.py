@@ -157,3 +157,34 @@ def test_a_sweep_name_inside_results_sweeps_is_taken(name, where):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("config", overrides=[f"sweep_name={name}"], return_hydra_config=True)
     assert os.path.normpath(cfg.hydra.sweep.dir) == where
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a garbage line in predictions.jsonl: said in one line, kept beside the file, its item redone
+# ---------------------------------------------------------------------------------------------------------
+
+def test_a_garbage_line_in_the_middle_is_reported_kept_and_its_item_redone(tmp_path, capsys):
+    from luka_bench.results import RunFolder
+
+    rec = [json.dumps({"item_id": i, "prediction": "x"}) + "\n" for i in "abcd"]
+    garbage = "{\"item_id\": \"c\", \"predic\x00GARBAGE\n"
+    (tmp_path / "predictions.jsonl").write_text(rec[0] + rec[1] + garbage + rec[3], encoding="utf-8")
+    folder = RunFolder(tmp_path, {"data": {"limit": 1}})
+    assert set(folder.done) == {"a", "b", "d"}  # the lines after the garbage are kept; c will be redone
+    assert (tmp_path / "predictions.jsonl").read_text(encoding="utf-8") == rec[0] + rec[1] + rec[3]
+    assert (tmp_path / "predictions.jsonl.dropped").read_text(encoding="utf-8") == garbage
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith(f"{tmp_path / 'predictions.jsonl'}: dropped line 3: not JSON ("), err
+    assert err[0].endswith(f"; its item will be redone; the dropped line is kept in "
+                           f"{tmp_path / 'predictions.jsonl.dropped'}")
+    folder.close()
+    # the re-read after Ctrl-C keeps its one line to itself, and the copy grows
+    (tmp_path / "predictions.jsonl").write_text(rec[0] + "[1, 2]\n", encoding="utf-8")
+    folder = RunFolder.__new__(RunFolder)
+    folder.pred_path = tmp_path / "predictions.jsonl"
+    assert set(folder.reread()) == {"a"} and capsys.readouterr().err == ""
+    assert (tmp_path / "predictions.jsonl.dropped").read_text(encoding="utf-8") == garbage + "[1, 2]\n"
+    from luka_bench.results import read_predictions
+
+    (tmp_path / "predictions.jsonl").write_text(rec[0] + garbage + rec[1], encoding="utf-8")
+    assert [r["item_id"] for r in read_predictions(tmp_path)] == ["a", "b"]  # the report reads past it too
