@@ -188,3 +188,48 @@ def test_a_garbage_line_in_the_middle_is_reported_kept_and_its_item_redone(tmp_p
 
     (tmp_path / "predictions.jsonl").write_text(rec[0] + garbage + rec[1], encoding="utf-8")
     assert [r["item_id"] for r in read_predictions(tmp_path)] == ["a", "b"]  # the report reads past it too
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a directory or a device given as a data file says what it is
+# ---------------------------------------------------------------------------------------------------------
+
+def _loaders(path: str):
+    from luka_bench.data.babilong import BABILong, _haystack_text as babilong_haystack
+    from luka_bench.data.longbench_v2 import LongBenchV2
+    from luka_bench.data.pg19 import PG19
+    from luka_bench.data.ruler import read_haystack
+    from luka_bench.data.wikisalad import load_squad_file
+
+    return {
+        "longbench_v2": lambda: LongBenchV2(source="file", path=path).examples(),
+        "babilong": lambda: BABILong(task="qa1", source="file", path=path).examples(),
+        "babilong haystack": lambda: babilong_haystack(path),
+        "wikisalad": lambda: load_squad_file(path),
+        "pg19": lambda: PG19(source="file", path=path),
+        "ruler haystack": lambda: read_haystack(path),
+    }
+
+
+@pytest.mark.parametrize("loader", ["longbench_v2", "babilong", "babilong haystack", "wikisalad", "pg19",
+                                    "ruler haystack"])
+@pytest.mark.parametrize("kind", ["directory", "device", "missing"])
+def test_a_directory_or_a_device_as_a_data_file_says_what_it_is(tmp_path, loader, kind):
+    from luka_bench.data.base import DataError
+
+    path, says = {"directory": (str(tmp_path), "is a directory"),
+                  "device": ("/dev/null", "is a character device, not a regular file"),
+                  "missing": (str(tmp_path / "nope.json"), "was not found")}[kind]
+    with pytest.raises(DataError) as e:
+        _loaders(path)[loader]()
+    msg = str(e.value)
+    assert "\n" not in msg and path in msg and says in msg, msg
+    assert "allowed: " in msg
+
+
+def test_a_directory_as_data_path_is_one_line_on_the_command_line(tmp_path, capsys):
+    code, err = _main(["model=tiny_llama", "data=longbench_v2", "data.source=file", f"data.path={tmp_path}",
+                       "progress=false", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and lines == [f"error: longbench_v2: data file {tmp_path} is a directory; allowed: a JSON or "
+                                   "JSON-lines file"], err
