@@ -1,10 +1,12 @@
 """``python -m luka_bench [overrides]``: one run (or a sweep with ``-m``). See README.md."""
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
-from luka_bench.errors import CONF_DIR, GROUPS, check_group_keys, check_group_overrides, check_output_dirs
+from luka_bench.errors import (CONF_DIR, GROUPS, check_group_keys, check_group_overrides, check_output_dirs,
+                               check_sweep_name)
 
 
 def _drop_empty_run_folder(run_dir: str) -> None:
@@ -29,7 +31,8 @@ def _drop_empty_run_folder(run_dir: str) -> None:
 
 def main() -> None:
     argv = sys.argv[1:]
-    msg = check_group_overrides(argv) or check_group_keys(argv) or check_output_dirs(argv)
+    msg = (check_group_overrides(argv) or check_group_keys(argv) or check_output_dirs(argv)
+           or check_sweep_name(argv))
     if msg:
         print(f"error: {msg}", file=sys.stderr)
         sys.exit(2)
@@ -51,16 +54,21 @@ def main() -> None:
         with open_dict(cfg):
             for g in GROUPS:
                 cfg[f"{g}_name"] = hc.runtime.choices.get(g)
+        from luka_bench.stop_signals import StopGuard, exit_status
+
+        stop = StopGuard(hc.runtime.output_dir)  # SIGTERM, SIGUSR1/2 as Ctrl-C (luka_bench/stop_signals.py)
         try:
-            return run(cfg, hc.runtime.output_dir)
-        except KeyboardInterrupt as e:  # Ctrl-C: one line, the shell's exit status for SIGINT
+            with stop:
+                return run(cfg, hc.runtime.output_dir)
+        except KeyboardInterrupt as e:  # Ctrl-C or a stop signal: one line, the shell's exit status for it
             from luka_bench.errors import RunInterrupted
 
             if not isinstance(e, RunInterrupted):  # before the first item: nothing was saved
                 _drop_empty_run_folder(hc.runtime.output_dir)
                 e = f"interrupted before any item was saved ({hc.runtime.output_dir})"
-            print(f"\n{e}", file=sys.stderr)
-            sys.exit(130)
+            by = "" if stop.signum is None else f"{signal.Signals(stop.signum).name}: "
+            print(f"\n{by}{e}", file=sys.stderr)
+            sys.exit(exit_status(stop.signum))
         except Exception as e:  # noqa: BLE001 - turn known bad input into one line, re-raise the rest
             inner = unwrap(e)
             if isinstance(inner, one_line_errors()):

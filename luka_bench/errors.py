@@ -131,6 +131,31 @@ def check_output_dirs(argv: list[str]) -> str | None:
     return None
 
 
+SWEEPS_DIR = "results/sweeps"  # conf/config.yaml: hydra.sweep.dir = results/sweeps/${sweep_name}
+
+
+def check_sweep_name(argv: list[str]) -> str | None:
+    """One-line message for a ``sweep_name`` in the command line that would put the sweep outside results/sweeps/
+    (``..`` up and out; an empty name, the folder of every sweep itself), else None. An absolute name stays inside,
+    as Hydra joins it (``sweep_name=/x`` is results/sweeps/x). ``hydra.sweep.dir`` is the way to put a sweep
+    anywhere on purpose. Values with interpolations are left to Hydra."""
+    import posixpath
+
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or arg.startswith("-") or key.lstrip("+~") != "sweep_name":
+            continue
+        value = value.strip().strip("'\"")
+        if "${" in value:
+            continue
+        where = posixpath.normpath(f"{SWEEPS_DIR}/{value.replace(chr(92), '/')}")
+        if not where.startswith(SWEEPS_DIR + "/"):
+            return (f"sweep_name={value!r} would put the sweep at {where}, not inside {SWEEPS_DIR}/; allowed: a "
+                    f"name or path inside {SWEEPS_DIR}/ (e.g. sweep_name=paper/table1); to put a sweep anywhere, "
+                    "set hydra.sweep.dir=<folder>")
+    return None
+
+
 def _group_choices(argv: list[str]) -> dict[str, list[str]] | None:
     """The config chosen for each group by the command line (comma lists: each), else conf/config.yaml's
     default; None when an experiment is given (it may choose the groups itself)."""

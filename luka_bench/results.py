@@ -2,8 +2,9 @@
 each finishes), ``metrics.json`` (written atomically at the end), ``env.json`` (git SHA, versions, device, seed).
 
 Resume: opening a folder that already holds a run of the *same* config returns the finished item ids, so they
-are not redone; a half-written last line (a crash mid-write) is dropped. A folder holding a run of a different
-config is refused with one line, and nothing in it is touched. One process at a time: an open run folder holds an
+are not redone; a half-written last line (a crash mid-write) or a garbage line is dropped (its item is redone),
+said in one line and kept in ``predictions.jsonl.dropped``. A folder holding a run of a different config is
+refused with one line, and nothing in it is touched. One process at a time: an open run folder holds an
 exclusive lock (``.lock``, ``fcntl.flock``) until its run ends, and a second process opening it (two sweeps on one
 sweep_name, a run started twice) is refused with one line before it writes anything.
 """
@@ -249,36 +250,51 @@ class RunFolder:
                 "run a new hydra.run.dir (sweep: a new sweep_name)")
 
     # -- predictions ---------------------------------------------------------------------------------------
-    def _read_predictions(self) -> dict[str, dict]:
+    def _read_predictions(self, report: bool = True) -> dict[str, dict]:
         """Finished items by id. Read as bytes: a crash mid-write can cut the last line anywhere, also inside a
-        multi-byte UTF-8 character; that line (and anything after a bad line) is dropped and the file rewritten
-        without it."""
+        multi-byte UTF-8 character. A line that is not a whole prediction record (that cut last line, or garbage
+        anywhere: a disk error, a hand edit) is dropped, its item is redone, and the lines after it are kept; the
+        file is rewritten without it and the dropped bytes are appended to ``predictions.jsonl.dropped`` beside it.
+        ``report``: say so in one line on stderr (the resume; not the re-read after Ctrl-C, whose one line is the
+        interrupt's)."""
         if not self.pred_path.exists():
             return {}
         raw = self.pred_path.read_bytes()
         lines = raw.splitlines(keepends=True)
-        good, records = [], {}
-        for line in lines:
+        good, records, dropped = [], {}, []
+        for number, line in enumerate(lines, 1):
             try:
                 if not line.endswith(b"\n"):
-                    raise ValueError("partial line")
+                    raise ValueError("cut short by an interrupted write")
                 rec = json.loads(line.decode("utf-8"))
                 if not isinstance(rec, dict) or "item_id" not in rec:
                     raise ValueError("not a prediction record")
-            except ValueError:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-                break  # a crash mid-write: drop this line and anything after it
+            except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                why = (f"not JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else
+                       "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else str(e))
+                dropped.append((number, line, why))
+                continue
             records[rec["item_id"]] = rec
             good.append(line)
-        if len(good) != len(lines):
+        if dropped:
+            kept = self.pred_path.with_name(self.pred_path.name + ".dropped")
+            with open(kept, "ab") as f:  # appended: what every resume dropped stays
+                f.write(b"".join(line if line.endswith(b"\n") else line + b"\n" for _, line, _ in dropped))
             tmp = self.pred_path.with_name(self.pred_path.name + ".tmp")
             tmp.write_bytes(b"".join(good))
             os.replace(tmp, self.pred_path)
+            if report:
+                numbers = ", ".join(str(n) for n, _, _ in dropped[:5]) + (", ..." if len(dropped) > 5 else "")
+                what = f"line {numbers}" if len(dropped) == 1 else f"{len(dropped)} lines ({numbers})"
+                print(f"{self.pred_path}: dropped {what}: {dropped[0][2]}; "
+                      f"{'its item' if len(dropped) == 1 else 'their items'} will be redone; the dropped "
+                      f"{'line is' if len(dropped) == 1 else 'lines are'} kept in {kept}", file=sys.stderr, flush=True)
         return records
 
     def reread(self) -> dict[str, dict]:
         """Finished items as ``predictions.jsonl`` holds them now (what a resume will find; a line cut by an
-        interrupt is dropped, as on resume)."""
-        self.done = self._read_predictions()
+        interrupt is dropped, as on resume, without a line of its own)."""
+        self.done = self._read_predictions(report=False)
         return self.done
 
     def append(self, record: dict) -> None:
@@ -415,8 +431,8 @@ def read_predictions(run: Path) -> list[dict]:
                     break
                 try:
                     rec = json.loads(line)
-                except ValueError:
-                    break
+                except ValueError:  # a garbage line: skipped, as a resume drops it
+                    continue
                 if isinstance(rec, dict) and "item_id" in rec:
                     out.append(rec)
     except OSError:

@@ -131,3 +131,73 @@ def test_sweep_on_a_real_slurm_cluster_kill_one_job_rerun_and_report(slurm_env, 
     assert rep.returncode == 0, rep.stderr[-3000:]
     assert "4 complete run(s), 0 missing" in rep.stdout
     assert "without complete metrics" not in rep.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Issue 38: a job that reaches its time limit is requeued and its run folder resumes
+# ---------------------------------------------------------------------------------------------------------
+
+# 80 questions of ~0.2 s each: the job is still answering when the signal comes after its third item.
+LONG_JOB = ["-m", "model=tiny_llama", "data.limit=20", "max_new_tokens=8", "threads=1", "progress=false",
+            "sweep_name=slurm_requeue", *LAUNCH]
+
+
+def _sacct(env: dict, job: str) -> list[str]:
+    """Every attempt of ``job`` (``sacct --duplicates``: a requeued job keeps its id), as 'id state' lines."""
+    out = subprocess.run(["sacct", "-D", "-n", "-X", "-P", "-j", job, "-o", "JobID,State"], env=env,
+                         capture_output=True, text=True, timeout=30).stdout
+    return [ln.replace("|", " ") for ln in out.split() if ln.strip()]
+
+
+def test_a_timed_out_job_is_requeued_and_its_run_folder_ends_complete(slurm_env, tmp_path):
+    """The time limit, simulated: USR2 (submitit's signal, what SLURM sends ``hydra.launcher.signal_delay_s``
+    before the limit) sent to the job's step with ``scancel --signal=USR2`` once 3 items are saved. With
+    timeout_min <= 10 submitit counts any such signal as a time-out, so this takes the time-out path: it
+    checkpoints the job through the Hydra launcher, requeues it (``scontrol requeue``, allowed by
+    conf/hydra/launcher/slurm.yaml's max_num_timeout: 3) and exits; the requeued job runs the same job again, which
+    resumes its run folder. The launcher waits for it and exits 0; every item is in predictions.jsonl once."""
+    sweep = tmp_path / "sweeps" / "slurm_requeue"
+    cmd = [sys.executable, "-m", "luka_bench", *LONG_JOB, f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=slurm_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    run = sweep / "max_new_tokens=8,model=tiny_llama"
+    pred = run / "predictions.jsonl"
+    job, signalled_at, released = None, None, False
+    end = time.time() + 400
+    while proc.poll() is None and time.time() < end:
+        if job is None and pred.exists() and pred.read_bytes().count(b"\n") >= 3:
+            job = next((p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit()), None)
+            if job is not None:
+                signalled_at = pred.read_bytes().count(b"\n")
+                subprocess.run(["scancel", "--signal=USR2", job], env=slurm_env, check=True, timeout=30)
+        elif job is not None and not released:
+            # SLURM holds a requeued batch job for ~2 minutes (Reason=BeginTime); start it now to keep this test short
+            state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], env=slurm_env, capture_output=True,
+                                   text=True, timeout=30).stdout.split()
+            if state[:2] == ["PENDING", "BeginTime"]:
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm_env, check=True,
+                               timeout=30)
+                released = True
+        time.sleep(0.2)
+    out, _ = proc.communicate(timeout=300)
+    assert job is not None, f"never caught the job running:\n{out[-4000:]}"
+    assert proc.returncode == 0, out[-4000:]
+    _wait_for_queue_to_empty(slurm_env, {job})
+
+    attempts, wait = _sacct(slurm_env, job), time.time() + 60
+    while len(attempts) < 2 and time.time() < wait:  # accounting reaches slurmdbd a moment after the job ends
+        time.sleep(1)
+        attempts = _sacct(slurm_env, job)
+    assert attempts == [f"{job} REQUEUED", f"{job} COMPLETED"], attempts
+    log_out = "".join(p.read_text(errors="replace") for p in (sweep / ".submitit" / job).glob("*_log.out"))
+    log_err = "".join(p.read_text(errors="replace") for p in (sweep / ".submitit" / job).glob("*_log.err"))
+    assert "Caught signal SIGUSR2" in log_err + log_out and "this job is timed-out" in log_err + log_out
+    assert "(2 remaining timeouts)" in log_err + log_out  # max_num_timeout: 3 in conf/hydra/launcher/slurm.yaml
+    saved = int(log_err.split("SIGUSR2: ", 1)[1].split(" items saved", 1)[0])
+    assert f"SIGUSR2: {saved} items saved in {run}; submitit requeued the job, which resumes from there" in log_err
+    assert f"resuming: {saved}/80 items done in {run}" in log_err
+    assert saved >= signalled_at
+    ids = [json.loads(line)["item_id"] for line in pred.read_text(encoding="utf-8").splitlines()]
+    assert len(ids) == 80 == len(set(ids))  # each item once
+    assert json.loads((run / "metrics.json").read_text())["n_examples"] == 80
+    print(f"job {job}: {attempts}; {saved}/80 items saved by the first attempt, {80 - saved} by the requeued one")

@@ -24,7 +24,8 @@ from typing import Any, ClassVar
 
 from luka_bench.data.bab_world import TASKS as SYNTHETIC_TASKS
 from luka_bench.data.bab_world import generate_story
-from luka_bench.data.base import Task, DataError, QAExample, Question, check_source, read_json_or_jsonl, require_fields
+from luka_bench.data.base import (Task, DataError, QAExample, Question, check_source, file_problem, read_json_or_jsonl,
+                                  require_fields)
 from luka_bench.data.scoring_babilong import TASK_LABELS, accuracy_summary, compare_answers
 
 __all__ = [
@@ -270,8 +271,10 @@ def _haystack_text(haystack: str) -> str:
             raise DataError(f"babilong: haystack=pg19 needs the hub (emozilla/pg19): {type(e).__name__}; "
                             "offline, use data.haystack=essays or a text file") from None
         return "\n\n".join(texts)
-    if not Path(haystack).is_file():
-        raise DataError(f"babilong: data.haystack={haystack!r} is not essays, pg19 or an existing text file")
+    problem = file_problem(haystack)
+    if problem is not None:
+        raise DataError(f"babilong: data.haystack={haystack!r} is not essays or pg19, and the file {problem}; "
+                        "allowed: essays | pg19 | a path to a UTF-8 text file")
     return Path(haystack).read_text(encoding="utf-8")
 
 

@@ -9,6 +9,7 @@ Two kinds of task:
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -150,6 +151,28 @@ def require_fields(rows, fields: tuple[str, ...], src: str, noun: str = "row",
     return out
 
 
+def file_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be read as a data file, as the end of a sentence ("was not found", "is a directory", "is a
+    character device, not a regular file", ...), or None when it is a readable regular file. A device or a named
+    pipe would block or never end; a directory is no file at all: each says what it is, not "not found"."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "was not found" if not os.path.islink(path) else "was not found (a broken symbolic link)"
+    except NotADirectoryError:
+        return "was not found (a part of its path is a file, not a folder)"
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if stat.S_ISREG(mode):
+        return None if os.access(path, os.R_OK) else "is not readable (permission denied)"
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a character device" if stat.S_ISCHR(mode) else
+            "a block device" if stat.S_ISBLK(mode) else "a named pipe" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "a special file")
+    return "is a directory" if kind == "a directory" else f"is {kind}, not a regular file"
+
+
 def read_json_or_jsonl(path: str, dataset: str):
     """A local data file: JSON, or JSON lines (one object per line). One-line DataError naming the dataset and
     the file when it is missing, unreadable or neither."""
@@ -157,8 +180,9 @@ def read_json_or_jsonl(path: str, dataset: str):
     from pathlib import Path
 
     p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{dataset}: data file not found: {path}")
+    problem = file_problem(p)
+    if problem is not None:
+        raise DataError(f"{dataset}: data file {path} {problem}; allowed: a JSON or JSON-lines file")
     try:
         raw = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

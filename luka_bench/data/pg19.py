@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from luka_bench.data.base import Task, DataError, Document
+from luka_bench.data.base import Task, DataError, Document, file_problem
 
 SOURCES = ("essays", "file", "hf")
 
@@ -51,8 +51,9 @@ class PG19(Task):
         if self.source == "file":
             if not self.path:
                 raise DataError("data.source=file needs data.path=<a UTF-8 text file>")
-            if not Path(self.path).is_file():
-                raise DataError(f"data.path={self.path!r}: no such file")
+            problem = file_problem(self.path)
+            if problem is not None:
+                raise DataError(f"data.path={self.path!r} {problem}; allowed: a UTF-8 text file")
         if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1):
             raise DataError(f"data.limit={self.limit!r} must be an integer >= 1 or null (every document)")
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from luka_bench.data.base import (Task, DataError, QAExample, Question, check_source, qa_prompt_ids, read_json_or_jsonl,
-                                   require_fields)
+from luka_bench.data.base import (Task, DataError, QAExample, Question, check_source, file_problem, qa_prompt_ids,
+                                   read_json_or_jsonl, require_fields)
 from luka_bench.data.scoring_ruler import METRIC_BY_TASK, ruler_summary, score_item
 
 __all__ = ["Ruler", "TASKS", "TEMPLATES", "Sample", "split_sentences", "essay_words", "word_lists", "make_sample",
@@ -136,8 +136,9 @@ def read_haystack(haystack: str) -> str:
 
         return essays_text()
     p = Path(haystack)
-    if not p.is_file():
-        raise DataError(f"data.haystack={haystack!r} is not 'essays' nor a readable text file; "
+    problem = file_problem(p)
+    if problem is not None:
+        raise DataError(f"data.haystack={haystack!r} is not 'essays' nor a readable text file: it {problem}; "
                         "allowed: essays | a path to a UTF-8 text file")
     try:
         text = p.read_text(encoding="utf-8")

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from luka_bench.data.base import Task, DataError, QAExample, Question
+from luka_bench.data.base import Task, DataError, QAExample, Question, file_problem
 from luka_bench.data.synthetic_articles import generate_squad
 from luka_bench.metrics import exact_match, f1_score, lenient_match
 
@@ -239,8 +239,9 @@ def squad_rows_to_dict(rows: Iterable[Mapping[str, Any]], src: str = "rows") -> 
 
 def load_squad_file(path: str) -> dict:
     """A local SQuAD v2 JSON file (``{"data": [...]}``), or a JSON list / JSON-lines file of hub-schema rows."""
-    if not os.path.isfile(path):
-        raise DataError(f"WikiSalad: SQuAD file not found: {path}")
+    problem = file_problem(path)
+    if problem is not None:
+        raise DataError(f"WikiSalad: SQuAD file {path} {problem}; allowed: a SQuAD v2 JSON file or JSON lines of rows")
     try:
         with open(path, encoding="utf-8") as f:
             raw = f.read()
