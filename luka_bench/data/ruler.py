@@ -29,7 +29,7 @@ from typing import Any, Callable, ClassVar
 
 from luka_bench.data.base import (DataError, QAExample, Question, check_source, qa_prompt_ids, read_json_or_jsonl,
                                    require_fields)
-from luka_bench.data.scoring_ruler import METRIC_BY_TASK, ruler_summary, score_item
+from luka_bench.data.scoring_ruler import METRIC_BY_TASK, headline_rule, ruler_summary, score_item
 
 __all__ = ["Ruler", "TASKS", "TEMPLATES", "Sample", "split_sentences", "essay_words", "word_lists", "make_sample",
            "HUB_ID", "DEPTHS", "NOISE", "NEEDLE"]
@@ -806,8 +806,20 @@ class Ruler:
     def score(self, prediction: str, q: Question) -> dict[str, float]:
         return {"ruler": score_item(q.meta["task"], prediction, q.answers)}
 
-    def aggregate(self, records: list[dict]) -> dict[str, float | None]:
-        return ruler_summary(records, "ruler")
+    @property
+    def qa_origin(self) -> str:
+        """Where qa_1/qa_2 come from (a key of ``QA_ORIGINS``): the hub set's are SQuAD/HotpotQA whatever
+        ``qa_source`` says (it only steers the generator)."""
+        return self.qa_source if self.source == "synthetic" else self.source
+
+    def aggregate(self, records: list[dict]) -> dict[str, Any]:
+        """RULER's summary (``ruler_summary``) and the rule its headline follows (``headline_rule``): the tasks
+        ``ruler_score`` averages, where the QA comes from, whether it is comparable with a published score."""
+        out: dict[str, Any] = dict(ruler_summary(records, "ruler"))
+        done = [str((r.get("meta") or {}).get("task")) for r in records]
+        if done:
+            out.update(headline_rule(done, self.qa_origin))
+        return out
 
 
 def validate_hub_rows(rows: Any, src: str) -> list[dict]:
