@@ -837,3 +837,9 @@ def validate_hub_rows(rows: Any, src: str) -> list[dict]:
             raise DataError(f"{src}: row {i} task {row['task']!r} is unknown; allowed: {', '.join(TASKS)}")
         row["answer"] = list(ans)
     return rows
+
+
+if __name__ == "__main__":  # python -m luka_bench.data.ruler export|lengths ...: see ruler_export
+    from luka_bench.data.ruler_export import main
+
+    raise SystemExit(main())
