@@ -425,7 +425,9 @@ def _search(total: Callable[[int], int], incremental: int, budget: int, gen: int
         return None
     hi, fhi, m = None, None, 2 * incremental
     while hi is None:
-        if m > budget:  # every unit (a word, a sentence, a document) is at least one token: this many overflow
+        # a unit (a space-separated word, a sentence, a document) is at least one token of a tokenizer that splits
+        # at spaces: more than ``budget`` units overflow
+        if m > budget:
             hi = budget + 1
             break
         fm = f(m)
