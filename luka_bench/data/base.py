@@ -196,6 +196,14 @@ def read_json_or_jsonl(path: str, dataset: str):
             raise DataError(f"{dataset}: {path} is neither JSON nor JSON lines ({e.msg} at line {e.lineno})") from None
 
 
+def chat_text(tokenizer, user_message: str) -> str:
+    """The chat template rendered for one user message, the assistant's turn opened: the one place a prompt meets
+    a chat template. ``enable_thinking=False``: a template that can think (Qwen3 and others) renders the turn
+    with thinking off, the prompt kvpress builds; a template without the switch ignores the variable."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": user_message}], add_generation_prompt=True,
+                                         tokenize=False, enable_thinking=False)
+
+
 def qa_prompt_ids(tokenizer, use_chat: bool, context_block: str, question_block: str,
                   answer_prefix: str = "") -> tuple[list[int], list[int]]:
     """Token ids of the context part and the question part of one prompt. With a chat template the user
@@ -204,8 +212,7 @@ def qa_prompt_ids(tokenizer, use_chat: bool, context_block: str, question_block:
     ``answer_prefix`` (RULER's) starts the model's answer: after the assistant header with a chat template."""
     if use_chat:
         marker = "\u2063LUKASPLIT\u2063"
-        text = tokenizer.apply_chat_template([{"role": "user", "content": context_block + marker + question_block}],
-                                             add_generation_prompt=True, tokenize=False)
+        text = chat_text(tokenizer, context_block + marker + question_block)
         pre, post = text.split(marker)
         return (tokenizer(pre, add_special_tokens=False).input_ids,
                 tokenizer(post + answer_prefix, add_special_tokens=False).input_ids)
@@ -221,8 +228,7 @@ def evidence_positions(tokenizer, use_chat: bool, context_block: str, spans: lis
         return []
     if use_chat:
         marker = "\u2063LUKASPLIT\u2063"
-        text = tokenizer.apply_chat_template([{"role": "user", "content": context_block + marker + "x"}],
-                                             add_generation_prompt=True, tokenize=False)
+        text = chat_text(tokenizer, context_block + marker + "x")
         pre = text.split(marker)[0]
         enc = tokenizer(pre, add_special_tokens=False, return_offsets_mapping=True)
     else:

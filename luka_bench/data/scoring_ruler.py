@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 __all__ = ["clean_prediction", "string_match_all", "string_match_part", "METRIC_BY_TASK", "score_item",
-           "mean_se", "ruler_summary"]
+           "mean_se", "ruler_summary", "QA_ORIGINS", "headline_rule"]
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
 
@@ -81,3 +81,40 @@ def ruler_summary(records: Iterable[dict], prefix: str = "ruler") -> dict[str, f
         out[f"{prefix}_{t}"], out[f"{prefix}_{t}_se"] = per[t]
         out[f"{prefix}_{t}_n"] = len(by_task[t])
     return out
+
+
+# Where qa_1/qa_2's documents and questions come from, as a run's settings say: ``hub`` the real SQuAD v2 /
+# HotpotQA (data.qa_source=hub, or data.source=hub: the leaderboard's set, made by RULER's own scripts),
+# ``synthetic`` invented stand-ins (data.qa_source=synthetic, offline), ``file`` rows from a file, whose origin a
+# run cannot tell, ``unknown`` a saved run whose settings do not say (scripts/ruler_table.py).
+QA_ORIGINS = {
+    "hub": "qa_1/qa_2 are the real SQuAD v2 / HotpotQA",
+    "synthetic": "qa_1/qa_2 are offline stand-ins (invented articles, data.qa_source=synthetic), not SQuAD/HotpotQA",
+    "file": "qa_1/qa_2 come from a file, whose QA source cannot be told",
+    "unknown": "the run's settings do not say where qa_1/qa_2 come from",
+}
+
+
+def headline_rule(tasks: Iterable[str], qa: str | None) -> dict[str, object]:
+    """What ``ruler_score`` averages and whether it can be set beside a published RULER score: only when it is the
+    mean over all 13 of RULER's tasks and qa_1/qa_2 are the real SQuAD/HotpotQA (``qa`` = ``hub``). ``tasks``:
+    the tasks averaged; ``qa``: a key of ``QA_ORIGINS`` (None: no qa task ran).
+
+    Returns ``ruler_score_tasks`` (their names, comma-joined), ``ruler_qa`` (``qa``, or None without a qa task),
+    ``ruler_score_comparable`` (bool) and ``ruler_score_rule`` (one line that says all of it)."""
+    order = list(METRIC_BY_TASK)
+    tasks = sorted(set(tasks), key=lambda t: (order.index(t) if t in order else len(order), t))
+    has_qa = any(METRIC_BY_TASK.get(t) == "part" for t in tasks)
+    if has_qa and qa not in QA_ORIGINS:
+        raise ValueError(f"qa={qa!r} is unknown; allowed: {', '.join(QA_ORIGINS)}")
+    all13 = set(tasks) == set(METRIC_BY_TASK)
+    why_not = ([] if all13 else [f"{len(tasks)} of RULER's 13 tasks"]) + \
+        (["its QA is not the real SQuAD/HotpotQA"] if has_qa and qa != "hub" else [])
+    comparable = not why_not
+    rule = (f"ruler_score = mean of {len(tasks)} task means ("
+            + ("all 13 RULER tasks" if all13 else ", ".join(tasks)) + ")"
+            + (f"; {QA_ORIGINS[qa]}" if has_qa else "")
+            + ("; comparable with a published RULER score (its 13 tasks, real QA)" if comparable
+               else f"; NOT comparable with a published RULER score ({'; '.join(why_not)})"))
+    return {"ruler_score_tasks": ",".join(tasks), "ruler_qa": qa if has_qa else None,
+            "ruler_score_comparable": comparable, "ruler_score_rule": rule}
