@@ -334,8 +334,10 @@ class MethodCache(Cache):
     (``new_cache``); ``clone()`` gives an independent copy (the runner answers every question from a clone of
     the context-only cache)."""
 
-    def __init__(self, method: KVMethod, infos: list[LayerInfo]):
+    def __init__(self, method: KVMethod, infos: list[LayerInfo], cuda_events: bool = False):
         self.method = method
+        # component timings on CUDA (latency_breakdown): recorded CUDA events only when asked for (see ``mark``)
+        self.cuda_events = cuda_events
         self.model: PreTrainedModel | None = None  # set by new_cache; needed by scratch_forward
         self.reference_length = 0
         self.phase = "prefill"  # "prefill" -> "decode"; "scratch" during a scratch_forward
@@ -464,17 +466,25 @@ class MethodCache(Cache):
     # CUDA runs kernels asynchronously: a host clock around a component measures its launch, not its work. On
     # CUDA a span is a pair of recorded events, resolved (one synchronisation) only when ``timings`` is read —
     # between decode steps — so timing adds no synchronisation inside the forward. Elsewhere: perf_counter.
-    @staticmethod
-    def mark(device: torch.device):
-        """A point in time on ``device``'s clock (pair two with ``add_span``)."""
+    # Events cost host time inside the step (64-200 of them per decode step), so on CUDA they are recorded only
+    # when the cache was made with ``cuda_events=True`` (or the attribute set before the forward): a latency
+    # breakdown was asked for. Without it CUDA spans record nothing and ``timings`` stays empty.
+    def mark(self, device: torch.device):
+        """A point in time on ``device``'s clock (pair two with ``add_span``): a CUDA event recorded on the
+        current stream of ``device`` (not of the current device: ``model.device=cuda:1``), or None on CUDA without
+        ``cuda_events``; elsewhere ``time.perf_counter()``."""
         if device.type == "cuda":
+            if not self.cuda_events:
+                return None
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(device))
             return event
         return time.perf_counter()
 
     def add_span(self, key: str, start, end) -> None:
         """Add the time from mark ``start`` to mark ``end`` to component ``key`` (attention, refinement, ...)."""
+        if start is None or end is None:  # CUDA without cuda_events: not timed
+            return
         if isinstance(start, float):
             self._timings[key] = self._timings.get(key, 0.0) + (end - start)
         else:
@@ -487,7 +497,8 @@ class MethodCache(Cache):
         try:
             yield
         finally:
-            self.add_span(key, start, self.mark(device))
+            if start is not None:
+                self.add_span(key, start, self.mark(device))
 
     @property
     def timings(self) -> dict[str, float]:
