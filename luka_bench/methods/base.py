@@ -333,7 +333,9 @@ def _blocked(query: torch.Tensor, lq: int) -> bool:
         return True
     from . import triton_kernel  # imported where it can run: Triton's import costs a CPU run a second
 
-    return triton_kernel.available(query.device)
+    # and where its tiles fit the device's shared memory (head size 256 on sm_86/89: smaller tiles, or none)
+    return triton_kernel.available(query.device) and triton_kernel.fits(query.shape[-1], query.shape[-1],
+                                                                        query.dtype, query.device)
 
 
 KERNEL_ROWS = 48  # the fused kernel's query block: about this many (group head x query) rows, measured fastest
@@ -368,8 +370,9 @@ def _blocked_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     if kernel and dev.type == "cuda":
         from . import triton_kernel  # imported only where it can run
 
-        if triton_kernel.available(dev):
-            out, mass, ent = triton_kernel.attention_mass(qs, kk, vv, past, entropy)
+        got = triton_kernel.attention_mass(qs, kk, vv, past, entropy) if triton_kernel.available(dev) else None
+        if got is not None:  # None: no tile configuration fits the device's shared memory (the loop below runs)
+            out, mass, ent = got
             return out.view(b, hq, lq, dv), mass.view(b, hkv, n), ent.view(b, hq, lq) if entropy else None
     fp32_cpu = dev.type == "cpu" and all(t.dtype == torch.float32 for t in (qs, kk, vv))
     op = cpu_kernel.attention_mass_op() if kernel and fp32_cpu and not cpu_kernel.disabled() else None
