@@ -22,7 +22,9 @@ the absence of syncs without a GPU (``tests/test_host_sync.py``). Counted, per c
   ``linalg.svd``, ``pinv``, ``eigh``, ``eig``, ``lstsq`` (no ``_ex`` variant), ``torch.equal``, ``allclose``,
   ``bincount``, ``histc`` — on the CPU they dispatch under these names, so they are counted there too.
 
-``Tensor.tolist()`` is counted once (on a GPU it also copies to the host inside: not counted again).
+``Tensor.tolist()`` is counted once (on a GPU it also copies to the host inside: not counted again);
+``torch.tensor`` / ``torch.as_tensor`` of Python data are patched while counting too (with ``device=cuda`` the copy
+runs below the dispatcher, where a dispatch mode does not see it).
 ``with host_side(): ...`` marks host-side work (CPU tensors by construction, e.g. reading the host token ids): not
 counted. On CUDA the tests also run under ``torch.cuda.set_sync_debug_mode`` (``decode_sync_counts(sync_debug=)``),
 which sees every synchronising CUDA call, counted or not.
@@ -104,14 +106,14 @@ class SyncCounter(TorchDispatchMode):
         self.ops: Counter = Counter()
         self.sites: Counter = Counter()
         self.where = where
-        self._in_tolist = False
+        self._quiet = False
 
     @property
     def total(self) -> int:
         return sum(self.ops.values())
 
     def _hit(self, name: str) -> None:
-        if _HOST_SIDE[0] or self._in_tolist:
+        if _HOST_SIDE[0] or self._quiet:
             return
         self.ops[name] += 1
         if self.where:
@@ -152,17 +154,43 @@ class SyncCounter(TorchDispatchMode):
 
         def tolist(t, *a, **k):
             counter._hit("tolist")
-            counter._in_tolist = True  # its own copy to the host (on a GPU) is this one sync: not counted again
+            # its own copy to the host (on a GPU) is this one sync: not counted again
+            quiet, counter._quiet = counter._quiet, True
             try:
                 return counter._tolist(t, *a, **k)
             finally:
-                counter._in_tolist = False
+                counter._quiet = quiet
 
         torch.Tensor.tolist = tolist
+        # torch.tensor / as_tensor of Python data with a device: the copy happens below the dispatcher (no op for a
+        # dispatch mode to see): counted here, the lift_fresh inside not again
+        self._factories = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
+        for name, real in self._factories.items():
+            setattr(torch, name, self._counted_factory(real))
         return super().__enter__()
+
+    def _counted_factory(self, real):
+        counter = self
+
+        def factory(data, *a, **k):
+            quiet, counter._quiet = counter._quiet, True  # the lift_fresh (and copy) inside: this one count
+            try:
+                out = real(data, *a, **k)
+            finally:
+                counter._quiet = quiet
+            if not isinstance(data, torch.Tensor):  # Python data or an array: a copy from the host
+                if out.device.type != "cpu":
+                    counter._hit("copy_to_device")
+                elif out.dim() > 0:
+                    counter._hit("host_data")
+            return out
+
+        return factory
 
     def __exit__(self, *exc):
         torch.Tensor.tolist = self._tolist
+        for name, real in self._factories.items():
+            setattr(torch, name, real)
         return super().__exit__(*exc)
 
 

@@ -171,10 +171,12 @@ class LuKAPolicy(LayerPolicy):
         if m.compressor == "mean":
             return torch.full_like(w, 1.0 / w.shape[-1])
         if m.compressor == "random":
-            # seeded by (seed, layer, pages so far): reproducible, and nothing to carry across cache clones
-            gen = torch.Generator(device="cpu").manual_seed(
+            # seeded by (seed, layer, pages so far): reproducible, and nothing to carry across cache clones. Drawn
+            # on the cache's device (a CPU draw copied over would be a blocking host-to-device copy, a sync on
+            # every compressing step on CUDA); a CUDA generator draws other numbers than the CPU's
+            gen = torch.Generator(device=w.device).manual_seed(
                 (m.seed * 1000003 + self.info.layer_idx * 7919 + self.P[1]) % (2**63))
-            pick = torch.randint(0, w.shape[-1], w.shape[:-1], generator=gen).to(w.device)
+            pick = torch.randint(0, w.shape[-1], w.shape[:-1], generator=gen, device=w.device)
             return torch.nn.functional.one_hot(pick, w.shape[-1]).to(w.dtype)
         return torch.softmax(w / m.tau, dim=-1)  # attention_weighted, zero_value
 

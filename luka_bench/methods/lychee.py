@@ -55,6 +55,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from luka_bench.device import host_to_device
+from luka_bench.host_sync import host_side
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, exact_attention
 
 NEG = float("-inf")
@@ -163,8 +165,9 @@ class Chunker:
                 "luka_bench.run.forward does) and the tokenizer (hf.attach(model, method, tokenizer)); "
                 f"have {len(ids)} ids for {n} tokens, tokenizer {'set' if m.tokenizer is not None else 'missing'}")
         a = len(self.levels)
-        cur = torch.tensor(ids[a: n], dtype=torch.long)
-        self.levels.extend(boundary_levels(cur, m.level_tables(), ids[a - 1] if a else None).tolist())
+        with host_side():  # CPU tensors of the host token ids, read back on the host: no device involved
+            cur = torch.tensor(ids[a: n], dtype=torch.long)
+            self.levels.extend(boundary_levels(cur, m.level_tables(), ids[a - 1] if a else None).tolist())
 
     def advance(self, cache, n: int) -> int:
         """Cut every chunk the first ``n`` tokens allow; returns the number of new chunks."""
@@ -186,7 +189,7 @@ class Chunker:
         first = self.n_chunks
         old = self.frontier
         self.bounds.extend(ends)
-        new_b = torch.tensor([old] + ends, dtype=torch.long, device=self.device)
+        new_b = host_to_device([old] + ends, self.device)  # pinned + non_blocking on CUDA: no host sync
         self.starts = torch.cat([self.starts, new_b[1:]])
         lens = new_b[1:] - new_b[:-1]
         self.lens = torch.cat([self.lens, lens])
