@@ -275,9 +275,32 @@ def chunk_mask(
     return mask
 
 
+def fused_masked_gqa(device: torch.device) -> bool:
+    """Whether PyTorch's SDPA runs a *masked* grouped-query call (``attn_mask`` with ``enable_gqa``) in a fused
+    kernel on ``device``. CPU: yes — its flash kernel takes both (``tests/test_methods_core.py`` checks the op
+    dispatched). CUDA: no — flash takes no mask and the efficient kernel no GQA, so PyTorch falls back to its math
+    backend, which builds the whole [B, Hq, Lq, N] score matrix (Llama-8B at 32K in 4,096-query chunks: ~17 GB
+    in fp32)."""
+    return device.type == "cpu"
+
+
+def _expand_kv(x: torch.Tensor, g: int) -> torch.Tensor:
+    """Keys or values [B, Hkv, N, D] repeated for the ``g`` query heads of each group: [B, Hkv * g, N, D] (a copy;
+    query head h reads KV head h // g, as ``enable_gqa`` does)."""
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, g, n, d).reshape(b, h * g, n, d)
+
+
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
          mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Grouped-query SDPA without copying KV heads. query [B, Hq, Lq, D], key/value [B, Hkv, Lk, D]."""
+    """Grouped-query SDPA without copying KV heads. query [B, Hq, Lq, D], key/value [B, Hkv, Lk, D].
+
+    A masked chunk (a prefill chunk after a prefix, LASER-KV's blocks, Gemma3's sliding windows) on a device where
+    SDPA has no fused masked-GQA kernel (``fused_masked_gqa``: CUDA) would run PyTorch's math backend and hold
+    the [B, Hq, Lq, N] scores; there the keys and values are repeated per query head instead (2 x Hq x N x D
+    elements, independent of the chunk: the scores' bytes exceed it from Lq > D x element size / 2 on) and the
+    call becomes plain multi-head SDPA with a mask, which the memory-efficient kernel serves. Short chunks (a
+    masked decode step) keep the math backend: their scores are smaller than the copy."""
     b, hq, lq, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
@@ -289,6 +312,10 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: f
     if mask is None and lq == key.shape[2]:
         return F.scaled_dot_product_attention(query, key, value, is_causal=lq > 1, scale=scaling,
                                               enable_gqa=g > 1)
+    if g > 1 and mask is not None and not fused_masked_gqa(query.device) and \
+            lq * 4 > 2 * d * key.element_size():  # the scores (4 B per query and key) outgrow the K/V copy
+        return F.scaled_dot_product_attention(query, _expand_kv(key, g), _expand_kv(value, g), attn_mask=mask,
+                                              scale=scaling)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=g > 1)
 
 
