@@ -556,3 +556,54 @@ def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     (a stable sort), so a selection is reproducible — max pooling makes plateaus of equal scores."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     return order.sort(dim=-1).values
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Deterministic sums by group (CUDA's scatter_add_ on floats adds with atomics in no fixed order: the low bits of
+# a sum — and through them a k-means assignment or a top-k among near-ties — change from run to run). On the CPU
+# scatter_add_ is deterministic (each output row is summed by one thread, in index order) and stays; elsewhere
+# (``dense``) the sums are computed without atomics. Sums of integer-valued floats (counts, token lengths) are
+# exact in any order below 2^24 and keep scatter_add_.
+# ---------------------------------------------------------------------------------------------------------
+
+DENSE_ELEMENTS = 1 << 25  # the largest one-hot / dense block the atomics-free sums build at once (elements)
+
+
+def group_sum(x: torch.Tensor, a: torch.Tensor, k: int, dense: bool | None = None) -> torch.Tensor:
+    """Sum of the rows of x [B, H, m, D] by group a [B, H, m] (values 0..k-1): [B, H, k, D]. ``dense`` (default:
+    off the CPU): one batched matmul by the one-hot membership [B, H, k', m] per block of groups k' (at most
+    ``DENSE_ELEMENTS`` one-hot elements at once) — no atomics, the same bits on every run. (On CUDA it follows
+    the global TF32 setting of fp32 matmuls, off by default.)"""
+    b, h, m, d = x.shape
+    if dense is None:
+        dense = x.device.type != "cpu"
+    if not dense:
+        return torch.zeros(b, h, k, d, dtype=x.dtype, device=x.device).scatter_add_(
+            2, a.unsqueeze(-1).expand(b, h, m, d), x)
+    step = max(1, DENSE_ELEMENTS // max(1, b * h * m))
+    parts = []
+    for lo in range(0, k, step):
+        groups = torch.arange(lo, min(k, lo + step), device=x.device)
+        onehot = (a.unsqueeze(-2) == groups.view(-1, 1)).to(x.dtype)  # [B, H, k', m]
+        parts.append(torch.matmul(onehot, x))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def scatter_add_rows(target: torch.Tensor, ids: torch.Tensor, src: torch.Tensor, dense: bool | None = None) -> None:
+    """``target`` [B, H, n] += ``src`` [B, H, R, m] at ``ids`` [B, H, R, m] (ids distinct within each row r: a
+    query's refined tokens or nodes; rows may share ids). ``dense`` (default: off the CPU): each row scattered into
+    its own zero row (distinct ids: no two writes meet) and the rows summed in order, in blocks of at most
+    ``DENSE_ELEMENTS`` elements — deterministic, where one scatter_add_ over all rows would add the rows' shares
+    of a shared id with atomics in no fixed order."""
+    b, h, n = target.shape
+    r = ids.shape[2]
+    if dense is None:
+        dense = target.device.type != "cpu"
+    if not dense:
+        target.scatter_add_(2, ids.reshape(b, h, -1), src.reshape(b, h, -1).to(target.dtype))
+        return
+    step = max(1, DENSE_ELEMENTS // max(1, b * h * n))
+    for lo in range(0, r, step):
+        hi = min(r, lo + step)
+        rows = target.new_zeros(b, h, hi - lo, n).scatter_(3, ids[:, :, lo:hi], src[:, :, lo:hi].to(target.dtype))
+        target += rows.sum(2)
