@@ -222,3 +222,90 @@ def test_warm_up_runs_a_chunked_prefill_and_decode_steps(tiny_qwen3, monkeypatch
     devices.warm_up(model, prompt_len=16, chunk=16, steps=1)
     assert calls == [16, 1] and synced == [model.device]
     assert model.config._attn_implementation != "luka_bench"  # detached again
+
+
+# -- on a GPU (LUKA_TEST_DEVICE=cuda): what the mocks above cannot confirm ----------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or triton_kernel.triton is None
+                               or triton_kernel.interpreted(), reason="a GPU with Triton (LUKA_TEST_DEVICE=cuda)")
+
+
+@pytest.mark.device
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_cuda_smem_estimate_bounds_the_compiled_kernels(d, dtype):
+    """Every tile configuration the kernel may pick compiles within its shared-memory estimate (so a
+    configuration chosen to fit a device's limit fits it), read from the compiled kernels' metadata."""
+    import triton
+
+    fwd, mass_k = triton_kernel._kernels()
+    bd = triton_kernel._pow2(d)
+    elt = torch.empty((), dtype=dtype).element_size()
+    limit = devices.smem_per_block(torch.device("cuda"))
+    qs = torch.randn(1, 2, 130, d, device="cuda", dtype=dtype)
+    k = torch.randn(1, 130, d, device="cuda", dtype=dtype)
+    out, lse = torch.empty_like(qs), torch.empty(1, 2, 130, device="cuda")
+    mass = torch.empty(1, 130, device="cuda")
+    for bm, bn, stages in triton_kernel._configs(bd, bd, elt):
+        est = triton_kernel.smem_bytes(bm, bn, bd, bd, elt, stages)
+        if est > limit:
+            continue
+        prec = "ieee" if dtype == torch.float32 else "tf32"
+        ck = fwd[(triton.cdiv(130, bm), 2)](qs, k, k, out, lse, lse, 130, 130, 0, 2, 130 * d, d, k.stride(0),
+                                            k.stride(1), k.stride(0), k.stride(1), 130 * d, d, D=d, DV=d, BD=bd,
+                                            BDV=bd, BM=bm, BN=bn, ENTROPY=True, PREC=prec, DOT32=False,
+                                            num_warps=triton_kernel.NUM_WARPS, num_stages=stages)
+        cm = mass_k[(triton.cdiv(130, bn), 1)](qs, k, lse, mass, 130, 130, 0, 2, 130 * d, d, k.stride(0),
+                                               k.stride(1), D=d, BD=bd, BM=bm, BN=bn, PREC=prec, DOT32=False,
+                                               num_warps=triton_kernel.NUM_WARPS, num_stages=stages)
+        print(f"d={d} {dtype} tiles {bm}x{bn} stages {stages}: shared memory fwd {ck.metadata.shared}, "
+              f"mass {cm.metadata.shared}, estimate {est}")
+        assert ck.metadata.shared <= est and cm.metadata.shared <= est
+
+
+@pytest.mark.device
+@needs_gpu
+def test_cuda_kernel_on_the_second_gpu_with_the_first_current():
+    """model.device=cuda:1: the kernel runs on GPU 1 while GPU 0 is current, and equals float64."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("two GPUs")
+    import test_triton_kernel as ref
+
+    torch.cuda.set_device(0)
+    gen = torch.Generator().manual_seed(11)
+    qs = (torch.randn(2, 3, 100, 64, generator=gen) * 0.3).to("cuda:1")
+    k, v = torch.randn(2, 140, 64, generator=gen).to("cuda:1"), torch.randn(2, 140, 64, generator=gen).to("cuda:1")
+    out, mass, _ = triton_kernel.attention_mass(qs, k, v, 40)
+    torch.cuda.synchronize(1)
+    assert torch.cuda.current_device() == 0 and out.device == qs.device
+    ref_out, ref_mass, _ = ref._reference(qs, k, v, 40)
+    torch.testing.assert_close(mass.double(), ref_mass, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    cache = MethodCache(Full(), [], cuda_events=True)
+    with cache.span("attention", qs.device):
+        qs @ k.transpose(1, 2)
+    assert cache.timings["attention"] > 0  # events of GPU 1 paired and resolved
+
+
+@pytest.mark.device
+@needs_gpu
+def test_cuda_kernel_compiles_once_for_every_length():
+    """After one launch per (dtype, entropy), chunks of other lengths and prefixes compile nothing new."""
+    fwd, mass_k = triton_kernel._kernels()
+
+    def compiled():
+        return sum(len(c[0]) for c in fwd.device_caches.values()) + \
+            sum(len(c[0]) for c in mass_k.device_caches.values())
+
+    def run(lq, past):
+        qs = torch.randn(2, 3, lq, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(2, past + lq, 128, device="cuda", dtype=torch.bfloat16)
+        triton_kernel.attention_mass(qs, k, k, past, entropy=True)
+
+    run(64, 0)
+    before = compiled()
+    for lq, past in ((65, 0), (100, 3), (128, 16), (1000, 4097), (77, 1)):
+        run(lq, past)
+    torch.cuda.synchronize()
+    assert compiled() == before, (before, compiled())
