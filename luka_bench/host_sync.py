@@ -341,4 +341,7 @@ def sync_method_config(name: str, overrides: dict | None = None):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # run the imported module's main, not this __main__ copy: host_side() state must be the one the methods import
+    from luka_bench.host_sync import main as _main
+
+    raise SystemExit(_main())

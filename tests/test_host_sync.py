@@ -212,3 +212,16 @@ def test_decode_steps_do_not_sync_under_cuda_sync_debug(name, overrides, model):
         bad = [(i, ev, dict(ops)) for i, (n, ev, ops, _) in enumerate(rows)
                if ops.get("cuda_sync_warnings", 0) > (budget(ev) if ev else 0)]
         assert not bad, bad
+
+
+def test_entropy_ols_linear_flushes_cost_their_stated_syncs():
+    """entropy_ols mode=linear flushes first after ~30 steps here (the 20-step runs above never reach one): every
+    step with flushes syncs exactly 2 per flushing layer — ``linalg_pinv`` and ``_linalg_svd`` of the batched
+    bins' map, the stated budget — and no other step syncs."""
+    lm = TinyRandomModel(name="tiny_llama", arch="llama", num_hidden_layers=3, device=DEVICE,
+                         dtype="float32").load()
+    method = instantiate(sync_method_config("entropy_ols", {"mode": "linear"}), _convert_="all")
+    rows = decode_sync_counts(lm.model, method, prompt_len=400, steps=40, tokenizer=lm.tokenizer)
+    assert sum(r[1] for r in rows) > 0
+    assert all(n == 2 * ev for n, ev, _, _ in rows), [(n, ev, dict(ops)) for n, ev, ops, _ in rows if n != 2 * ev]
+    assert {k for r in rows for k in r[2]} == {"linalg_pinv", "_linalg_svd"}
