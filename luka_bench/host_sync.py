@@ -11,7 +11,23 @@ the absence of syncs without a GPU (``tests/test_host_sync.py``). Counted, per c
 - ``aten._linalg_check_errors`` (``torch.linalg.solve``/``inv``/``cholesky`` read an error flag from the device;
   the ``*_ex`` variants do not);
 - ``Tensor.tolist()`` (on the CPU it reads memory without dispatching an op; patched while counting);
-- a copy from a non-CPU device to the CPU (``.cpu()``, ``.to("cpu")``) — only on a GPU.
+- a copy from a non-CPU device to the CPU (``.cpu()``, ``.to("cpu")``) — only on a GPU;
+- a blocking copy from the CPU to a device (``.to(cuda)`` of host data, ``copy_`` into a device tensor):
+  ``copy_to_device``, on a GPU; a tensor made from Python data (``torch.tensor(list, ...)``, ``as_tensor``,
+  ``from_numpy``: ``aten.lift_fresh``) is counted on every device — ``copy_to_device`` when it lands on a device,
+  ``host_data`` on the CPU, because on a GPU run it is either such a copy (``device=``) or host work that the code
+  must declare with ``host_side()`` (``luka_bench.device.host_to_device`` is the sync-free way to hand host data
+  over: pinned staging and ``non_blocking``);
+- kernels that synchronise internally on CUDA (their result size or an error flag is read on the host):
+  ``linalg.svd``, ``pinv``, ``eigh``, ``eig``, ``lstsq`` (no ``_ex`` variant), ``torch.equal``, ``allclose``,
+  ``bincount``, ``histc`` — on the CPU they dispatch under these names, so they are counted there too.
+
+``Tensor.tolist()`` is counted once (on a GPU it also copies to the host inside: not counted again);
+``torch.tensor`` / ``torch.as_tensor`` of Python data are patched while counting too (with ``device=cuda`` the copy
+runs below the dispatcher, where a dispatch mode does not see it).
+``with host_side(): ...`` marks host-side work (CPU tensors by construction, e.g. reading the host token ids): not
+counted. On CUDA the tests also run under ``torch.cuda.set_sync_debug_mode`` (``decode_sync_counts(sync_debug=)``),
+which sees every synchronising CUDA call, counted or not.
 
 ``python -m luka_bench.host_sync`` prints the counts per method per steady-state decode step on a tiny model
 (see ``decode_sync_counts``)."""
@@ -25,13 +41,46 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _ALWAYS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
-           "unique_consecutive", "unique_dim_consecutive", "_linalg_check_errors"}
+           "unique_consecutive", "unique_dim_consecutive", "_linalg_check_errors",
+           # synchronise inside on CUDA (cusolver info flags read on the host, eig computed on the host, a bool
+           # or a data-dependent size returned)
+           "_linalg_svd", "linalg_svd", "svd", "linalg_pinv", "_linalg_eigh", "linalg_eigh", "linalg_eig",
+           "linalg_eigvals", "linalg_lstsq", "equal", "allclose", "bincount", "histc"}
+
+_HOST_SIDE = [0]  # depth of host_side() blocks: nothing is counted inside
+
+
+@contextlib.contextmanager
+def host_side():
+    """Declare host-side work (CPU tensors made from host data, read back on the host): not counted by
+    ``SyncCounter``. Only for code that never touches a device tensor inside the block."""
+    _HOST_SIDE[0] += 1
+    try:
+        yield
+    finally:
+        _HOST_SIDE[0] -= 1
 
 
 def _is_bool_index(args) -> bool:
     idx = args[1] if len(args) > 1 else None
     return isinstance(idx, (list, tuple)) and any(
         isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in idx)
+
+
+def _to_device(func, args, kwargs) -> bool:
+    """A blocking copy whose source is on the CPU and whose destination is a device (on a GPU: the host waits)."""
+    name = func.__name__
+    if name.startswith("_to_copy") or name.startswith("to."):
+        src = args[0] if args else None
+        dev = kwargs.get("device")
+        return isinstance(src, torch.Tensor) and src.device.type == "cpu" and dev is not None and \
+            torch.device(dev).type != "cpu" and not kwargs.get("non_blocking", False)
+    if name.startswith("copy_"):
+        dst, src = args[0], args[1]
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        return isinstance(src, torch.Tensor) and src.device.type == "cpu" and dst.device.type != "cpu" and \
+            not non_blocking
+    return False
 
 
 def _to_host(func, args, kwargs) -> bool:
@@ -57,12 +106,15 @@ class SyncCounter(TorchDispatchMode):
         self.ops: Counter = Counter()
         self.sites: Counter = Counter()
         self.where = where
+        self._quiet = False
 
     @property
     def total(self) -> int:
         return sum(self.ops.values())
 
     def _hit(self, name: str) -> None:
+        if _HOST_SIDE[0] or self._quiet:
+            return
         self.ops[name] += 1
         if self.where:
             frames = [f for f in traceback.extract_stack()[:-2] if "luka_bench" in f.filename
@@ -82,8 +134,18 @@ class SyncCounter(TorchDispatchMode):
             self._hit(base)
         elif base in ("index", "index_put", "index_put_") and _is_bool_index(args):
             self._hit(base + "[bool]")
+        elif base == "lift_fresh" and isinstance(args[0] if args else None, torch.Tensor):
+            # a tensor made from Python data (torch.tensor, as_tensor, from_numpy); a 0-d one on the CPU is a
+            # wrapped scalar (``t[i] = 0``): a kernel argument, not a copy
+            t = args[0]
+            if t.device.type != "cpu":
+                self._hit("copy_to_device")
+            elif t.dim() > 0:
+                self._hit("host_data")
         elif _to_host(func, args, kwargs):
             self._hit("copy_to_host")
+        elif _to_device(func, args, kwargs):
+            self._hit("copy_to_device")
         return func(*args, **kwargs)
 
     def __enter__(self):
@@ -92,13 +154,43 @@ class SyncCounter(TorchDispatchMode):
 
         def tolist(t, *a, **k):
             counter._hit("tolist")
-            return counter._tolist(t, *a, **k)
+            # its own copy to the host (on a GPU) is this one sync: not counted again
+            quiet, counter._quiet = counter._quiet, True
+            try:
+                return counter._tolist(t, *a, **k)
+            finally:
+                counter._quiet = quiet
 
         torch.Tensor.tolist = tolist
+        # torch.tensor / as_tensor of Python data with a device: the copy happens below the dispatcher (no op for a
+        # dispatch mode to see): counted here, the lift_fresh inside not again
+        self._factories = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
+        for name, real in self._factories.items():
+            setattr(torch, name, self._counted_factory(real))
         return super().__enter__()
+
+    def _counted_factory(self, real):
+        counter = self
+
+        def factory(data, *a, **k):
+            quiet, counter._quiet = counter._quiet, True  # the lift_fresh (and copy) inside: this one count
+            try:
+                out = real(data, *a, **k)
+            finally:
+                counter._quiet = quiet
+            if not isinstance(data, torch.Tensor):  # Python data or an array: a copy from the host
+                if out.device.type != "cpu":
+                    counter._hit("copy_to_device")
+                elif out.dim() > 0:
+                    counter._hit("host_data")
+            return out
+
+        return factory
 
     def __exit__(self, *exc):
         torch.Tensor.tolist = self._tolist
+        for name, real in self._factories.items():
+            setattr(torch, name, real)
         return super().__exit__(*exc)
 
 
@@ -121,13 +213,36 @@ def events(cache) -> list[int]:
     return out
 
 
+@contextlib.contextmanager
+def cuda_sync_debug(mode: str | None):
+    """``with cuda_sync_debug("warn") as flagged:`` runs the block under ``torch.cuda.set_sync_debug_mode(mode)``
+    ("warn": every synchronising CUDA call warns — collected in ``flagged``; "error": it raises) and restores the
+    default (0) after it. ``None``: nothing (the CPU)."""
+    import warnings
+
+    if mode is None:
+        yield []
+        return
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            flagged: list = []
+            yield flagged
+            flagged.extend(w for w in caught if "synchroniz" in str(w.message))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 @torch.no_grad()
 def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool = False, seed: int = 0,
-                       tokenizer=None):
+                       tokenizer=None, sync_debug: str | None = None):
     """Prefill ``prompt_len`` random tokens through ``method``'s cache, then run ``steps`` teacher-forced decode
     steps, counting syncs during each step's model forward (the method's whole per-step work: attention, eviction,
     compression). Returns a list of (syncs, events — layers that took a host-side decision —, Counter of ops,
-    Counter of sites) per step."""
+    Counter of sites) per step. ``sync_debug`` ("warn" or "error", CUDA only): each step also runs under
+    ``torch.cuda.set_sync_debug_mode`` — with "error" a synchronising CUDA call raises; with "warn" their number is
+    added to the step's ops as ``cuda_sync_warnings`` (beside the counted syncs, not in them)."""
     from luka_bench.methods import hf
 
     dev = model.device
@@ -145,10 +260,13 @@ def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool =
         for i in range(steps):
             x = ids[:, prompt_len + i: prompt_len + i + 1]
             cache.add_tokens(host_ids[prompt_len + i: prompt_len + i + 1])
-            with SyncCounter(where=where) as c:
+            with SyncCounter(where=where) as c, cuda_sync_debug(sync_debug) as flagged:
                 model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            total = c.total
+            if flagged:
+                c.ops["cuda_sync_warnings"] += len(flagged)
             now = events(cache)
-            out.append((c.total, sum(a > b for a, b in zip(now, before)), c.ops, c.sites))
+            out.append((total, sum(a > b for a, b in zip(now, before)), c.ops, c.sites))
             before = now
     return out
 
@@ -221,4 +339,7 @@ def sync_method_config(name: str, overrides: dict | None = None):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # run the imported module's main, not this __main__ copy: host_side() state must be the one the methods import
+    from luka_bench.host_sync import main as _main
+
+    raise SystemExit(_main())

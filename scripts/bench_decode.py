@@ -14,7 +14,10 @@ ms/token (median over steps), its ratio to stock and to our full, prefill second
 its prefill (the process's high-water mark is reset before each prefill; "from" is the RSS just before it, which
 in the interleaved mode holds the caches of the methods before it), and the component breakdown. ``full``'s
 ratio to stock is the harness overhead over a bare greedy loop. ``--json`` is rewritten after every method, so a
-long run that is stopped keeps what it measured. Ends with a markdown table of the ratios.
+long run that is stopped keeps what it measured. Ends with a markdown table of the ratios. Before anything is
+timed, stock, full and every method run once on 256 tokens and two decode steps (``luka_bench.device.warm_up``;
+``--no-warm-up`` skips it), so kernel compilation and library set-up fall in no timed step; stock's attention
+implementation is switched once per prefill or decode round, never inside a timed step.
 
     .venv/bin/python scripts/bench_decode.py                                # every method, N = 2K, 8K, 16K
     .venv/bin/python scripts/bench_decode.py --lengths 8192 --methods luka_clustered --steps 64 --threads 2
@@ -23,7 +26,8 @@ long run that is stopped keeps what it measured. Ends with a markdown table of t
 On a GPU: ``--model shape_llama31_8b --device cuda --dtype bfloat16`` (a real-shape random-weight model: no hub,
 no weights; byte-level token ids). Times are taken after ``torch.cuda.synchronize()``; each method also reports
 the peak device memory of its prefill (``torch.cuda.max_memory_allocated`` since a reset right before it) and,
-in the isolated mode, of prefill + decode. ``--kernel-ab`` adds, for each mass-reading method (h2o, luka_lined,
+in the isolated mode, of prefill + decode. The component breakdown needs CUDA events inside the timed steps: they
+are recorded only with ``--breakdown`` (the CPU's host-clock breakdown is always there). ``--kernel-ab`` adds, for each mass-reading method (h2o, luka_lined,
 luka_clustered, luka_mixed, entropy_ols), a run ``<name>+explicit`` with ``LUKA_BENCH_NO_KERNEL=1`` (CUDA: the
 explicit fp32-softmax path instead of the Triton kernel; CPU: the torch loop instead of the fused C++ kernel) and
 the largest difference between the two runs' prefill logits.
@@ -34,6 +38,7 @@ the largest difference between the two runs' prefill logits.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -120,21 +125,28 @@ def reset_peak_rss() -> bool:
 
 
 class Stock:
-    """transformers' own attention (SDPA) and DynamicCache: the bare greedy loop users run today."""
+    """transformers' own attention (SDPA) and DynamicCache: the bare greedy loop users run today. ``step`` runs
+    inside ``with Stock.sdpa(model):`` — the attention implementation is switched once per prefill or decode
+    round, outside the timed steps (switching it walks the model's modules)."""
 
     def __init__(self, model):
         from transformers import DynamicCache
 
         self.model, self.cache = model, DynamicCache(config=model.config)
 
+    @staticmethod
+    @contextlib.contextmanager
+    def sdpa(model):
+        prev = model.config._attn_implementation
+        model.set_attn_implementation("sdpa")
+        try:
+            yield
+        finally:
+            model.set_attn_implementation(prev)
+
     def step(self, ids) -> torch.Tensor:
         x = torch.as_tensor(ids, device=self.model.device).view(1, -1)
-        prev = self.model.config._attn_implementation
-        self.model.set_attn_implementation("sdpa")
-        try:
-            return self.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-        finally:
-            self.model.set_attn_implementation(prev)
+        return self.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
 
 
 def main() -> None:
@@ -167,6 +179,12 @@ def main() -> None:
     ap.add_argument("--kernel-ab", action="store_true",
                     help=f"also run each mass-reading method ({', '.join(MASS_READERS)}) as <name>{EXPLICIT}: "
                          "the explicit path instead of the kernel (LUKA_BENCH_NO_KERNEL=1)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="on CUDA, record the component breakdown with CUDA events (64-200 per decode step: host "
+                         "time inside the timed step); without it CUDA runs report no breakdown. The CPU always "
+                         "reports one (host clock)")
+    ap.add_argument("--no-warm-up", action="store_true",
+                    help="skip the throwaway run of every method, stock and full before the first timed one")
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
     ap.add_argument("--markdown", type=str, default=None, help="also write the ratio table here")
     args = ap.parse_args()
@@ -230,6 +248,21 @@ def main() -> None:
                                                          dtype=model.dtype), kk, kk, 0, entropy)
             torch.cuda.synchronize(dev)
 
+    def warm(name):
+        """A throwaway prefill + decode steps (stock: its own loop; the others: ``device.warm_up``), so one-time
+        costs — kernel compilation, library handles, allocator growth — land in no timed step."""
+        from luka_bench.device import warm_up
+
+        with torch.no_grad(), explicit_path(name.endswith(EXPLICIT)):
+            if name == "stock":
+                r = Stock(model)
+                with Stock.sdpa(model):
+                    r.step(ids[:256])
+                    r.step(ids[256:257])
+            else:
+                warm_up(model, methods[name], tok)
+        sync()
+
     def device_gb(peak: bool) -> float:
         if not cuda:
             return float("nan")
@@ -245,6 +278,11 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, 256, (max(args.lengths) + args.steps,), generator=gen).tolist()
     order = [r for r in REFS if r in args.refs] + names
+    if not args.no_warm_up:
+        t0 = time.perf_counter()
+        for name in order:
+            warm(name)
+        print(f"warm-up of {', '.join(order)}: {time.perf_counter() - t0:.1f} s", flush=True)
     print(f"model {lm.name} ({lm.info['device']}, {lm.info['dtype']}), torch threads {torch.get_num_threads()}; "
           f"methods: " + "; ".join(f"{k}={v.describe()}" for k, v in methods.items()))
     print(f"load: {os.getloadavg()}  (uptime load average; timings are ratios within this process)")
@@ -278,10 +316,12 @@ def main() -> None:
                     t0 = time.perf_counter()
                     if name == "stock":
                         r = Stock(model)
-                        logits = r.step(ids[:n])
+                        with Stock.sdpa(model):
+                            logits = r.step(ids[:n])
                     else:
                         with attach(model, methods[name], tok) as a:
                             r = a.new_cache()
+                            r.cuda_events = args.breakdown  # CUDA only: events for the breakdown when asked
                             logits = prefill(model, ids[:n], r)
                     sync()
                     sec = time.perf_counter() - t0
@@ -296,11 +336,12 @@ def main() -> None:
         def decode(name, r, pos, count, out):
             with torch.no_grad(), explicit_path(name.endswith(EXPLICIT)):
                 if name == "stock":
-                    for t in ids[pos: pos + count]:
-                        s = time.perf_counter()
-                        r.step([t]).argmax()
-                        sync()
-                        out.append(time.perf_counter() - s)
+                    with Stock.sdpa(model):  # once per round, not inside the timed step
+                        for t in ids[pos: pos + count]:
+                            s = time.perf_counter()
+                            r.step([t]).argmax()
+                            sync()
+                            out.append(time.perf_counter() - s)
                     return
                 with attach(model, methods[name], tok):
                     for t in ids[pos: pos + count]:

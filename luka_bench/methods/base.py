@@ -278,9 +278,32 @@ def chunk_mask(
     return mask
 
 
+def fused_masked_gqa(device: torch.device) -> bool:
+    """Whether PyTorch's SDPA runs a *masked* grouped-query call (``attn_mask`` with ``enable_gqa``) in a fused
+    kernel on ``device``. CPU: yes — its flash kernel takes both (``tests/test_methods_core.py`` checks the op
+    dispatched). CUDA: no — flash takes no mask and the efficient kernel no GQA, so PyTorch falls back to its math
+    backend, which builds the whole [B, Hq, Lq, N] score matrix (Llama-8B at 32K in 4,096-query chunks: ~17 GB
+    in fp32)."""
+    return device.type == "cpu"
+
+
+def _expand_kv(x: torch.Tensor, g: int) -> torch.Tensor:
+    """Keys or values [B, Hkv, N, D] repeated for the ``g`` query heads of each group: [B, Hkv * g, N, D] (a copy;
+    query head h reads KV head h // g, as ``enable_gqa`` does)."""
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, g, n, d).reshape(b, h * g, n, d)
+
+
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
          mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Grouped-query SDPA without copying KV heads. query [B, Hq, Lq, D], key/value [B, Hkv, Lk, D]."""
+    """Grouped-query SDPA without copying KV heads. query [B, Hq, Lq, D], key/value [B, Hkv, Lk, D].
+
+    A masked chunk (a prefill chunk after a prefix, LASER-KV's blocks, Gemma3's sliding windows) on a device where
+    SDPA has no fused masked-GQA kernel (``fused_masked_gqa``: CUDA) would run PyTorch's math backend and hold
+    the [B, Hq, Lq, N] scores; there the keys and values are repeated per query head instead (2 x Hq x N x D
+    elements, independent of the chunk: the scores' bytes exceed it from Lq > D x element size / 2 on) and the
+    call becomes plain multi-head SDPA with a mask, which the memory-efficient kernel serves. Short chunks (a
+    masked decode step) keep the math backend: their scores are smaller than the copy."""
     b, hq, lq, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
@@ -292,6 +315,10 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: f
     if mask is None and lq == key.shape[2]:
         return F.scaled_dot_product_attention(query, key, value, is_causal=lq > 1, scale=scaling,
                                               enable_gqa=g > 1)
+    if g > 1 and mask is not None and not fused_masked_gqa(query.device) and \
+            lq * 4 > 2 * d * key.element_size():  # the scores (4 B per query and key) outgrow the K/V copy
+        return F.scaled_dot_product_attention(query, _expand_kv(key, g), _expand_kv(value, g), attn_mask=mask,
+                                              scale=scaling)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=g > 1)
 
 
@@ -336,7 +363,9 @@ def _blocked(query: torch.Tensor, lq: int) -> bool:
         return True
     from . import triton_kernel  # imported where it can run: Triton's import costs a CPU run a second
 
-    return triton_kernel.available(query.device)
+    # and where its tiles fit the device's shared memory (head size 256 on sm_86/89: smaller tiles, or none)
+    return triton_kernel.available(query.device) and triton_kernel.fits(query.shape[-1], query.shape[-1],
+                                                                        query.dtype, query.device)
 
 
 KERNEL_ROWS = 48  # the fused kernel's query block: about this many (group head x query) rows, measured fastest
@@ -371,8 +400,9 @@ def _blocked_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     if kernel and dev.type == "cuda":
         from . import triton_kernel  # imported only where it can run
 
-        if triton_kernel.available(dev):
-            out, mass, ent = triton_kernel.attention_mass(qs, kk, vv, past, entropy)
+        got = triton_kernel.attention_mass(qs, kk, vv, past, entropy) if triton_kernel.available(dev) else None
+        if got is not None:  # None: no tile configuration fits the device's shared memory (the loop below runs)
+            out, mass, ent = got
             return out.view(b, hq, lq, dv), mass.view(b, hkv, n), ent.view(b, hq, lq) if entropy else None
     fp32_cpu = dev.type == "cpu" and all(t.dtype == torch.float32 for t in (qs, kk, vv))
     op = cpu_kernel.attention_mass_op() if kernel and fp32_cpu and not cpu_kernel.disabled() else None
@@ -529,3 +559,54 @@ def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     (a stable sort), so a selection is reproducible — max pooling makes plateaus of equal scores."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     return order.sort(dim=-1).values
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Deterministic sums by group (CUDA's scatter_add_ on floats adds with atomics in no fixed order: the low bits of
+# a sum — and through them a k-means assignment or a top-k among near-ties — change from run to run). On the CPU
+# scatter_add_ is deterministic (each output row is summed by one thread, in index order) and stays; elsewhere
+# (``dense``) the sums are computed without atomics. Sums of integer-valued floats (counts, token lengths) are
+# exact in any order below 2^24 and keep scatter_add_.
+# ---------------------------------------------------------------------------------------------------------
+
+DENSE_ELEMENTS = 1 << 25  # the largest one-hot / dense block the atomics-free sums build at once (elements)
+
+
+def group_sum(x: torch.Tensor, a: torch.Tensor, k: int, dense: bool | None = None) -> torch.Tensor:
+    """Sum of the rows of x [B, H, m, D] by group a [B, H, m] (values 0..k-1): [B, H, k, D]. ``dense`` (default:
+    off the CPU): one batched matmul by the one-hot membership [B, H, k', m] per block of groups k' (at most
+    ``DENSE_ELEMENTS`` one-hot elements at once) — no atomics, the same bits on every run. (On CUDA it follows
+    the global TF32 setting of fp32 matmuls, off by default.)"""
+    b, h, m, d = x.shape
+    if dense is None:
+        dense = x.device.type != "cpu"
+    if not dense:
+        return torch.zeros(b, h, k, d, dtype=x.dtype, device=x.device).scatter_add_(
+            2, a.unsqueeze(-1).expand(b, h, m, d), x)
+    step = max(1, DENSE_ELEMENTS // max(1, b * h * m))
+    parts = []
+    for lo in range(0, k, step):
+        groups = torch.arange(lo, min(k, lo + step), device=x.device)
+        onehot = (a.unsqueeze(-2) == groups.view(-1, 1)).to(x.dtype)  # [B, H, k', m]
+        parts.append(torch.matmul(onehot, x))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def scatter_add_rows(target: torch.Tensor, ids: torch.Tensor, src: torch.Tensor, dense: bool | None = None) -> None:
+    """``target`` [B, H, n] += ``src`` [B, H, R, m] at ``ids`` [B, H, R, m] (ids distinct within each row r: a
+    query's refined tokens or nodes; rows may share ids). ``dense`` (default: off the CPU): each row scattered into
+    its own zero row (distinct ids: no two writes meet) and the rows summed in order, in blocks of at most
+    ``DENSE_ELEMENTS`` elements — deterministic, where one scatter_add_ over all rows would add the rows' shares
+    of a shared id with atomics in no fixed order."""
+    b, h, n = target.shape
+    r = ids.shape[2]
+    if dense is None:
+        dense = target.device.type != "cpu"
+    if not dense:
+        target.scatter_add_(2, ids.reshape(b, h, -1), src.reshape(b, h, -1).to(target.dtype))
+        return
+    step = max(1, DENSE_ELEMENTS // max(1, b * h * n))
+    for lo in range(0, r, step):
+        hi = min(r, lo + step)
+        rows = target.new_zeros(b, h, hi - lo, n).scatter_(3, ids[:, :, lo:hi], src[:, :, lo:hi].to(target.dtype))
+        target += rows.sum(2)

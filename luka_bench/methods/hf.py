@@ -340,14 +340,17 @@ class MethodCache(Cache):
 
     def __init__(self, method: KVMethod, infos: list[LayerInfo], model: PreTrainedModel | None = None, *,
                  reference_length: int | None = None, question_ids: list[int] | None = None, prefill_chunk: int = 0,
-                 observer=None, manual: bool = False):
+                 observer=None, manual: bool = False, cuda_events: bool = False):
         """``reference_length``: the length the budget is a fraction of (QA: the context; perplexity: the
         document); None: the first forward's length. ``question_ids``: the question's token ids, for
         question-aware prefill compression (several questions on one context: concatenated in order).
         ``prefill_chunk``: the prefill goes through the model in chunks of this size (the method's own
         ``prefill_chunk()`` wins; 0: at once). ``observer``: see below. ``manual``: the caller says when the
-        prefill ends (``end_prefill``) and sizes the forwards itself; otherwise the first forward is the prefill."""
+        prefill ends (``end_prefill``) and sizes the forwards itself; otherwise the first forward is the prefill.
+        ``cuda_events``: time the method's components on CUDA (``latency_breakdown``) with recorded events (see
+        ``mark``); off, a CUDA step records none."""
         self.method = method
+        self.cuda_events = cuda_events
         self.model = model  # needed by scratch_forward and rotate_keys
         self.reference_length = 0 if reference_length is None else int(reference_length)
         self._reference_from_prefill = reference_length is None
@@ -503,17 +506,25 @@ class MethodCache(Cache):
     # CUDA runs kernels asynchronously: a host clock around a component measures its launch, not its work. On
     # CUDA a span is a pair of recorded events, resolved (one synchronisation) only when ``timings`` is read —
     # between decode steps — so timing adds no synchronisation inside the forward. Elsewhere: perf_counter.
-    @staticmethod
-    def mark(device: torch.device):
-        """A point in time on ``device``'s clock (pair two with ``add_span``)."""
+    # Events cost host time inside the step (64-200 of them per decode step), so on CUDA they are recorded only
+    # when the cache was made with ``cuda_events=True`` (or the attribute set before the forward): a latency
+    # breakdown was asked for. Without it CUDA spans record nothing and ``timings`` stays empty.
+    def mark(self, device: torch.device):
+        """A point in time on ``device``'s clock (pair two with ``add_span``): a CUDA event recorded on the
+        current stream of ``device`` (not of the current device: ``model.device=cuda:1``), or None on CUDA without
+        ``cuda_events``; elsewhere ``time.perf_counter()``."""
         if device.type == "cuda":
+            if not self.cuda_events:
+                return None
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(device))
             return event
         return time.perf_counter()
 
     def add_span(self, key: str, start, end) -> None:
         """Add the time from mark ``start`` to mark ``end`` to component ``key`` (attention, refinement, ...)."""
+        if start is None or end is None:  # CUDA without cuda_events: not timed
+            return
         if isinstance(start, float):
             self._timings[key] = self._timings.get(key, 0.0) + (end - start)
         else:
@@ -526,7 +537,8 @@ class MethodCache(Cache):
         try:
             yield
         finally:
-            self.add_span(key, start, self.mark(device))
+            if start is not None:
+                self.add_span(key, start, self.mark(device))
 
     @property
     def timings(self) -> dict[str, float]:

@@ -197,8 +197,10 @@ class LaserKV(KVMethod):
     def planes(self, st: dict, dim: int, device: torch.device) -> torch.Tensor:
         """The random hyperplanes [R, K, D] (fp32), drawn once per prompt from ``seed``."""
         if st["planes"] is None:
-            gen = torch.Generator().manual_seed(self.seed)
-            st["planes"] = torch.randn(self.lsh_tables, self.lsh_bits, dim, generator=gen).to(device)
+            # drawn on the device (a CPU draw copied over is a blocking host-to-device copy on CUDA); a CUDA
+            # generator draws other planes than the CPU's, equally seeded
+            gen = torch.Generator(device=device).manual_seed(self.seed)
+            st["planes"] = torch.randn(self.lsh_tables, self.lsh_bits, dim, generator=gen, device=device)
         return st["planes"]
 
     # -- the block step ------------------------------------------------------------------------------------

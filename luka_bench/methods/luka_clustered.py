@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 import torch
 
 from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, attention_with_mass, exact_attention, \
-    group_apply, group_logits
+    group_apply, group_logits, scatter_add_rows
 
 MASS = "luka_mass"
 RULES = ("none", "threshold", "top_k", "top_frac")
@@ -134,7 +134,7 @@ class LuKAPolicy(LayerPolicy):
         hit = torch.zeros(b, h, store.n, dtype=torch.int32, device=store.device)
         hit[:, :, : self.method.sink] = 1
         hit[:, :, fr:n] = 1
-        for ids, valid in raw:
+        for ids, valid in raw:  # integer sums: exact in any order (deterministic with CUDA's atomics too)
             src = torch.ones_like(ids, dtype=torch.int32) if valid is None else valid.to(torch.int32)
             hit.scatter_add_(2, ids.reshape(b, h, -1), src.reshape(b, h, -1))
         return hit > 0
@@ -171,10 +171,12 @@ class LuKAPolicy(LayerPolicy):
         if m.compressor == "mean":
             return torch.full_like(w, 1.0 / w.shape[-1])
         if m.compressor == "random":
-            # seeded by (seed, layer, pages so far): reproducible, and nothing to carry across cache clones
-            gen = torch.Generator(device="cpu").manual_seed(
+            # seeded by (seed, layer, pages so far): reproducible, and nothing to carry across cache clones. Drawn
+            # on the cache's device (a CPU draw copied over would be a blocking host-to-device copy, a sync on
+            # every compressing step on CUDA); a CUDA generator draws other numbers than the CPU's
+            gen = torch.Generator(device=w.device).manual_seed(
                 (m.seed * 1000003 + self.info.layer_idx * 7919 + self.P[1]) % (2**63))
-            pick = torch.randint(0, w.shape[-1], w.shape[:-1], generator=gen).to(w.device)
+            pick = torch.randint(0, w.shape[-1], w.shape[:-1], generator=gen, device=w.device)
             return torch.nn.functional.one_hot(pick, w.shape[-1]).to(w.dtype)
         return torch.softmax(w / m.tau, dim=-1)  # attention_weighted, zero_value
 
@@ -252,8 +254,10 @@ class LuKAPolicy(LayerPolicy):
             K = min(C, math.ceil(g / r.threshold - 1e-9)) if r.threshold > 0 else C
         if K <= 0:
             return None
-        top = torch.topk(score, K, dim=-1)
-        return top.indices, (top.values > r.threshold if r.rule == "threshold" else None)
+        # the K highest by a stable descending sort: equal masses go to the earlier node, on every device and run
+        # (torch.topk leaves the order of ties to the implementation)
+        idx = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :K]
+        return idx, (score.gather(-1, idx) > r.threshold if r.rule == "threshold" else None)
 
     def _cover(self, store) -> tuple[torch.Tensor, torch.Tensor]:
         """The cover buffer [sink | level-1 summaries | raw tail] in sync with the store (see __init__)."""
@@ -485,12 +489,13 @@ class LuKAPolicy(LayerPolicy):
                 mass = pr.sum(2)  # [B, Hkv, Lq, m]
                 if p.level == 0 and p.ids is None:
                     acc[:, :, p.lo: p.lo + mass.shape[-1]] += mass.sum(2)
-                elif p.level == 0:
-                    acc.scatter_add_(2, p.ids.reshape(b, hkv, -1), mass.reshape(b, hkv, -1))
+                elif p.level == 0:  # per query, distinct ids; queries share them: no float atomics (CUDA)
+                    scatter_add_rows(acc, p.ids, mass)
                 elif p.level == 1:
-                    ids = p.ids if p.ids is not None else \
-                        torch.arange(p.lo, p.lo + mass.shape[-1], device=dev).expand(b, hkv, lq, -1)
-                    self.imp[1].scatter_add_(2, ids.reshape(b, hkv, -1), mass.reshape(b, hkv, -1))
+                    if p.ids is None:
+                        self.imp[1][:, :, p.lo: p.lo + mass.shape[-1]] += mass.sum(2)
+                    else:
+                        scatter_add_rows(self.imp[1], p.ids, mass)
         self._last_p, self._last_total = None, total
         t3 = cache.mark(dev)
         cache.add_span("attention", t0, t1)

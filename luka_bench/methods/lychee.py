@@ -55,7 +55,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, exact_attention
+from luka_bench.device import host_to_device
+from luka_bench.host_sync import host_side
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, exact_attention, group_sum
 
 NEG = float("-inf")
 NONE_LEVEL = 5
@@ -163,8 +165,9 @@ class Chunker:
                 "luka_bench.run.forward does) and the tokenizer (hf.attach(model, method, tokenizer)); "
                 f"have {len(ids)} ids for {n} tokens, tokenizer {'set' if m.tokenizer is not None else 'missing'}")
         a = len(self.levels)
-        cur = torch.tensor(ids[a: n], dtype=torch.long)
-        self.levels.extend(boundary_levels(cur, m.level_tables(), ids[a - 1] if a else None).tolist())
+        with host_side():  # CPU tensors of the host token ids, read back on the host: no device involved
+            cur = torch.tensor(ids[a: n], dtype=torch.long)
+            self.levels.extend(boundary_levels(cur, m.level_tables(), ids[a - 1] if a else None).tolist())
 
     def advance(self, cache, n: int) -> int:
         """Cut every chunk the first ``n`` tokens allow; returns the number of new chunks."""
@@ -186,7 +189,7 @@ class Chunker:
         first = self.n_chunks
         old = self.frontier
         self.bounds.extend(ends)
-        new_b = torch.tensor([old] + ends, dtype=torch.long, device=self.device)
+        new_b = host_to_device([old] + ends, self.device)  # pinned + non_blocking on CUDA: no host sync
         self.starts = torch.cat([self.starts, new_b[1:]])
         lens = new_b[1:] - new_b[:-1]
         self.lens = torch.cat([self.lens, lens])
@@ -200,13 +203,16 @@ def spherical_kmeans(x: torch.Tensor, k: int, iters: int, valid: torch.Tensor | 
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Spherical k-means of unit vectors x [B, H, M, D] into k clusters (cosine similarity), batched over B, H.
     Init: k points spread evenly over the M inputs (deterministic). An emptied cluster keeps its centroid.
+    Ties: a point equally near two centroids joins the lower-numbered one (``argmax`` returns the first maximum);
+    the centroid sums are deterministic on every device (``base.group_sum``: no float atomics on CUDA), so the
+    same input gives the same clusters on every run.
     Returns (assignment [B, H, M], centroid directions [B, H, k, D])."""
     b, h, m, d = x.shape
     init = torch.linspace(0, m - 1, k, device=x.device).round().long()
     c = x[:, :, init].clone()
     for _ in range(iters):
         a = torch.matmul(x, c.transpose(-1, -2)).argmax(-1)
-        s = torch.zeros_like(c).scatter_add_(2, a.unsqueeze(-1).expand(b, h, m, d), x)
+        s = group_sum(x, a, k)
         norm = s.norm(dim=-1, keepdim=True)
         c = torch.where(norm > 0, s / norm.clamp_min(1e-12), c)
     a = torch.matmul(x, c.transpose(-1, -2)).argmax(-1)
@@ -218,9 +224,8 @@ def node_stats(x: torch.Tensor, a: torch.Tensor, k: int, weight: torch.Tensor | 
     mean mu [B, H, k, D] (weighted) and radius r = max ||x - mu[a]|| [B, H, k]."""
     b, h, m, d = x.shape
     w = torch.ones(b, h, m, dtype=x.dtype, device=x.device) if weight is None else weight.to(x.dtype)
-    cnt = torch.zeros(b, h, k, dtype=x.dtype, device=x.device).scatter_add_(2, a, w)
-    s = torch.zeros(b, h, k, d, dtype=x.dtype, device=x.device).scatter_add_(
-        2, a.unsqueeze(-1).expand(b, h, m, d), x * w.unsqueeze(-1))
+    cnt = torch.zeros(b, h, k, dtype=x.dtype, device=x.device).scatter_add_(2, a, w)  # integer-valued: exact
+    s = group_sum(x * w.unsqueeze(-1), a, k)
     mu = s / cnt.clamp_min(1e-12).unsqueeze(-1)
     dist = (x - mu.gather(2, a.unsqueeze(-1).expand(b, h, m, d))).norm(dim=-1)
     r = torch.zeros(b, h, k, dtype=x.dtype, device=x.device).scatter_reduce_(2, a, dist, "amax", include_self=True)
@@ -316,9 +321,23 @@ class LycheePolicy(LayerPolicy):
                 2, tc, k, "amax", include_self=True)
         else:
             lens = (ch.starts[first + 1: last + 1] - ch.starts[first: last]).to(k.dtype)
-            out = torch.zeros(b, h, n, d, dtype=k.dtype, device=k.device).scatter_add_(2, tc, k)
+            if k.device.type == "cpu":  # deterministic there (one thread per output row, in token order)
+                out = torch.zeros(b, h, n, d, dtype=k.dtype, device=k.device).scatter_add_(2, tc, k)
+            else:  # no float atomics: each chunk's tokens gathered into max_chunk slots and summed in order
+                out = self._chunk_sums(k, ch.starts[first: last] - lo, lens.long())
             out = out / lens.view(1, 1, -1, 1)
         return F.normalize(out, dim=-1)
+
+    def _chunk_sums(self, k: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """Sum of the keys k [B, H, T, D] of each chunk (``starts`` / ``lens`` [n] into T; chunks hold at most
+        ``max_chunk`` tokens): [B, H, n, D], as a gather into [B, H, n, max_chunk, D] (padding zeroed) summed over
+        the slots — deterministic, unlike a scatter_add_ on CUDA. Fixed shapes: no host sync."""
+        b, h, t, d = k.shape
+        slot = torch.arange(self.method.max_chunk, device=k.device)
+        ok = slot < lens.unsqueeze(-1)  # [n, max_chunk]
+        tok = torch.where(ok, starts.unsqueeze(-1) + slot, torch.zeros_like(slot)).view(-1)
+        g = k.index_select(2, tok).view(b, h, -1, slot.numel(), d)
+        return (g * ok.view(1, 1, *ok.shape, 1).to(g.dtype)).sum(3)
 
     def build(self, store, ch: Chunker) -> None:
         m = self.method
@@ -408,8 +427,8 @@ class LycheePolicy(LayerPolicy):
         """Add points x [B, H, k, D] to nodes a [B, H, k]: moving-average centroid, radius kept a true bound."""
         b, h, k, d = x.shape
         ones = torch.ones(b, h, k, dtype=cnt.dtype, device=cnt.device)
-        cnt2 = cnt.scatter_add(2, a, ones)
-        s = (mu * cnt.unsqueeze(-1)).scatter_add(2, a.unsqueeze(-1).expand(b, h, k, d), x)
+        cnt2 = cnt.scatter_add(2, a, ones)  # integer-valued: exact in any order
+        s = mu * cnt.unsqueeze(-1) + group_sum(x, a, mu.shape[2])  # no float atomics (base.group_sum)
         mu2 = torch.where(cnt2.unsqueeze(-1) > 0, s / cnt2.clamp_min(1e-12).unsqueeze(-1), mu)
         shift = (mu2 - mu).norm(dim=-1)
         r2 = torch.where(cnt > 0, r + shift, torch.zeros_like(r))

@@ -131,11 +131,17 @@ def _mass(Q, K, LSE, MASS, Lq, N, past, G,
     tl.store(MASS + bh * N + offs_n, mass, mask=key_ok)
 
 
+# Lengths change with every chunk and step: Triton would specialise an int argument on its value being 1 and on
+# its divisibility by 16, compiling a new kernel for each (Lq, N, past) class the first time it is met (inside a
+# timed prefill). They are only loop bounds and mask terms, so the kernels are compiled once for all of them.
+NO_SPECIALIZE = ("Lq", "N", "past")
+
+
 @functools.cache
 def _kernels():
     """(forward kernel, mass kernel): compiled for the GPU, or — when ``TRITON_INTERPRET=1`` was set before
     Triton was imported (Triton's own functions are built then) — run by Triton's CPU interpreter."""
-    return triton.jit(_fwd), triton.jit(_mass)
+    return triton.jit(_fwd, do_not_specialize=NO_SPECIALIZE), triton.jit(_mass, do_not_specialize=NO_SPECIALIZE)
 
 
 def interpreted() -> bool:
@@ -152,10 +158,61 @@ def _pow2(x: int) -> int:
     return max(16, 1 << (int(x) - 1).bit_length())  # tl.arange needs a power of 2; tl.dot at least 16
 
 
+def smem_bytes(bm: int, bn: int, bd: int, bdv: int, elt: int, stages: int = NUM_STAGES) -> int:
+    """An upper estimate of the shared memory one program of either kernel needs: the query tile, ``stages``
+    buffered key and value tiles and the [BM, BN] probability tile in the input dtype. The forward kernel at head
+    size 256 in bf16 with 64 x 64 tiles needs 106,496 B compiled (more than sm_86/89's 101,376); this estimate
+    says 172,032 for it and stays under 101,376 for every configuration used at head sizes up to 128."""
+    return elt * (bm * bd + stages * bn * (bd + bdv) + bm * bn)
+
+
+def _configs(bd: int, bdv: int, elt: int):
+    """Tile configurations (BM, BN, stages), the preferred first: 64 x 64 (32 x 32 for fp32 beyond head size 64,
+    as before), then smaller tiles and a single stage, for devices with less shared memory."""
+    first = (BM, BN) if elt <= 2 or max(bd, bdv) <= 64 else (32, 32)
+    out = [(*first, NUM_STAGES)]
+    for c in ((64, 32, NUM_STAGES), (32, 32, NUM_STAGES), (32, 32, 1), (16, 32, 1), (16, 16, 1)):
+        if c[0] <= first[0] and c[1] <= first[1] and c not in out:
+            out.append(c)
+    return out
+
+
+def pick_config(d: int, dv: int, elt: int, limit: int | None):
+    """The first tile configuration (BM, BN, stages) whose shared memory estimate fits ``limit`` (bytes per block,
+    ``device.smem_per_block``; None: no limit, the CPU interpreter), or None when none does (the caller takes the
+    explicit path)."""
+    bd, bdv = _pow2(d), _pow2(dv)
+    for c in _configs(bd, bdv, elt):
+        if limit is None or smem_bytes(c[0], c[1], bd, bdv, elt, c[2]) <= limit:
+            return c
+    return None
+
+
+def fits(d: int, dv: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether some tile configuration of the kernels fits ``device``'s shared memory at these head sizes."""
+    from luka_bench import device as devices
+
+    return pick_config(d, dv, torch.empty((), dtype=dtype).element_size(), devices.smem_per_block(device)) \
+        is not None
+
+
+def _out_of_resources() -> tuple:
+    try:
+        from triton.runtime.errors import OutOfResources
+        return (OutOfResources,)
+    except Exception:  # pragma: no cover - an older or newer Triton
+        return ()
+
+
 def attention_mass(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, entropy: bool = False):
     """qs [BH, g, Lq, D] scaled queries (query i is held token past + i), k [BH, N, D], v [BH, N, Dv]. Returns
     (out [BH, g, Lq, Dv] in v's dtype, mass [BH, N] float32 summed over the group's heads and the queries,
-    entropy [BH, g, Lq] float32 in nats, or None)."""
+    entropy [BH, g, Lq] float32 in nats, or None) — or None when no tile configuration fits the device's shared
+    memory (head size 256 on a small-shared-memory device with every configuration too big; the caller then takes
+    the explicit path). Launched under the tensors' device (``device.guard``): Triton launches on the current
+    device, which need not be theirs (``model.device=cuda:1``)."""
+    from luka_bench import device as devices
+
     bh, g, lq, d = qs.shape
     n, dv = k.shape[1], v.shape[-1]
     qs = qs.contiguous()
@@ -174,13 +231,23 @@ def attention_mass(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int
     # input dtype) are multiplied in fp32; compiled, they are bf16 tensor-core products with fp32 accumulation
     dot32 = interpreted() and qs.dtype == torch.bfloat16
     bd, bdv = _pow2(d), _pow2(dv)
-    bm, bn = (BM, BN) if qs.element_size() <= 2 or max(bd, bdv) <= 64 else (32, 32)
-    fwd[(triton.cdiv(lq, bm), bh * g)](
-        qs, k, v, out, lse, ent, lq, n, past, g,
-        lq * d, d, k.stride(0), k.stride(1), v.stride(0), v.stride(1), lq * dv, dv,
-        D=d, DV=dv, BD=bd, BDV=bdv, BM=bm, BN=bn, ENTROPY=entropy, PREC=prec, DOT32=dot32,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    mass_k[(triton.cdiv(n, bn), bh)](
-        qs, k, lse, mass, lq, n, past, g, lq * d, d, k.stride(0), k.stride(1),
-        D=d, BD=bd, BM=bm, BN=bn, PREC=prec, DOT32=dot32, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    return out, mass, ent if entropy else None
+    limit = devices.smem_per_block(dev)
+    configs = [c for c in _configs(bd, bdv, qs.element_size())
+               if limit is None or smem_bytes(c[0], c[1], bd, bdv, qs.element_size(), c[2]) <= limit]
+    for i, (bm, bn, stages) in enumerate(configs):
+        try:
+            with devices.guard(dev):
+                fwd[(triton.cdiv(lq, bm), bh * g)](
+                    qs, k, v, out, lse, ent, lq, n, past, g,
+                    lq * d, d, k.stride(0), k.stride(1), v.stride(0), v.stride(1), lq * dv, dv,
+                    D=d, DV=dv, BD=bd, BDV=bdv, BM=bm, BN=bn, ENTROPY=entropy, PREC=prec, DOT32=dot32,
+                    num_warps=NUM_WARPS, num_stages=stages)
+                mass_k[(triton.cdiv(n, bn), bh)](
+                    qs, k, lse, mass, lq, n, past, g, lq * d, d, k.stride(0), k.stride(1),
+                    D=d, BD=bd, BM=bm, BN=bn, PREC=prec, DOT32=dot32, num_warps=NUM_WARPS, num_stages=stages)
+        except _out_of_resources():  # the estimate was short of what the compiler made: smaller tiles
+            if i + 1 == len(configs):
+                return None
+            continue
+        return out, mass, ent if entropy else None
+    return None
