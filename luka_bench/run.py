@@ -38,54 +38,54 @@ log = logging.getLogger("luka_bench")
 # Evaluation loops (the engine does the generation; these write records and show progress)
 # ---------------------------------------------------------------------------------------------------------
 
-def _progress(total: int, desc: str, enabled: bool):
+def _record(folder: RunFolder, cfg: DictConfig, item_ids: list[str], new_records, on_item=None) -> list[dict]:
+    """The records of a run's items: those ``folder`` already holds (a resumed run says so), then each record
+    ``new_records`` yields (the items not done yet), appended to the folder as it comes, with a progress bar."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, dynamic_ncols=True)
-
-
-def _resuming(folder: RunFolder, done: int, total: int) -> None:
-    """Remember the run's size (for the line Ctrl-C prints) and say so when a run resumes."""
-    folder.total = total
-    if done:
-        print(f"resuming: {done}/{total} items done in {folder.path}", file=sys.stderr, flush=True)
+    records = [folder.done[i] for i in item_ids if i in folder.done]
+    folder.total = len(item_ids)  # the run's size, for the line Ctrl-C prints
+    if records:
+        print(f"resuming: {len(records)}/{len(item_ids)} items done in {folder.path}", file=sys.stderr, flush=True)
+    bar = tqdm(total=len(item_ids), desc=f"{cfg.get('method_name', 'method')} on {cfg.get('data_name', 'data')}",
+               disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True, initial=len(records))
+    for rec in new_records:
+        folder.append(rec)
+        records.append(rec)
+        bar.update(1)
+        if on_item is not None:
+            on_item(records)
+    bar.close()
+    return records
 
 
 def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=None) -> list[dict]:
     plans = E.plan_qa(task, lm, cfg.get("max_new_tokens"))  # every prompt checked before any work is done
     eos = E.eos_token_ids(lm.model, lm.tokenizer)
-    total = sum(len(p.questions) for p in plans)
-    records = [folder.done[q.question.id] for p in plans for q in p.questions if q.question.id in folder.done]
-    _resuming(folder, len(records), total)
-    bar = _progress(total, f"{cfg.get('method_name', 'method')} on {cfg.get('data_name', 'data')}", cfg.progress)
-    bar.update(len(records))
-    for plan in plans:
-        todo = [q for q in plan.questions if q.question.id not in folder.done]
-        if not todo:
-            continue
-        ex = plan.example
-        for a in E.answer_example(lm, attached, plan, todo, eos, tuple(task.stop_strings), int(cfg.prefill_chunk or 0),
-                                  bool(cfg.get("query_aware"))):
-            q, gen, info = a.plan.question, a.generation, a.prefill
-            pred = task.postprocess(gen.text)
-            rec: dict[str, Any] = {
-                "item_id": q.id, "example_id": ex.id, "question": q.question, "gold": q.answers,
-                "prediction": pred, "raw_output": gen.text, "scores": task.score(pred, q),
-                "context_tokens": len(plan.context_ids), "question_tokens": len(a.plan.ids),
-                "new_tokens": len(gen.token_ids), "prefill_s": info["prefill_s"], "question_s": gen.question_s,
-                "ttft_s": info["prefill_s"] + gen.question_s, "tpot_s": M.mean(gen.step_s),
-                "latency_breakdown": E.breakdown(gen.step_timings, gen.step_s),
-                "kv_bytes_prefill": info["kv_bytes_prefill"], "kv_bytes_full_prefill": info["kv_bytes_full_prefill"],
-                "kv_tokens_prefill": info["kv_tokens_prefill"], **E.memory(a.cache), **(gen.attended or {}),
-                "evidence_kept": info["evidence_kept"], "meta": q.meta,
-            }
-            folder.append(rec)
-            records.append(rec)
-            bar.update(1)
-            if on_item is not None:
-                on_item(records)
-    bar.close()
-    return records
+
+    def new_records():
+        for plan in plans:
+            todo = [q for q in plan.questions if q.question.id not in folder.done]
+            if not todo:
+                continue
+            for a in E.answer_example(lm, attached, plan, todo, eos, tuple(task.stop_strings),
+                                      int(cfg.prefill_chunk or 0), bool(cfg.get("query_aware"))):
+                q, gen, info = a.plan.question, a.generation, a.prefill
+                pred = task.postprocess(gen.text)
+                yield {
+                    "item_id": q.id, "example_id": plan.example.id, "question": q.question, "gold": q.answers,
+                    "prediction": pred, "raw_output": gen.text, "scores": task.score(pred, q),
+                    "context_tokens": len(plan.context_ids), "question_tokens": len(a.plan.ids),
+                    "new_tokens": len(gen.token_ids), "prefill_s": info["prefill_s"], "question_s": gen.question_s,
+                    "ttft_s": info["prefill_s"] + gen.question_s, "tpot_s": M.mean(gen.step_s),
+                    "latency_breakdown": E.breakdown(gen.step_timings, gen.step_s),
+                    "kv_bytes_prefill": info["kv_bytes_prefill"],
+                    "kv_bytes_full_prefill": info["kv_bytes_full_prefill"],
+                    "kv_tokens_prefill": info["kv_tokens_prefill"], **E.memory(a.cache), **(gen.attended or {}),
+                    "evidence_kept": info["evidence_kept"], "meta": q.meta,
+                }
+
+    return _record(folder, cfg, [q.question.id for p in plans for q in p.questions], new_records(), on_item)
 
 
 def evaluate_ppl(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=None) -> list[dict]:
@@ -95,27 +95,20 @@ def evaluate_ppl(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item
         if n > lm.max_context:
             raise PromptTooLong(f"document {d.id!r} has {n} tokens but model.max_context={lm.max_context} for "
                                 f"'{lm.name}'; allowed: data.max_tokens <= {lm.max_context}")
-    records = [folder.done[d.id] for d in docs if d.id in folder.done]
-    _resuming(folder, len(records), len(docs))
-    bar = _progress(len(docs), f"{cfg.get('method_name', 'method')} on {cfg.get('data_name', 'data')}", cfg.progress)
-    bar.update(len(records))
-    for d in docs:
-        if d.id in folder.done:
-            continue
-        t0 = time.perf_counter()
-        nll, steps, cache = E.teacher_forced_nll(lm.model, attached, d.meta["ids"])
-        rec = {"item_id": d.id, "n_tokens": len(nll), "nll_sum": float(sum(nll)), "nll_blocks": S.nll_blocks(nll),
-               "perplexity": math.exp(sum(nll) / len(nll)), "tpot_s": M.mean(steps), "ttft_s": None,
-               "latency_breakdown": E.breakdown(cache.timings, steps),
-               "wall_s": time.perf_counter() - t0, "kv_bytes_prefill": None, **E.memory(cache),
-               **cache.attended_stats()}
-        folder.append(rec)
-        records.append(rec)
-        bar.update(1)
-        if on_item is not None:
-            on_item(records)
-    bar.close()
-    return records
+
+    def new_records():
+        for d in docs:
+            if d.id in folder.done:
+                continue
+            t0 = time.perf_counter()
+            nll, steps, cache = E.teacher_forced_nll(lm.model, attached, d.meta["ids"])
+            yield {"item_id": d.id, "n_tokens": len(nll), "nll_sum": float(sum(nll)),
+                   "nll_blocks": S.nll_blocks(nll), "perplexity": math.exp(sum(nll) / len(nll)),
+                   "tpot_s": M.mean(steps), "ttft_s": None, "latency_breakdown": E.breakdown(cache.timings, steps),
+                   "wall_s": time.perf_counter() - t0, "kv_bytes_prefill": None, **E.memory(cache),
+                   **cache.attended_stats()}
+
+    return _record(folder, cfg, [d.id for d in docs], new_records(), on_item)
 
 
 def aggregate(task, records: list[dict]) -> dict:

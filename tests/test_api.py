@@ -39,6 +39,20 @@ def test_model_generate_through_a_method_cache_equals_kv_generate(name, tiny_lla
     assert cache.phase == "decode" and cache.reference_length == PROMPT
 
 
+@pytest.mark.parametrize("arch", ["tiny_qwen3", "tiny_gemma3"])
+@pytest.mark.parametrize("name", ["full", "h2o"])
+def test_model_generate_equals_kv_generate_on_other_architectures(arch, name, request, one_thread):
+    """Qwen3 (QK-norm) and Gemma3 (sliding-window layers left to exact windowed attention) as well."""
+    lm = request.getfixturevalue(arch)
+    ids = _prompt(11)
+    with lb.attach(lm.model, lb.method(name, **({} if name == "full" else {"budget": 0.25}))) as kv:
+        ans = kv.generate(ids[0].tolist(), max_new_tokens=NEW)
+        cache = kv.new_cache()
+        out = lm.model.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False)
+    assert out[0, PROMPT:].tolist()[: len(ans.token_ids)] == ans.token_ids
+    assert [layer.keys.shape[-2] for layer in cache.layers] == ans.kv_tokens
+
+
 def test_full_through_model_generate_equals_stock_generate(tiny_llama, one_thread):
     ids = _prompt(1)
     stock = tiny_llama.model.generate(ids, max_new_tokens=NEW, do_sample=False)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import luka_bench.engine as E
 import luka_bench.run as R
 from luka_bench.data.base import qa_prompt_ids
 from luka_bench import metrics as M
@@ -31,8 +32,8 @@ def test_resume_does_not_redo_finished_items(tmp_path, monkeypatch):
     (tmp_path / "predictions.jsonl").write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])
     (tmp_path / "metrics.json").unlink()
     calls = []
-    real = R.greedy_answer
-    monkeypatch.setattr(R, "greedy_answer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = E.greedy_answer
+    monkeypatch.setattr(E, "greedy_answer", lambda *a, **k: calls.append(1) or real(*a, **k))
     again = R.run(cfg, tmp_path)
     assert len(calls) == n_items - 3
     recs = read_jsonl(tmp_path / "predictions.jsonl")
@@ -54,13 +55,13 @@ def test_question_after_another_equals_alone(tiny_llama):
     for method in (Full(), StreamingLLM(budget=0.3)):
         with attach(lm.model, method) as a:
             cache = a.new_cache()
-            R.prefill(lm.model, ctx, cache)
+            E.prefill(lm.model, ctx, cache)
             c1 = cache.clone()
-            R.greedy_answer(lm.model, tok, c1, q1, 8, set(), ())
-            after = R.greedy_answer(lm.model, tok, cache.clone(), q2, 8, set(), ())
+            E.greedy_answer(lm.model, tok, c1, q1, 8, set(), ())
+            after = E.greedy_answer(lm.model, tok, cache.clone(), q2, 8, set(), ())
             fresh = a.new_cache()
-            R.prefill(lm.model, ctx, fresh)
-            alone = R.greedy_answer(lm.model, tok, fresh, q2, 8, set(), ())
+            E.prefill(lm.model, ctx, fresh)
+            alone = E.greedy_answer(lm.model, tok, fresh, q2, 8, set(), ())
         assert after.token_ids == alone.token_ids
         assert c1.get_seq_length() > cache.get_seq_length()  # the first question really used its own copy
 
@@ -69,8 +70,8 @@ def test_chunked_prefill_equals_one_pass(tiny_qwen3):
     lm = tiny_qwen3
     ids = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(0)).tolist()
     with attach(lm.model, Full()) as a:
-        one = R.forward(lm.model, ids, a.new_cache())
-        chunked = R.forward(lm.model, ids, a.new_cache(), chunk=16)
+        one = E.prefill(lm.model, ids, a.new_cache())
+        chunked = E.prefill(lm.model, ids, a.new_cache(prefill_chunk=16))
     assert torch.allclose(one, chunked, atol=1e-4)
 
 
@@ -79,7 +80,7 @@ def test_teacher_forced_nll_equals_one_forward(tiny_llama):
     lm = tiny_llama
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     with attach(lm.model, Full()) as a:
-        nll, steps = R.teacher_forced_nll(lm.model, a.new_cache(), ids)
+        nll, steps, _ = E.teacher_forced_nll(lm.model, a, ids)
     with torch.no_grad():
         logits = lm.model(torch.tensor([ids]), use_cache=False).logits[0].float()
     ref = -torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
@@ -153,3 +154,19 @@ def test_env_names_the_commit_the_process_loaded(tmp_path):
     subprocess.run([*git, "commit", "-qam", "two"], check=True)
     assert Rs.git_sha(repo) == first and first["git_sha"] and first["git_dirty"] is False
     assert Rs._read_git_sha(repo)["git_sha"] != first["git_sha"]  # HEAD did move
+
+
+def test_query_aware_runs_on_a_qa_dataset_and_compresses_the_question_too(tmp_path):
+    """``query_aware=true`` is a run setting for every QA dataset: the question is prefilled and compressed with
+    the context, so a prefill-only method's cache after the prefill is a quarter of context + question."""
+    base = ("model=tiny_llama", "data.limit=1", "max_new_tokens=2", "progress=false", "method=streaming_llm",
+            "method.budget=0.25")
+    plain = R.run(compose(*base), tmp_path / "plain")
+    aware = R.run(compose(*base, "query_aware=true"), tmp_path / "aware")
+    assert plain["n_examples"] == aware["n_examples"] >= 2
+    for p, a in zip(read_jsonl(tmp_path / "plain" / "predictions.jsonl"),
+                    read_jsonl(tmp_path / "aware" / "predictions.jsonl")):
+        assert p["kv_tokens_prefill"][0] == math.ceil(0.25 * p["context_tokens"])
+        assert a["kv_tokens_prefill"][0] == math.ceil(0.25 * (a["context_tokens"] + a["question_tokens"]))
+    with pytest.raises(Exception, match="query_aware='yes' must be true, false or null"):
+        R.run(compose(*base, "query_aware=yes"), tmp_path / "bad")
