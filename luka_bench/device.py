@@ -79,6 +79,7 @@ def warm_up(model, method=None, tokenizer=None, prompt_len: int = 256, chunk: in
     decode steps, then a device synchronisation. Nothing is kept. Returns the seconds it took. Meant for CUDA
     before the first timed item (one-time costs: kernel compilation and autotuning, library handles, allocator
     growth); it runs on any device."""
+    from luka_bench import engine
     from luka_bench.methods import hf
     from luka_bench.methods.full import Full
 
@@ -89,18 +90,11 @@ def warm_up(model, method=None, tokenizer=None, prompt_len: int = 256, chunk: in
     ids = torch.randint(0, vocab, (prompt_len + steps,), generator=g).tolist()
     t0 = time.perf_counter()
     with hf.attach(model, method, tokenizer) as att:
-        cache = att.new_cache()
-        cache.reference_length = prompt_len
-        for s in range(0, prompt_len, max(1, chunk)):
-            part = ids[s: min(prompt_len, s + max(1, chunk))]
-            cache.add_tokens(part)
-            model(input_ids=torch.tensor([part], device=dev), past_key_values=cache, use_cache=True,
-                  logits_to_keep=1)
-        cache.end_prefill()
+        # the prefill in chunks of ``chunk`` (split by attach's hook), then decode steps, as the engine runs them
+        cache = att.new_cache(reference_length=prompt_len, prefill_chunk=max(1, chunk))
+        engine.prefill(model, ids[:prompt_len], cache)
         for i in range(steps):
-            cache.add_tokens(ids[prompt_len + i: prompt_len + i + 1])
-            model(input_ids=torch.tensor([ids[prompt_len + i: prompt_len + i + 1]], device=dev),
-                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+            engine.forward(model, ids[prompt_len + i: prompt_len + i + 1], cache)
         cache.timings  # resolve any recorded events
     if _cuda(dev):
         torch.cuda.synchronize(dev)

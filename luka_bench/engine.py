@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
+from luka_bench import device as D
 from luka_bench.methods.hf import MethodCache
 
 
@@ -100,11 +101,11 @@ def greedy_answer(model, tokenizer, cache: MethodCache, question_ids: list[int],
 
 
 @torch.no_grad()
-def teacher_forced_nll(model, attached, ids: list[int]) -> tuple[list[float], list[float], MethodCache]:
+def teacher_forced_nll(model, attached, ids: list[int], **cache_kw) -> tuple[list[float], list[float], MethodCache]:
     """The pg19 protocol: feed the first token (the prefill; the budget is a fraction of the whole document), then
     every next token one at a time with the method active. Returns (NLL of tokens 1..n-1, seconds per step, the
-    cache). fp32 log-softmax."""
-    cache = attached.new_cache(reference_length=len(ids))
+    cache). fp32 log-softmax. ``cache_kw``: more settings of the cache (``MethodCache``)."""
+    cache = attached.new_cache(reference_length=len(ids), **cache_kw)
     device = model.device
     logits = prefill(model, ids[:1], cache)
     nll, steps = [], []
@@ -224,43 +225,43 @@ class Answered:
     generation: Generation
     cache: MethodCache  # the question's own cache (a clone of the context's) after generating
     prefill: dict  # the example's prefill: seconds, bytes and tokens held after it, evidence kept
+    device_peak_bytes: int | None = None  # the device allocator's peak over the prefill and this answer (CUDA)
 
 
 def answer_example(lm, attached, plan: ExamplePlan, todo: list[QuestionPlan], eos_ids: set[int],
-                   stop_strings: tuple[str, ...], prefill_chunk: int = 0, query_aware: bool = False
+                   stop_strings: tuple[str, ...], cache_kw: dict | None = None, query_aware: bool = False
                    ) -> Iterator[Answered]:
     """The runner's QA protocol for one example: one prefill of the context (question-aware methods see every
     question's ids), then each question in ``todo`` from a clone of that context-only cache, greedy.
 
     ``query_aware`` (kvpress's "query-aware" protocol): the question is compressed together with the context
     instead: each question's whole prompt (context + question) is one prefill, compressed by the method, and the
-    answer starts right after it."""
-    model = lm.model
+    answer starts right after it. ``cache_kw``: more settings of the caches (``MethodCache``: ``prefill_chunk``,
+    ``cuda_events``). On CUDA each answer carries the device allocator's peak over its prefill and generation."""
+    model, cache_kw = lm.model, dict(cache_kw or {})
     if query_aware:
         for qp in todo:
-            yield _answer_in_context(lm, attached, plan, qp, eos_ids, stop_strings, prefill_chunk)
+            D.reset_peak(model.device)
+            cache, logits, info = _prefill(lm, attached, plan, plan.context_ids + qp.ids, None, cache_kw)
+            gen = greedy_answer(model, lm.tokenizer, cache, [], qp.max_new_tokens, eos_ids, stop_strings,
+                                logits=logits)
+            yield Answered(qp, gen, cache, info, D.peak_allocated(model.device))
         return
-    cache = attached.new_cache(reference_length=len(plan.context_ids), question_ids=plan.question_ids,
-                               prefill_chunk=prefill_chunk)
-    sync(model.device)
-    t0 = time.perf_counter()
-    prefill(model, plan.context_ids, cache)
-    sync(model.device)
-    info = {"prefill_s": time.perf_counter() - t0, "kv_bytes_prefill": cache.held_bytes(),
-            "kv_bytes_full_prefill": cache.full_bytes(), "kv_tokens_prefill": cache.held_tokens(),
-            "evidence_kept": evidence_kept(cache, plan.evidence) if plan.evidence else None}
+    D.reset_peak(model.device)
+    cache, _, info = _prefill(lm, attached, plan, plan.context_ids, plan.question_ids, cache_kw)
+    prefill_peak = D.peak_allocated(model.device)
     for qp in todo:
+        D.reset_peak(model.device)
         c = cache.clone()
         gen = greedy_answer(model, lm.tokenizer, c, qp.ids, qp.max_new_tokens, eos_ids, stop_strings)
-        yield Answered(qp, gen, c, info)
+        peak = D.peak_allocated(model.device)
+        yield Answered(qp, gen, c, info, None if peak is None else max(peak, prefill_peak or 0))
 
 
-def _answer_in_context(lm, attached, plan: ExamplePlan, qp: QuestionPlan, eos_ids: set[int],
-                       stop_strings: tuple[str, ...], prefill_chunk: int) -> Answered:
-    """One question with the query-aware protocol: context + question prefilled and compressed together."""
+def _prefill(lm, attached, plan: ExamplePlan, ids: list[int], question_ids, cache_kw: dict):
+    """A fresh cache with ``ids`` prefilled (timed) and compressed: (cache, last logits, what it held after)."""
     model = lm.model
-    ids = plan.context_ids + qp.ids
-    cache = attached.new_cache(reference_length=len(ids), prefill_chunk=prefill_chunk)
+    cache = attached.new_cache(reference_length=len(ids), question_ids=question_ids, **cache_kw)
     sync(model.device)
     t0 = time.perf_counter()
     logits = prefill(model, ids, cache)
@@ -268,5 +269,4 @@ def _answer_in_context(lm, attached, plan: ExamplePlan, qp: QuestionPlan, eos_id
     info = {"prefill_s": time.perf_counter() - t0, "kv_bytes_prefill": cache.held_bytes(),
             "kv_bytes_full_prefill": cache.full_bytes(), "kv_tokens_prefill": cache.held_tokens(),
             "evidence_kept": evidence_kept(cache, plan.evidence) if plan.evidence else None}
-    gen = greedy_answer(model, lm.tokenizer, cache, [], qp.max_new_tokens, eos_ids, stop_strings, logits=logits)
-    return Answered(qp, gen, cache, info)
+    return cache, logits, info

@@ -122,6 +122,10 @@ def kv_summary(records: list[dict]) -> dict:
         "kv_bytes_full": {"peak": max(full)},
     }
     out["kv_ratio"] = sum(peak) / sum(full) if sum(full) else None
+    # the device allocator's peak per item (CUDA: model, activations and cache together), beside the computed bytes
+    dev = [r["device_peak_bytes"] for r in records if r.get("device_peak_bytes") is not None]
+    if dev:
+        out["device_peak_bytes"] = max(dev)
     # The same ratio right after the context prefill and the method's compression (QA only): what every
     # evicting method's budget bounds, SnapKV's included (it compresses the context once and then keeps the
     # question and the answer, so its decode-peak kv_ratio is above its budget by design; methods/snapkv.md).

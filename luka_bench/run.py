@@ -22,6 +22,7 @@ import torch
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from luka_bench import device as D
 from luka_bench import engine as E
 from luka_bench import metrics as M
 from luka_bench import stats as S
@@ -59,6 +60,12 @@ def _record(folder: RunFolder, cfg: DictConfig, item_ids: list[str], new_records
     return records
 
 
+def cache_settings(cfg: DictConfig) -> dict:
+    """The run's settings of every cache it makes: its prefill chunk, and CUDA events for the component timings
+    only when a latency breakdown is asked for there (``cuda_breakdown``: events are host time inside every step)."""
+    return {"prefill_chunk": int(cfg.prefill_chunk or 0), "cuda_events": bool(cfg.get("cuda_breakdown"))}
+
+
 def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=None) -> list[dict]:
     plans = E.plan_qa(task, lm, cfg.get("max_new_tokens"))  # every prompt checked before any work is done
     eos = E.eos_token_ids(lm.model, lm.tokenizer)
@@ -68,8 +75,8 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
             todo = [q for q in plan.questions if q.question.id not in folder.done]
             if not todo:
                 continue
-            for a in E.answer_example(lm, attached, plan, todo, eos, tuple(task.stop_strings),
-                                      int(cfg.prefill_chunk or 0), bool(cfg.get("query_aware"))):
+            for a in E.answer_example(lm, attached, plan, todo, eos, tuple(task.stop_strings), cache_settings(cfg),
+                                      bool(cfg.get("query_aware"))):
                 q, gen, info = a.plan.question, a.generation, a.prefill
                 pred = task.postprocess(gen.text)
                 yield {
@@ -82,7 +89,7 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
                     "kv_bytes_prefill": info["kv_bytes_prefill"],
                     "kv_bytes_full_prefill": info["kv_bytes_full_prefill"],
                     "kv_tokens_prefill": info["kv_tokens_prefill"], **E.memory(a.cache), **(gen.attended or {}),
-                    "evidence_kept": info["evidence_kept"], "meta": q.meta,
+                    "evidence_kept": info["evidence_kept"], "device_peak_bytes": a.device_peak_bytes, "meta": q.meta,
                 }
 
     return _record(folder, cfg, [q.question.id for p in plans for q in p.questions], new_records(), on_item)
@@ -101,11 +108,13 @@ def evaluate_ppl(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item
             if d.id in folder.done:
                 continue
             t0 = time.perf_counter()
-            nll, steps, cache = E.teacher_forced_nll(lm.model, attached, d.meta["ids"])
+            D.reset_peak(lm.model.device)
+            nll, steps, cache = E.teacher_forced_nll(lm.model, attached, d.meta["ids"], **cache_settings(cfg))
             yield {"item_id": d.id, "n_tokens": len(nll), "nll_sum": float(sum(nll)),
                    "nll_blocks": S.nll_blocks(nll), "perplexity": math.exp(sum(nll) / len(nll)),
                    "tpot_s": M.mean(steps), "ttft_s": None, "latency_breakdown": E.breakdown(cache.timings, steps),
                    "wall_s": time.perf_counter() - t0, "kv_bytes_prefill": None, **E.memory(cache),
+                   "device_peak_bytes": D.peak_allocated(lm.model.device),
                    **cache.attended_stats()}
 
     return _record(folder, cfg, [d.id for d in docs], new_records(), on_item)
@@ -176,8 +185,9 @@ def check_settings(cfg: DictConfig) -> None:
     _int_setting(cfg, "threads", 1, True, "an integer >= 1 or null (torch's default)")
     _int_setting(cfg, "max_new_tokens", 1, True, "an integer >= 1 or null (the dataset's default)")
     _int_setting(cfg, "prefill_chunk", 0, True, "an integer >= 0 (0: the whole context in one pass)")
-    if cfg.get("query_aware") not in (None, True, False):
-        raise RunConfigError(f"query_aware={cfg.get('query_aware')!r} must be true, false or null (false)")
+    for key in ("query_aware", "cuda_breakdown"):
+        if cfg.get(key) not in (None, True, False):
+            raise RunConfigError(f"{key}={cfg.get(key)!r} must be true, false or null (false)")
     limit = (cfg.get("data") or {}).get("limit")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise RunConfigError(f"data.limit={limit!r} must be an integer >= 1 or null (every item)")
@@ -285,6 +295,11 @@ def _run(cfg: DictConfig, run_dir: str | Path, tracker, prepared: Prepared | Non
         return _run_in(cfg, prepared, folder, tracker)
 
 
+def warm_up_needed(device: torch.device) -> bool:
+    """One throwaway prefill and decode before the first timed item, on CUDA (its first kernels pay one-time costs)."""
+    return device.type == "cuda"
+
+
 def _run_in(cfg: DictConfig, prepared: Prepared, folder: RunFolder, tracker) -> dict:
     method, task = prepared.method, prepared.task
     loaded = prepared.model.load()
@@ -297,6 +312,8 @@ def _run_in(cfg: DictConfig, prepared: Prepared, folder: RunFolder, tracker) -> 
     # nothing reads running metrics without such a tracker: no aggregate over all records per item (quadratic)
     on_item = log_item if getattr(tracker, "logs_items", True) else None
 
+    if warm_up_needed(loaded.model.device):  # Triton compilation, CUDA lazy loading, cuBLAS set-up: not timed
+        D.warm_up(loaded.model, method, loaded.tokenizer)
     try:
         with attach(loaded.model, method, loaded.tokenizer) as attached:
             evaluate = evaluate_qa if task.kind == "qa" else evaluate_ppl

@@ -564,6 +564,8 @@ def run_summary(m: dict, path: Path) -> str:
     if m.get("attended_bytes") is not None:
         rows.append(("attended_bytes (per step)", _bytes(m["attended_bytes"])))
     rows.append(("kv_bytes (peak / full)", f"{_bytes(m['kv_bytes']['peak'])} / {_bytes(m['kv_bytes_full']['peak'])}"))
+    if m.get("device_peak_bytes") is not None:
+        rows.append(("device_peak_bytes (allocated)", _bytes(m["device_peak_bytes"])))
     rows.append(("peak_rss_bytes", _bytes(m["peak_rss_bytes"])))
     rows.append(("wall_s", _fmt_summary(m["wall_s"])))
     w = max(len(r[0]) for r in rows)

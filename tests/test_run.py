@@ -170,3 +170,39 @@ def test_query_aware_runs_on_a_qa_dataset_and_compresses_the_question_too(tmp_pa
         assert a["kv_tokens_prefill"][0] == math.ceil(0.25 * (a["context_tokens"] + a["question_tokens"]))
     with pytest.raises(Exception, match="query_aware='yes' must be true, false or null"):
         R.run(compose(*base, "query_aware=yes"), tmp_path / "bad")
+
+
+def test_device_peak_per_item_reaches_records_metrics_and_the_summary(tmp_path, monkeypatch):
+    """On CUDA every item records the allocator's peak (reset before, read after); mocked here: the records,
+    metrics.json and the closing table carry it, and each item's peak is reset before it is read."""
+    import luka_bench.device as D
+
+    calls = []
+    monkeypatch.setattr(D, "reset_peak", lambda dev: calls.append("reset"))
+    monkeypatch.setattr(D, "peak_allocated", lambda dev: calls.append("read") or 1000 * len(calls))
+    cfg = compose("model=tiny_llama", "data.limit=1", "max_new_tokens=2", "progress=false")
+    out = R.run(cfg, tmp_path)
+    recs = read_jsonl(tmp_path / "predictions.jsonl")
+    assert all(isinstance(r["device_peak_bytes"], int) for r in recs)
+    assert out["device_peak_bytes"] == max(r["device_peak_bytes"] for r in recs)
+    assert calls[0] == "reset" and calls.count("reset") == calls.count("read")
+    from luka_bench.tables import run_summary
+
+    assert "device_peak_bytes (allocated)" in run_summary(out, tmp_path)
+
+
+def test_cuda_events_only_when_a_breakdown_is_asked_for():
+    assert R.cache_settings(compose("model=tiny_llama"))["cuda_events"] is False
+    assert R.cache_settings(compose("model=tiny_llama", "cuda_breakdown=true"))["cuda_events"] is True
+
+
+def test_a_cuda_run_warms_up_before_its_first_timed_item(tmp_path, monkeypatch):
+    """One throwaway prefill + decode (``device.warm_up``) before the items, where the device needs it (CUDA;
+    forced here), with the run's method."""
+    import luka_bench.device as D
+
+    seen = []
+    monkeypatch.setattr(R, "warm_up_needed", lambda dev: True)
+    monkeypatch.setattr(D, "warm_up", lambda model, method, tok: seen.append(type(method).__name__))
+    R.run(compose("model=tiny_llama", "data.limit=1", "max_new_tokens=2", "progress=false", "method=h2o"), tmp_path)
+    assert seen == ["H2O"]
