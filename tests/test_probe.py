@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from luka_bench.data.base import Task
 from hydra import compose as hcompose
 from hydra import initialize_config_dir
 from hydra.utils import instantiate
@@ -152,7 +154,7 @@ def test_capture_keeps_the_token_ids(cap):
 
 # ------------------------------------------------------------------------------------------------ needle diagnostics
 
-class _NeedleTask:
+class _NeedleTask(Task):
     """A QA task of one example whose context has a planted needle; the context block wraps it in an instruction."""
     kind = "qa"
 
