@@ -1,28 +1,26 @@
-"""scripts/ruler_table.py: the RULER summary from a sweep folder — per-task means, the overall score (mean of the
+"""luka_bench/ruler_table.py: the RULER summary from a sweep folder — per-task means, the overall score (mean of the
 task means), the niah-only row over the niah_* tasks, and the paired difference from full attention."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import yaml
 
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def fake_run(folder, method, scores: dict[str, list[float]], complete=True, data=None):
     folder.mkdir(parents=True)
-    (folder / "config.yaml").write_text(yaml.safe_dump({"method_name": method, **({"data": data} if data else {})}))
-    lines = [json.dumps({"meta": {"task": t}, "scores": {"ruler": x}}) for t, xs in scores.items() for x in xs]
+    cfg = {"model": {"name": "m"}, "method": {"_target_": method}, "data": data or {}, "method_name": method}
+    (folder / "config.yaml").write_text(yaml.safe_dump(cfg))
+    lines = [json.dumps({"item_id": f"{t}/{i}", "meta": {"task": t}, "scores": {"ruler": x}})
+             for t, xs in scores.items() for i, x in enumerate(xs)]
     (folder / "predictions.jsonl").write_text("\n".join(lines) + "\n")
     (folder / "metrics.json").write_text(json.dumps({"complete": complete}))
 
 
 def test_overall_niah_and_paired_rows(tmp_path):
-    import ruler_table as RT
+    from luka_bench import ruler_table as RT
     from luka_bench.data.ruler import TASKS
 
     niah = [t for t in TASKS if t.startswith("niah")]
@@ -45,7 +43,7 @@ def test_overall_niah_and_paired_rows(tmp_path):
 
 
 def test_a_method_missing_a_niah_task_says_how_many_it_has(tmp_path):
-    import ruler_table as RT
+    from luka_bench import ruler_table as RT
     from luka_bench.data.ruler import TASKS
 
     fake_run(tmp_path / "a", "full", {t: [100.0] for t in TASKS})
@@ -65,7 +63,7 @@ def test_a_method_missing_a_niah_task_says_how_many_it_has(tmp_path):
     (None, False, "do not say"),
 ])
 def test_the_headline_says_what_it_averages_and_whether_it_is_comparable(tmp_path, data, comparable, says):
-    import ruler_table as RT
+    from luka_bench import ruler_table as RT
     from luka_bench.data.ruler import TASKS
 
     fake_run(tmp_path / "a", "full", {t: [100.0] for t in TASKS}, data=data)
@@ -80,7 +78,7 @@ def test_the_headline_says_what_it_averages_and_whether_it_is_comparable(tmp_pat
 
 
 def test_mixed_qa_sources_are_labelled_per_method(tmp_path):
-    import ruler_table as RT
+    from luka_bench import ruler_table as RT
     from luka_bench.data.ruler import TASKS
 
     fake_run(tmp_path / "a", "full", {t: [100.0] for t in TASKS}, data={"source": "synthetic", "qa_source": "hub"})

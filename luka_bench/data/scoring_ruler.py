@@ -86,7 +86,7 @@ def ruler_summary(records: Iterable[dict], prefix: str = "ruler") -> dict[str, f
 # Where qa_1/qa_2's documents and questions come from, as a run's settings say: ``hub`` the real SQuAD v2 /
 # HotpotQA (data.qa_source=hub, or data.source=hub: the leaderboard's set, made by RULER's own scripts),
 # ``synthetic`` invented stand-ins (data.qa_source=synthetic, offline), ``file`` rows from a file, whose origin a
-# run cannot tell, ``unknown`` a saved run whose settings do not say (scripts/ruler_table.py).
+# run cannot tell, ``unknown`` a saved run whose settings do not say (luka_bench/ruler_table.py).
 QA_ORIGINS = {
     "hub": "qa_1/qa_2 are the real SQuAD v2 / HotpotQA",
     "synthetic": "qa_1/qa_2 are offline stand-ins (invented articles, data.qa_source=synthetic), not SQuAD/HotpotQA",

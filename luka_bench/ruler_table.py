@@ -2,13 +2,14 @@
 method (NIAH), mean ± one standard error over samples and n, full attention first. Runs that did not finish
 are read too: their finished tasks are shown, the rest marked "-", and the column is labelled "(partial)".
 
-Usage: python scripts/ruler_table.py results/sweeps/<ruler sweep> --out results/summaries/ruler
-       python scripts/ruler_table.py results/sweeps/<niah sweep> --niah --out results/summaries/niah
+Usage: python -m luka_bench.ruler_table results/sweeps/<ruler sweep> --out results/summaries/ruler
+       python -m luka_bench.ruler_table results/sweeps/<niah sweep> --niah --out results/summaries/niah
+
+Run folders are read through the report's loaders (``luka_bench.results``).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import yaml
 
 from luka_bench.data.ruler import TASKS
 from luka_bench.data.scoring_ruler import headline_rule, mean_se
+from luka_bench.stats import paired_difference
 
 
 def qa_origin(cfg: dict) -> str:
@@ -31,15 +33,13 @@ def qa_origin(cfg: dict) -> str:
 def runs(sweep: Path) -> list[tuple[str, bool, list[dict], str]]:
     """(method, complete, records, QA origin) of every run folder below ``sweep``, full first, then the sweep's
     order."""
+    from luka_bench.results import find_runs, read_metrics, read_predictions, read_run_config
+
     out = []
-    for cfg_file in sorted(sweep.glob("*/config.yaml")):
-        run = cfg_file.parent
-        cfg = yaml.safe_load(cfg_file.read_text()) or {}
-        pred = run / "predictions.jsonl"
-        recs = [json.loads(x) for x in pred.read_text().splitlines() if x.strip()] if pred.is_file() else []
-        met = run / "metrics.json"
-        done = met.is_file() and bool(json.loads(met.read_text()).get("complete"))
-        out.append((str(cfg.get("method_name")), done, recs, qa_origin(cfg)))
+    for run in find_runs(sweep):
+        cfg = read_run_config(run / "config.yaml") or {}
+        done = read_metrics(run)[0] is not None
+        out.append((str(cfg.get("method_name")), done, read_predictions(run), qa_origin(cfg)))
     order = []
     mr = sweep / "multirun.yaml"
     if mr.is_file():
@@ -104,15 +104,14 @@ def ruler_table(sweep: Path) -> tuple[str, list[dict]]:
             else:
                 row.append(f"- ({sum(t in d for t in tasks)}/{len(tasks)} tasks)")
         rows.append(row)
-    # paired with full attention on the same samples (same seed: identical prompts), SE over the paired items
+    # paired with full attention on the same samples (same seed: identical prompts and item ids), SE over the
+    # paired items (``stats.paired_difference``)
     if rs and rs[0][0] == "full":
-        base = {(t, i): x for t, v in per_method_task[0].items() for i, x in enumerate(v)}
         diff = ["difference from full (paired items)"]
-        for d in per_method_task:
-            pairs = [x - base[(t, i)] for t, v in d.items() for i, x in enumerate(v) if (t, i) in base]
-            if len(d) == len(TASKS) and pairs:
-                mu, se = mean_se(pairs)
-                diff.append(f"{mu:+.1f}" + (f" ± {se:.1f}" if se is not None else ""))
+        for (_, _, recs, _), d in zip(rs, per_method_task):
+            p = paired_difference(recs, rs[0][2], "ruler")
+            if len(d) == len(TASKS) and p["n"]:
+                diff.append(f"{p['mean']:+.1f}" + (f" ± {p['se']:.1f}" if p["se"] is not None else ""))
             else:
                 diff.append("-")
         rows.append(diff)
