@@ -32,8 +32,6 @@ BUDGET = {"full": 2, "snapkv": 2, "laser_kv": 2, "streaming_llm": 4, "oracle_top
 OVER: dict[str, str] = {
     "streaming_llm": "7 > 4: 5 copy_ + 3 clone + fill_ - 2 cat (keep_ends shifts K/V/positions by a clone and a "
                      "copy each, the append writes K/V/positions separately)",
-    "oracle_topk": "11 > 8: 2 bmm + 2 _softmax + mul_ + sum + topk + zeros + scatter_ + bitwise_not + masked_fill "
-                   "+ 2 copy_ + fill_ - 2 cat - sdpa",
     "h2o": "34 > 12: 8 copy_ + 4 index_select + 4 index_copy_ + 4 clone + ... (drop_one moves K/V/positions/mass "
            "separately, the tail shifted by a clone and a copy each)",
     "luka_lined": "34 > 12: as h2o",
