@@ -32,11 +32,13 @@ BUDGET = {"full": 2, "snapkv": 2, "laser_kv": 2, "streaming_llm": 4, "oracle_top
 OVER: dict[str, str] = {
     "streaming_llm": "7 > 4: 5 copy_ + 3 clone + fill_ - 2 cat (keep_ends shifts K/V/positions by a clone and a "
                      "copy each, the append writes K/V/positions separately)",
-    "h2o": "34 > 12: 8 copy_ + 4 index_select + 4 index_copy_ + 4 clone + ... (drop_one moves K/V/positions/mass "
-           "separately, the tail shifted by a clone and a copy each)",
-    "luka_lined": "34 > 12: as h2o",
-    "h2o_outer": "17.5 > 12: h2o's 34 on half the layers",
-    "luka_mixed": "26 > 12: h2o's 34 on the outer layers, luka_clustered's 18 in the middle",
+    "h2o": "24 > 12: tail shift in drop_one (4 clone + 4 copy_: K, V, positions, mass moved one slot left "
+           "separately), 4 scatter_ (the dropped slot refilled, per tensor), the append's 2 copy_ + 2 fill_ "
+           "(positions, mass) - 2 cat, attention with masses (2 bmm + mul_ + _softmax + sum - sdpa), add_ (mass), "
+           "the least-mass argmin with ties to the latest (amin + eq + scalar_tensor + where + argmax)",
+    "luka_lined": "24 > 12: as h2o",
+    "h2o_outer": "12.5 > 12: h2o's 24 on half the layers",
+    "luka_mixed": "21 > 12: h2o's 24 on the outer layers, luka_clustered's 18 in the middle",
     "luka_clustered": "18 > 12: not reduced yet",
     "entropy_ols": "43 > 14: not reduced yet",
     "lychee": "73.75 > 20: not reduced yet",
