@@ -39,9 +39,12 @@ OVER: dict[str, str] = {
     "luka_lined": "24 > 12: as h2o",
     "h2o_outer": "12.5 > 12: h2o's 24 on half the layers",
     "luka_mixed": "21 > 12: h2o's 24 on the outer layers, luka_clustered's 18 in the middle",
-    "luka_clustered": "18 > 12: not reduced yet",
-    "entropy_ols": "43 > 14: not reduced yet",
-    "lychee": "73.75 > 20: not reduced yet",
+    "luka_clustered": "18 > 12 (not reduced yet): 5 copy_ + 2 fill_ + 2 baddbmm + 2 _softmax + 2 sum + "
+                      "2 index_select + add + sort + scatter_ + bmm + add_ - cat - sdpa",
+    "entropy_ols": "43 > 14 (not reduced yet): 7 copy_ + 4 zeros + 4 bmm + 4 add_ + 3 fill_ + 3 sum + "
+                   "2 add + 2 mul + 2 mul_ + 2 gt + entropy (log_softmax, exp, where, log, div, ...) - sdpa",
+    "lychee": "73.75 > 20 (not reduced yet): 12 gather + 6.75 add + 4.5 arange + 3.75 bmm + 3.75 "
+              "bitwise_and + 3 each of mul, sum, masked_fill, sort, lt, where + ... (retrieval over the index)",
 }
 
 
