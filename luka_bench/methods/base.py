@@ -509,6 +509,11 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scali
     n, dev = k.shape[2], q.device
     extra_k, extra_v, extra_bias = extra if extra is not None else (None, None, None)
     S = 0 if extra_k is None else extra_k.shape[2]
+    if S == 0 and not entropy and lq <= chunk and (lq == 1 or not causal):
+        # one chunk seeing every held key (a decode step): the loop's result without its output buffer, zeroed
+        # mass and the copies into them (issue 36: three kernel launches fewer per layer and step; same values)
+        w = torch.softmax(group_logits(q, k, scaling), dim=-1)
+        return group_apply(w, v), w.sum(dim=(2, 3)), None, None, None
     out = q.new_empty(b, hkv, g, lq, v.shape[-1])
     mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=dev)
     emass = torch.zeros(b, hkv, S, dtype=torch.float32, device=dev) if S else None

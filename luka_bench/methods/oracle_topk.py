@@ -15,7 +15,8 @@ question) are exact, as in ``lychee``; a layer holding at most ``token_budget`` 
 ``attended`` reports exactly the tokens read.
 
 Shapes: query [B, Hq, 1, D]; keys/values [B, Hkv, n, D]; selection mask [B, Hkv, n]. Everything on the decode
-path is tensor ops (one softmax for the scores, ``topk``, one masked softmax for the output): no host sync.
+path is tensor ops (one softmax for the scores, ``topk``, one softmax over the read tokens for the output): no
+host sync; 8 kernel launches per layer and step over stock transformers (``luka_bench.launches``).
 """
 from __future__ import annotations
 
@@ -28,6 +29,44 @@ from luka_bench.methods.base import (KVMethod, LayerInfo, LayerPolicy, MethodCon
                                      group_apply, group_logits)
 
 
+def oracle_topk_select(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, k: int,
+                       sink: int = 0, recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode path of ``oracle_topk_attention``: (output [B, Hq, 1, Dv], the read tokens' indices [B, Hkv,
+    min(k, n)]). Issue 36 (kernel launches per step): the scaled logits in one ``baddbmm`` (fp32: the scaling
+    inside the GEMM instead of a ``mul_`` after it), and the output from the ``k`` read tokens only — their logits
+    and values gathered, a softmax over them (= the softmax over all held tokens with the others masked, without
+    building the mask) — so no [B, Hkv, n] mask is made on the step; ``read_mask`` builds it from the indices
+    when someone asks (the probe)."""
+    b, hq, lq, d = query.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    g = hq // hkv
+    q = query.view(b, hkv, g, lq, d)
+    if query.dtype == torch.float32 and keys.dtype == torch.float32:
+        qf, kf = q.reshape(b * hkv, g * lq, d), keys.reshape(b * hkv, n, d).transpose(1, 2)
+        logits = torch.baddbmm(qf.new_empty(()).expand(b * hkv, g * lq, n), qf, kf, beta=0.0,
+                               alpha=scaling).view(b, hkv, g, lq, n)
+    else:
+        logits = group_logits(q, keys, scaling)  # [B, Hkv, g, 1, n] fp32
+    score = torch.softmax(logits, dim=-1).sum(dim=(2, 3))  # [B, Hkv, n]: the group's true weights summed
+    if sink or recent:
+        j = torch.arange(n, device=keys.device)
+        forced = (j < sink) | (j >= n - recent)
+        score = score.masked_fill(forced, float("inf"))
+    m = min(k, n)
+    top = torch.topk(score, m, dim=-1).indices  # [B, Hkv, m]
+    w = torch.softmax(logits.gather(-1, top[:, :, None, None, :].expand(b, hkv, g, lq, m)), dim=-1)
+    dv = values.shape[-1]
+    vsel = values.gather(2, top[..., None].expand(b, hkv, m, dv))  # [B, Hkv, m, Dv]
+    out = group_apply(w, vsel)  # [B, Hkv, g, 1, Dv]
+    return out.view(b, hq, lq, dv).to(query.dtype), top
+
+
+def read_mask(top: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, Hkv, n] boolean: True at the indices ``top`` [B, Hkv, m]."""
+    b, h = top.shape[:2]
+    return torch.zeros(b, h, n, dtype=torch.bool, device=top.device).scatter_(2, top, True)
+
+
 def oracle_topk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, k: int,
                           sink: int = 0, recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode query [B, Hq, 1, D] over keys/values [B, Hkv, n, D] (held tokens in time order, n > 0).
@@ -36,41 +75,36 @@ def oracle_topk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch
     true attention weight); the ``k`` tokens with the largest score (``sink`` first and ``recent`` last tokens
     forced in, counted in ``k``) are read, with an fp32 softmax over them alone. Returns (output [B, Hq, 1, Dv],
     read mask [B, Hkv, n] with exactly min(k, n) True per head)."""
-    b, hq, lq, d = query.shape
-    hkv, n = keys.shape[1], keys.shape[2]
-    g = hq // hkv
-    logits = group_logits(query.view(b, hkv, g, lq, d), keys, scaling)  # [B, Hkv, g, 1, n] fp32
-    score = torch.softmax(logits, dim=-1).sum(dim=(2, 3))  # [B, Hkv, n]: the group's true weights summed
-    if sink or recent:
-        j = torch.arange(n, device=keys.device)
-        forced = (j < sink) | (j >= n - recent)
-        score = score.masked_fill(forced, float("inf"))
-    top = torch.topk(score, min(k, n), dim=-1).indices
-    read = torch.zeros(b, hkv, n, dtype=torch.bool, device=keys.device).scatter_(2, top, True)
-    w = torch.softmax(logits.masked_fill(~read[:, :, None, None, :], float("-inf")), dim=-1)
-    out = group_apply(w, values)  # [B, Hkv, g, 1, Dv]
-    return out.view(b, hq, lq, values.shape[-1]).to(query.dtype), read
+    out, top = oracle_topk_select(query, keys, values, scaling, k, sink, recent)
+    return out, read_mask(top, keys.shape[2])
 
 
 class OracleTopKPolicy(LayerPolicy):
     def __init__(self, method: "OracleTopK", info: LayerInfo):
         super().__init__(method, info)
-        self.read: torch.Tensor | None = None  # the last decode step's read mask (None: it read everything)
+        self.top: torch.Tensor | None = None  # the last decode step's read indices (None: it read everything)
+        self.n_read = 0  # tokens held at that step (the mask's length)
 
     def attend(self, store, query, scaling):
         m = self.method
         if query.shape[2] != 1 or store.cache.phase != "decode" or store.n <= m.token_budget:
-            self.read = None
+            self.top = None
             return exact_attention(store, query, scaling)
-        out, self.read = oracle_topk_attention(query, store.keys, store.values, scaling, m.token_budget,
-                                               m.sink, m.recent)
+        out, self.top = oracle_topk_select(query, store.keys, store.values, scaling, m.token_budget, m.sink,
+                                           m.recent)
+        self.n_read = store.n
         return out
+
+    @property
+    def read(self) -> torch.Tensor | None:
+        """The last decode step's read mask [B, Hkv, n] (None: it read everything), built when asked."""
+        return None if self.top is None else read_mask(self.top, self.n_read)
 
     def attended(self, store):
         return self.read
 
     def attended_count(self, store) -> float:
-        return float(store.n) if self.read is None else float(min(self.method.token_budget, store.n))
+        return float(store.n) if self.top is None else float(min(self.method.token_budget, store.n))
 
 
 @dataclass

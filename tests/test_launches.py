@@ -1,0 +1,101 @@
+"""Kernel launches per layer per steady-state decode step over stock transformers (issue 36): on a GPU a decode
+step is bound by launches, so every method has a budget of *extra* launching aten ops per layer over plain
+transformers (sdpa + ``DynamicCache``), counted by ``luka_bench.launches.LaunchCounter`` on a tiny 4-layer Llama
+after a 400-token prompt: the median over 24 steps without an event (LuKA clustered's segmentation/compression,
+entropy_ols's flushes, lychee's index updates). ``python -m luka_bench.launches --ops`` prints the table and the
+ops behind each number.
+
+A method over its budget is an ``xfail(strict=True)`` whose reason states the count and the ops that remain: the
+gap is on record, and the case fails the moment the method fits (then the mark goes). Budgets are never loosened
+to fit."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from luka_bench.host_sync import sync_method_config
+from luka_bench.launches import LaunchCounter, decode_launch_counts, launches_op, stock_launch_counts, summary
+from luka_bench.models import TinyRandomModel
+
+CONF = Path(__file__).resolve().parent.parent / "conf" / "method"
+LAYERS, PROMPT, STEPS = 4, 400, 24
+pytestmark = [pytest.mark.usefixtures("one_thread")]
+
+# extra launches per layer per step over stock (issue 36). h2o_outer (H2O on the outer layers, full in the
+# middle) is not in the issue's list: it gets H2O's, which it meets whenever H2O does.
+BUDGET = {"full": 2, "snapkv": 2, "laser_kv": 2, "streaming_llm": 4, "oracle_topk": 8, "h2o": 12,
+          "luka_lined": 12, "luka_clustered": 12, "luka_mixed": 12, "h2o_outer": 12, "entropy_ols": 14, "lychee": 20}
+# over budget, not reduced yet: "<count> > <budget>: <the ops that remain>" (per layer, over stock)
+OVER: dict[str, str] = {
+    "streaming_llm": "7 > 4: 5 copy_ + 3 clone + fill_ - 2 cat (keep_ends shifts K/V/positions by a clone and a "
+                     "copy each, the append writes K/V/positions separately)",
+    "h2o": "24 > 12: tail shift in drop_one (4 clone + 4 copy_: K, V, positions, mass moved one slot left "
+           "separately), 4 scatter_ (the dropped slot refilled, per tensor), the append's 2 copy_ + 2 fill_ "
+           "(positions, mass) - 2 cat, attention with masses (2 bmm + mul_ + _softmax + sum - sdpa), add_ (mass), "
+           "the least-mass argmin with ties to the latest (amin + eq + scalar_tensor + where + argmax)",
+    "luka_lined": "24 > 12: as h2o",
+    "h2o_outer": "12.5 > 12: h2o's 24 on half the layers",
+    "luka_mixed": "21 > 12: h2o's 24 on the outer layers, luka_clustered's 18 in the middle",
+    "luka_clustered": "18 > 12 (not reduced yet): 5 copy_ + 2 fill_ + 2 baddbmm + 2 _softmax + 2 sum + "
+                      "2 index_select + add + sort + scatter_ + bmm + add_ - cat - sdpa",
+    "entropy_ols": "43 > 14 (not reduced yet): 7 copy_ + 4 zeros + 4 bmm + 4 add_ + 3 fill_ + 3 sum + "
+                   "2 add + 2 mul + 2 mul_ + 2 gt + entropy (log_softmax, exp, where, log, div, ...) - sdpa",
+    "lychee": "73.75 > 20 (not reduced yet): 12 gather + 6.75 add + 4.5 arange + 3.75 bmm + 3.75 "
+              "bitwise_and + 3 each of mul, sum, masked_fill, sort, lt, where + ... (retrieval over the index)",
+}
+
+
+def _cases():
+    out = []
+    for p in sorted(CONF.glob("*.yaml")):
+        name = p.stem
+        marks = [pytest.mark.xfail(strict=True, reason=OVER[name])] if name in OVER else []
+        out.append(pytest.param(name, id=name, marks=marks))
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return TinyRandomModel(name="tiny_llama", arch="llama", num_hidden_layers=LAYERS, device="cpu",
+                           dtype="float32").load()
+
+
+@pytest.fixture(scope="module")
+def stock(llama):
+    return stock_launch_counts(llama.model, PROMPT, STEPS)
+
+
+def test_every_method_has_a_budget():
+    assert {p.stem for p in CONF.glob("*.yaml")} == set(BUDGET)
+
+
+@pytest.mark.parametrize("name", _cases())
+def test_extra_launches_per_layer_within_budget(name, llama, stock):
+    method = instantiate(sync_method_config(name), _convert_="all")
+    rows = decode_launch_counts(llama.model, method, PROMPT, STEPS, tokenizer=llama.tokenizer)
+    s = summary(rows, stock, LAYERS)
+    assert 35 <= s["stock"] <= 45, s  # the reference itself (issue 36: ~40 per layer)
+    assert s["extra"] <= BUDGET[name], f"{name}: {s['extra']:g} extra launches per layer > {BUDGET[name]}: {s}"
+
+
+def test_the_counter_skips_views_and_metadata():
+    x = torch.randn(4, 6)
+    with LaunchCounter() as c:  # none of these launches a kernel
+        x.view(2, 12), x.reshape(24), x[1:3], x[:, 2], x.t(), x.unsqueeze(0).squeeze(0), x.expand(2, 4, 6)
+        x.detach(), x.transpose(0, 1), x.as_strided((2, 2), (1, 1)), x.to(torch.float32), x.contiguous()
+        torch.empty(3), x.new_empty(2), x.size(), x.split(2)
+    assert c.total == 0, c.ops
+    with LaunchCounter() as c:  # each of these launches one
+        x + 1, x.t().contiguous(), x.add_(1), torch.zeros(3), x.sum(), x.to(torch.float64), x[:, :2].clone()
+    assert c.total == 7 and c.ops["add"] == 1 and c.ops["add_"] == 1, c.ops
+
+
+def test_views_are_told_by_the_schema():
+    aten = torch.ops.aten
+    assert not launches_op(aten.view.default, (torch.zeros(2),), {})
+    assert not launches_op(aten.select.int, (torch.zeros(2), 0, 0), {})
+    assert launches_op(aten.index_copy_.default, (torch.zeros(2),), {})  # in place: writes, launches
+    assert launches_op(aten.mul.Tensor, (torch.zeros(2),), {})
