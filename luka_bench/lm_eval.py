@@ -93,6 +93,16 @@ def _device_setting(device: Any, explicit: bool) -> Any:
     return device
 
 
+def _in_lm_eval_cli() -> bool:
+    """This process is lm-eval's command line (``lm_eval``, ``python -m lm_eval``, ``python -m luka_bench.lm_eval``)."""
+    import sys
+    from pathlib import Path
+
+    argv0 = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    return argv0.name in ("lm_eval", "lm-eval") or (argv0.name == "__main__.py" and argv0.parent.name == "lm_eval") \
+        or (argv0.name == "lm_eval.py" and argv0.parent.name == "luka_bench")
+
+
 def load(model: str, model_settings: dict):
     """``luka_bench.load_model`` with its settings checked as the command line checks them."""
     import luka_bench as lb
@@ -128,6 +138,14 @@ class LukaBenchLM(HFLM):
     ``batch_size`` (accepted; requests run one at a time: a method's cache holds one sequence)."""
 
     def __init__(self, model: str = "smollm2_135m", method: str = "full", **kwargs) -> None:
+        try:
+            self._setup(model, method, kwargs)
+        except OneLineError as e:
+            if _in_lm_eval_cli():  # lm-eval's command line would print a traceback around the one line
+                raise SystemExit(f"error: {e}") from None
+            raise
+
+    def _setup(self, model: str, method: str, kwargs: dict) -> None:
         import luka_bench as lb
 
         model_s, method_s, hf = _split_args(kwargs)
