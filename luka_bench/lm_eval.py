@@ -49,8 +49,9 @@ log = logging.getLogger("luka_bench.lm_eval")
 HFLM_ARGS = ("batch_size", "max_batch_size", "max_length", "truncation", "add_bos_token", "prefix_token_id",
              "think_end_token", "enable_thinking", "chat_template_args", "logits_cache")
 # Read by tasks, not by the model: RULER's synthetic tasks build their data with ``tokenizer=`` (or ``model=``,
-# when it is a hub id), which lm-eval hands them from --model_args.
-TASK_ARGS = ("tokenizer", "pretrained")
+# when it is a hub id), which lm-eval hands them from --model_args. (``pretrained=``, which RULER reads too, is
+# refused: it would look like it chooses the model.)
+TASK_ARGS = ("tokenizer",)
 HUB_MODEL_SETTINGS = ("dtype", "device", "revision", "max_context", "chat_template")
 
 
@@ -73,6 +74,9 @@ def _split_args(args: dict[str, Any]) -> tuple[dict, dict, dict]:
             model_s.setdefault(k, v)
         elif k in TASK_ARGS:
             continue
+        elif k == "pretrained":
+            raise LmEvalArgsError(f"--model_args pretrained={v!r} is the hf model's name for it; --model luka_bench "
+                                  f"takes model=<a conf/model name, a hub id or a local folder> (model={v})")
         else:
             allowed = ", ".join(["model", "method", "model.<key>", "method.<key>", "dtype", "device",
                                  *HFLM_ARGS, *TASK_ARGS])

@@ -121,7 +121,8 @@ def test_bad_model_args_are_one_line():
                         ("model=tiny_llama,method=snapkv,method.budget=2", ["method.budget=2"]),
                         ("model=tiny_llama,temperature=0", ["temperature", "method.<key>"]),
                         ("model=tiny_llama,model.dtype=fp8", ["fp8", "bfloat16"]),
-                        ("model=no_such_model", ["no_such_model", "smollm2_135m"])]:
+                        ("model=no_such_model", ["no_such_model", "smollm2_135m"]),
+                        ("pretrained=HuggingFaceTB/SmolLM2-135M", ["pretrained", "model="])]:
         with pytest.raises(OneLineError) as e:
             LukaBenchLM.create_from_arg_string(args, {"device": "cpu"})
         msg = str(e.value)
@@ -198,6 +199,14 @@ def test_runner_and_lm_eval_answer_the_same_prompts_alike(tmp_path, task_manager
     until = [*task.stop_strings, lm.tokenizer.decode([lm.tokenizer.eos_token_id])]
     want = {r["item_id"]: postprocess_generated_text(r["raw_output"], until, None) for r in recs}
     assert got == want and len(got) >= 2
+
+
+def test_a_sampling_task_is_refused_in_one_line(tiny_folder, task_manager, one_thread):
+    from luka_bench.errors import RunConfigError
+
+    with pytest.raises(RunConfigError, match="do_sample=True .* decodes greedily; allowed: do_sample=false"):
+        evaluate("luka_bench", f"model={tiny_folder}", ["luka_fixture_gen"], task_manager, limit=1,
+                 gen_kwargs="do_sample=True,temperature=0.7")
 
 
 # ---------------------------------------------------------------------------------------------------------------
