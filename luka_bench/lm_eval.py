@@ -92,7 +92,7 @@ def _device_setting(device: Any, explicit: bool) -> Any:
     if device is None or explicit:
         return device
     if str(device).startswith("cuda") and not torch.cuda.is_available():
-        log.warning("--device %s: no CUDA GPU here, using model.device=auto", device)
+        log.info("--device %s: no CUDA GPU here, using model.device=auto", device)
         return "auto"
     return device
 
