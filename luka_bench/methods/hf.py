@@ -208,13 +208,12 @@ class KVStore(CacheLayerMixin):
         their tokens, so attention is unchanged, and a policy that needs time order sorts by ``positions``."""
         n = self.n
         last = n - tail - 1  # the older region's last slot
-        dst = index[:, :, None]  # [B, Hkv, 1]
+        off = self.row_offsets().view(-1)
+        dst = index.reshape(-1) + off
+        src = off + last
         for t in (self._k, self._v, self._pos, *self._aux.values()):
-            # one scatter per tensor (issue 36: kernel launches), its source the slot itself (a view): the rows
-            # written (the dropped slots) and the row read (``last``) are different slots, or the same one
-            # rewritten with its own value
-            ix = dst.view(*dst.shape, *([1] * (t.dim() - 3))).expand(*dst.shape, *t.shape[3:])
-            t.scatter_(2, ix, t[:, :, last: last + 1])
+            rows = t.view(-1, *t.shape[3:])
+            rows.index_copy_(0, dst, rows.index_select(0, src))
             if tail:
                 t[:, :, last: n - 1] = t[:, :, last + 1: n].clone()
         self.n -= 1
