@@ -9,15 +9,29 @@ them runs unchanged on both and the tests can reach them with mocks of ``torch.c
 - ``host_to_device(values, device, dtype)``: host data (a list of numbers) on the device without a host
   synchronisation (pinned staging + ``non_blocking``; a plain ``torch.tensor(list, device=cuda)`` waits for the
   copy, a sync on every call);
-- ``warm_up(model, method, ...)``: a throwaway prefill and a few decode steps through a method's cache, so that
-  one-time costs (Triton compilation, cuBLAS handles, allocator growth) are not timed in the first item.
+- ``synchronize(device)``: wait for the device (CUDA), nothing elsewhere.
+
+This module imports no other module of the package (the engine's ``warm_up`` uses it).
 """
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
+
+
+_HOST_SIDE = [0]  # depth of host_side() blocks: the sync counter (luka_bench.host_sync) counts nothing inside
+
+
+@contextlib.contextmanager
+def host_side():
+    """Declare host-side work (CPU tensors made from host data, read back on the host): not counted by the sync
+    counter (``luka_bench.host_sync.SyncCounter``). Only for code that never touches a device tensor inside."""
+    _HOST_SIDE[0] += 1
+    try:
+        yield
+    finally:
+        _HOST_SIDE[0] -= 1
 
 
 def _cuda(device) -> bool:
@@ -62,40 +76,14 @@ def host_to_device(values, device, dtype: torch.dtype = torch.long) -> torch.Ten
     on CUDA the values are staged in pinned memory and copied with ``non_blocking=True`` (the caching host
     allocator keeps the staging block alive until the copy has run); on the CPU a plain tensor. The sync
     counter (``luka_bench.host_sync``) does not count it: it is the sanctioned way to hand host data over."""
-    from luka_bench.host_sync import host_side
-
     with host_side():
         if _cuda(device):
             return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
         return torch.tensor(values, dtype=dtype, device=device)
 
 
-@torch.no_grad()
-def warm_up(model, method=None, tokenizer=None, prompt_len: int = 256, chunk: int = 128, steps: int = 2,
-            seed: int = 0) -> float:
-    """A throwaway run through ``method`` (default: full attention) on ``model``: a prefill of ``prompt_len``
-    random token ids in chunks of ``chunk`` (the first chunk a plain causal prefill, the next ones the masked
-    chunk-after-a-prefix path; chunks of >= 64 queries take the Triton prefill kernel on CUDA), then ``steps``
-    decode steps, then a device synchronisation. Nothing is kept. Returns the seconds it took. Meant for CUDA
-    before the first timed item (one-time costs: kernel compilation and autotuning, library handles, allocator
-    growth); it runs on any device."""
-    from luka_bench import engine
-    from luka_bench.methods import hf
-    from luka_bench.methods.full import Full
-
-    method = Full() if method is None else method
-    dev = model.device
-    vocab = min(model.config.get_text_config().vocab_size, 256)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (prompt_len + steps,), generator=g).tolist()
-    t0 = time.perf_counter()
-    with hf.attach(model, method, tokenizer) as att:
-        # the prefill in chunks of ``chunk`` (split by attach's hook), then decode steps, as the engine runs them
-        cache = att.new_cache(reference_length=prompt_len, prefill_chunk=max(1, chunk))
-        engine.prefill(model, ids[:prompt_len], cache)
-        for i in range(steps):
-            engine.forward(model, ids[prompt_len + i: prompt_len + i + 1], cache)
-        cache.timings  # resolve any recorded events
-    if _cuda(dev):
-        torch.cuda.synchronize(dev)
-    return time.perf_counter() - t0
+def synchronize(device) -> None:
+    """Wait for ``device`` (CUDA runs kernels asynchronously: a host clock would time their launch); nothing on
+    the CPU."""
+    if _cuda(device):
+        torch.cuda.synchronize(torch.device(device))

@@ -25,8 +25,7 @@ from luka_bench.methods.hf import MethodCache
 
 def sync(device: torch.device) -> None:
     """Wait for the device (CUDA runs kernels asynchronously: a host clock would time their launch)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    D.synchronize(device)
 
 
 @torch.no_grad()
@@ -270,3 +269,32 @@ def _prefill(lm, attached, plan: ExamplePlan, ids: list[int], question_ids, cach
             "kv_bytes_full_prefill": cache.full_bytes(), "kv_tokens_prefill": cache.held_tokens(),
             "evidence_kept": evidence_kept(cache, plan.evidence) if plan.evidence else None}
     return cache, logits, info
+
+
+@torch.no_grad()
+def warm_up(model, method=None, tokenizer=None, prompt_len: int = 256, chunk: int = 128, steps: int = 2,
+            seed: int = 0) -> float:
+    """A throwaway run through ``method`` (default: full attention) on ``model``: a prefill of ``prompt_len``
+    random token ids in chunks of ``chunk`` (the first chunk a plain causal prefill, the next ones the masked
+    chunk-after-a-prefix path; chunks of >= 64 queries take the Triton prefill kernel on CUDA), then ``steps``
+    decode steps, then a device synchronisation. Nothing is kept. Returns the seconds it took. Meant for CUDA
+    before the first timed item (one-time costs: kernel compilation and autotuning, library handles, allocator
+    growth); it runs on any device."""
+    from luka_bench.methods import hf
+    from luka_bench.methods.full import Full
+
+    method = Full() if method is None else method
+    dev = model.device
+    vocab = min(model.config.get_text_config().vocab_size, 256)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (prompt_len + steps,), generator=g).tolist()
+    t0 = time.perf_counter()
+    with hf.attach(model, method, tokenizer) as att:
+        # the prefill in chunks of ``chunk`` (split by attach's hook), then decode steps, as the engine runs them
+        cache = att.new_cache(reference_length=prompt_len, prefill_chunk=max(1, chunk))
+        prefill(model, ids[:prompt_len], cache)
+        for i in range(steps):
+            forward(model, ids[prompt_len + i: prompt_len + i + 1], cache)
+        cache.timings  # resolve any recorded events
+    D.synchronize(dev)
+    return time.perf_counter() - t0

@@ -47,18 +47,8 @@ _ALWAYS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique
            "_linalg_svd", "linalg_svd", "svd", "linalg_pinv", "_linalg_eigh", "linalg_eigh", "linalg_eig",
            "linalg_eigvals", "linalg_lstsq", "equal", "allclose", "bincount", "histc"}
 
-_HOST_SIDE = [0]  # depth of host_side() blocks: nothing is counted inside
-
-
-@contextlib.contextmanager
-def host_side():
-    """Declare host-side work (CPU tensors made from host data, read back on the host): not counted by
-    ``SyncCounter``. Only for code that never touches a device tensor inside the block."""
-    _HOST_SIDE[0] += 1
-    try:
-        yield
-    finally:
-        _HOST_SIDE[0] -= 1
+# host_side() and its depth live with the device helpers (a module that imports nothing of the package)
+from luka_bench.device import _HOST_SIDE, host_side  # noqa: E402,F401
 
 
 def _is_bool_index(args) -> bool:

@@ -313,7 +313,7 @@ def _run_in(cfg: DictConfig, prepared: Prepared, folder: RunFolder, tracker) -> 
     on_item = log_item if getattr(tracker, "logs_items", True) else None
 
     if warm_up_needed(loaded.model.device):  # Triton compilation, CUDA lazy loading, cuBLAS set-up: not timed
-        D.warm_up(loaded.model, method, loaded.tokenizer)
+        E.warm_up(loaded.model, method, loaded.tokenizer)
     try:
         with attach(loaded.model, method, loaded.tokenizer) as attached:
             evaluate = evaluate_qa if task.kind == "qa" else evaluate_ppl

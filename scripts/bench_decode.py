@@ -15,7 +15,7 @@ its prefill (the process's high-water mark is reset before each prefill; "from" 
 in the interleaved mode holds the caches of the methods before it), and the component breakdown. ``full``'s
 ratio to stock is the harness overhead over a bare greedy loop. ``--json`` is rewritten after every method, so a
 long run that is stopped keeps what it measured. Ends with a markdown table of the ratios. Before anything is
-timed, stock, full and every method run once on 256 tokens and two decode steps (``luka_bench.device.warm_up``;
+timed, stock, full and every method run once on 256 tokens and two decode steps (``luka_bench.engine.warm_up``;
 ``--no-warm-up`` skips it), so kernel compilation and library set-up fall in no timed step; stock's attention
 implementation is switched once per prefill or decode round, never inside a timed step.
 
@@ -249,9 +249,9 @@ def main() -> None:
             torch.cuda.synchronize(dev)
 
     def warm(name):
-        """A throwaway prefill + decode steps (stock: its own loop; the others: ``device.warm_up``), so one-time
+        """A throwaway prefill + decode steps (stock: its own loop; the others: ``engine.warm_up``), so one-time
         costs — kernel compilation, library handles, allocator growth — land in no timed step."""
-        from luka_bench.device import warm_up
+        from luka_bench.engine import warm_up
 
         with torch.no_grad(), explicit_path(name.endswith(EXPLICIT)):
             if name == "stock":

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from luka_bench import device as devices
+from luka_bench import engine
 from luka_bench.methods import triton_kernel
 from luka_bench.methods.full import Full
 from luka_bench.methods.hf import MethodCache, layer_infos
@@ -213,13 +214,13 @@ def test_warm_up_runs_a_chunked_prefill_and_decode_steps(tiny_qwen3, monkeypatch
         return real(*a, **kw)
 
     monkeypatch.setattr(model, "forward", spy)
-    secs = devices.warm_up(model, H2O(budget=0.5), prompt_len=96, chunk=64, steps=3)
+    secs = engine.warm_up(model, H2O(budget=0.5), prompt_len=96, chunk=64, steps=3)
     assert secs > 0 and calls == [64, 32, 1, 1, 1]
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: synced.append(dev))
     monkeypatch.setattr(devices, "_cuda", lambda dev: True)  # pretend the model is on a GPU: it synchronises
     calls.clear()
-    devices.warm_up(model, prompt_len=16, chunk=16, steps=1)
+    engine.warm_up(model, prompt_len=16, chunk=16, steps=1)
     assert calls == [16, 1] and synced == [model.device]
     assert model.config._attn_implementation != "luka_bench"  # detached again
 

@@ -18,7 +18,11 @@ def _module(path) -> str:
 
 
 def _type_checking(node) -> bool:
+    """``if TYPE_CHECKING:`` (annotations only) or ``if __name__ == "__main__":`` (runs when the file is the
+    program, a module of another name): neither block makes the module depend on what it imports."""
     t = node.test
+    if isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and t.left.id == "__name__":
+        return True
     return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
         (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 

@@ -32,13 +32,15 @@ BUDGET = {"full": 2, "snapkv": 2, "laser_kv": 2, "streaming_llm": 4, "oracle_top
 OVER: dict[str, str] = {
     "streaming_llm": "7 > 4: 5 copy_ + 3 clone + fill_ - 2 cat (keep_ends shifts K/V/positions by a clone and a "
                      "copy each, the append writes K/V/positions separately)",
-    "h2o": "24 > 12: tail shift in drop_one (4 clone + 4 copy_: K, V, positions, mass moved one slot left "
-           "separately), 4 scatter_ (the dropped slot refilled, per tensor), the append's 2 copy_ + 2 fill_ "
-           "(positions, mass) - 2 cat, attention with masses (2 bmm + mul_ + _softmax + sum - sdpa), add_ (mass), "
-           "the least-mass argmin with ties to the latest (amin + eq + scalar_tensor + where + argmax)",
-    "luka_lined": "24 > 12: as h2o",
-    "h2o_outer": "12.5 > 12: h2o's 24 on half the layers",
-    "luka_mixed": "21 > 12: h2o's 24 on the outer layers, luka_clustered's 18 in the middle",
+    "h2o": "30 > 12: tail shift in drop_one (4 clone + 4 copy_: K, V, positions, mass moved one slot left "
+           "separately), the dropped slot refilled per tensor (4 index_select + 4 index_copy_; a scatter_ from the "
+           "slot itself overlaps its source, refused by torch for some dtypes), the row offsets (2 add), the "
+           "append's 2 copy_ + 2 fill_ (positions, mass) - 2 cat, attention with masses (2 bmm + mul_ + _softmax + "
+           "sum - sdpa), add_ (mass), the least-mass argmin with ties to the latest (amin + eq + scalar_tensor + "
+           "where + argmax)",
+    "luka_lined": "30 > 12: as h2o",
+    "h2o_outer": "15.5 > 12: h2o's 30 on half the layers",
+    "luka_mixed": "24 > 12: h2o's 30 on the outer layers, luka_clustered's 18 in the middle",
     "luka_clustered": "18 > 12 (not reduced yet): 5 copy_ + 2 fill_ + 2 baddbmm + 2 _softmax + 2 sum + "
                       "2 index_select + add + sort + scatter_ + bmm + add_ - cat - sdpa",
     "entropy_ols": "43 > 14 (not reduced yet): 7 copy_ + 4 zeros + 4 bmm + 4 add_ + 3 fill_ + 3 sum + "

@@ -197,12 +197,12 @@ def test_cuda_events_only_when_a_breakdown_is_asked_for():
 
 
 def test_a_cuda_run_warms_up_before_its_first_timed_item(tmp_path, monkeypatch):
-    """One throwaway prefill + decode (``device.warm_up``) before the items, where the device needs it (CUDA;
+    """One throwaway prefill + decode (``engine.warm_up``) before the items, where the device needs it (CUDA;
     forced here), with the run's method."""
     import luka_bench.device as D
 
     seen = []
     monkeypatch.setattr(R, "warm_up_needed", lambda dev: True)
-    monkeypatch.setattr(D, "warm_up", lambda model, method, tok: seen.append(type(method).__name__))
+    monkeypatch.setattr(E, "warm_up", lambda model, method, tok: seen.append(type(method).__name__))
     R.run(compose("model=tiny_llama", "data.limit=1", "max_new_tokens=2", "progress=false", "method=h2o"), tmp_path)
     assert seen == ["H2O"]
