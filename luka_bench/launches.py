@@ -31,6 +31,8 @@ clustered's segmentation/compression), their extra launches per event (an event:
 ``tests/test_launches.py`` holds the budgets."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import statistics
 from collections import Counter
 
@@ -66,15 +68,28 @@ def launches_op(func, args, kwargs) -> bool:
     return not _noop_copy(base, args, kwargs or {})
 
 
+def _signature(a):
+    """What a CUDA graph captures of one argument: a tensor's shape, dtype and device (its data may change between
+    replays), any other value as it is (a Python number is baked into the captured kernel: a value that changes
+    from step to step would replay stale)."""
+    if isinstance(a, torch.Tensor):
+        return ("tensor", tuple(a.shape), str(a.dtype), a.device.type)
+    if isinstance(a, (list, tuple)):
+        return tuple(_signature(x) for x in a)
+    return a
+
+
 class LaunchCounter(TorchDispatchMode):
     """``with LaunchCounter() as c: ...``; ``c.total``, ``c.ops`` (Counter by op name, launching ops only),
-    ``c.trace`` (with ``trace=True``: every dispatched op as (name, input shapes), views included — for the
-    graph-ready check that two steps dispatch the same ops on the same shapes)."""
+    ``c.trace`` (with ``trace=True``: every dispatched op as (name, its arguments' signatures, its keyword
+    arguments'), views included — for the graph-ready check that two steps dispatch the same ops on tensors of the
+    same shapes with the same non-tensor arguments)."""
 
-    def __init__(self, trace: bool = False):
+    def __init__(self, trace: bool = False, method_only: bool = False):
         super().__init__()
         self.ops: Counter = Counter()
         self.trace: list | None = [] if trace else None
+        self.method_only = method_only  # trace only the ops dispatched inside luka_bench's cache and attention code
 
     @property
     def total(self) -> int:
@@ -84,12 +99,42 @@ class LaunchCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if launches_op(func, args, kwargs):
             self.ops[func.__name__.split(".")[0]] += 1
-        if self.trace is not None:
-            shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else
-                           tuple(tuple(x.shape) for x in a if isinstance(x, torch.Tensor))
-                           if isinstance(a, (list, tuple)) else None for a in args)
-            self.trace.append((func.__name__, shapes))
+        if self.trace is not None and (not self.method_only or _IN_METHOD[0]):
+            self.trace.append((func.__name__, tuple(_signature(a) for a in args),
+                               tuple((k, _signature(v)) for k, v in sorted(kwargs.items()))))
         return func(*args, **kwargs)
+
+
+_IN_METHOD = [0]  # > 0 while luka_bench's own per-forward code runs (``method_scope``)
+
+
+@contextlib.contextmanager
+def method_scope():
+    """While active, the code luka_bench runs in a forward — a layer's cache update (``KVStore.update``), its
+    attention and per-step policy work (``hf.run_policy``), the end of the forward (``MethodCache.after_forward``)
+    — is marked, so that ``LaunchCounter(method_only=True)`` traces it alone. The model's own code (embeddings,
+    projections, RoPE, the positions transformers derives from the cache's length) is left out: it is
+    transformers' business whether that part can be captured, and stock decode has the same."""
+    from luka_bench.methods import hf
+
+    def scoped(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            _IN_METHOD[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _IN_METHOD[0] -= 1
+        return wrapper
+
+    saved = (hf.run_policy, hf.KVStore.update, hf.MethodCache.after_forward)
+    hf.run_policy = scoped(saved[0])
+    hf.KVStore.update = scoped(saved[1])
+    hf.MethodCache.after_forward = scoped(saved[2])
+    try:
+        yield
+    finally:
+        hf.run_policy, hf.KVStore.update, hf.MethodCache.after_forward = saved
 
 
 def event_count(cache) -> list[int]:
@@ -135,24 +180,25 @@ def stock_launch_counts(model, prompt_len: int, steps: int, seed: int = 0) -> li
 
 @torch.no_grad()
 def decode_launch_counts(model, method, prompt_len: int, steps: int, seed: int = 0, tokenizer=None,
-                         trace: bool = False):
+                         trace: bool = False, method_only: bool = False):
     """``method``'s cache prefilled with ``prompt_len`` random tokens, then ``steps`` teacher-forced decode steps
     (as ``host_sync.decode_sync_counts``). Returns per step (launches, events — layers that took a host-side
-    decision or compressed —, Counter of launching ops, trace or None)."""
+    decision or compressed —, Counter of launching ops, trace or None). ``method_only``: the trace holds the ops
+    of luka_bench's own code only (``method_scope``); the counts are always the whole forward's."""
     from luka_bench.methods import hf
 
     ids = _ids(model, prompt_len, steps, seed)
     host_ids = ids[0].tolist()
     ids = ids.to(model.device)
     out = []
-    with hf.attach(model, method, tokenizer) as att:
+    with hf.attach(model, method, tokenizer) as att, (method_scope() if method_only else contextlib.nullcontext()):
         cache = att.new_cache(reference_length=prompt_len)
         cache.add_tokens(host_ids[:prompt_len])
         model(input_ids=ids[:, :prompt_len], past_key_values=cache, use_cache=True, logits_to_keep=1)
         before = event_count(cache)
         for i in range(steps):
             cache.add_tokens(host_ids[prompt_len + i: prompt_len + i + 1])
-            with LaunchCounter(trace=trace) as c:
+            with LaunchCounter(trace=trace, method_only=method_only) as c:
                 model(input_ids=ids[:, prompt_len + i: prompt_len + i + 1], past_key_values=cache, use_cache=True,
                       logits_to_keep=1)
             now = event_count(cache)

@@ -163,8 +163,8 @@ class KVStore(CacheLayerMixin):
             self._allocate(key_states, value_states, cap)
         self._k[:, :, self.n : need] = key_states
         self._v[:, :, self.n : need] = value_states
-        if L == 1:  # a decode step: one op, no temporary
-            self._pos[:, :, self.n].fill_(self.seen)
+        if L == 1:  # a decode step: one copy from the cache's position counter (no Python number in the op)
+            self._pos[:, :, self.n].copy_(self.cache.position_tensor(self.seen, key_states.device))
         else:
             self._pos[:, :, self.n : need] = torch.arange(self.seen, self.seen + L, device=key_states.device)
         for a in self._aux.values():
@@ -373,12 +373,30 @@ class MethodCache(Cache):
         # give its count as a device tensor (no host sync per step): resolved in one copy when the lists are read
         self._attended: tuple[list[float], list[float], list[float]] = ([], [], [])
         self._attended_pending: list[tuple] = []
+        self._position: dict = {}  # device -> [value, 0-dim int64 tensor]: see position_tensor
         stores = [KVStore(method.policy_for_layer(info), self) for info in infos]
         super().__init__(layers=stores)
 
     @property
     def stores(self) -> list[KVStore]:
         return self.layers  # type: ignore[return-value]
+
+    def position_tensor(self, seen: int, device: torch.device) -> torch.Tensor:
+        """A 0-dim int64 tensor on ``device`` holding ``seen`` (the logical position of a decode step's token),
+        shared by the layers of one forward. From one decode step to the next it is advanced in place (``add_(1)``,
+        once per step, not per layer): a step's ops then carry no Python number that changes between steps (a
+        ``fill_(seen)`` would bake ``seen`` into a captured CUDA graph) — the graph-ready steady state of
+        ``tests/test_graph_ready.py``. Any other jump (a scratch forward, a prefill) refills it."""
+        got = self._position.get(device)
+        if got is None:
+            got = self._position[device] = [seen, torch.full((), seen, dtype=torch.long, device=device)]
+        elif got[0] != seen:
+            if got[0] == seen - 1:
+                got[1].add_(1)
+            else:
+                got[1].fill_(seen)
+            got[0] = seen
+        return got[1]
 
     def add_tokens(self, ids) -> None:
         """Announce the ids of the next forward before it runs (``token_ids`` grows by them): a caller holding them

@@ -1,0 +1,119 @@
+"""A graph-ready steady state (issue 36, item 3): for the methods that hold a fixed number of tokens between events,
+two consecutive steady-state decode steps must dispatch the same ops, on tensors of the same shapes, dtypes and
+devices, with the same non-tensor arguments, and make no host sync — what capturing one step in a CUDA graph and
+replaying it needs (a Python number that changes from step to step would be baked into the capture and replay
+stale; a shape that changes needs a new capture).
+
+Only luka_bench's own code is compared (``launches.method_scope``: the cache update, the attention and per-step
+policy work, the end of the forward); the model around it is transformers' (its eager decode derives positions
+from the cache length on the host: its static-cache path is what it captures).
+
+Methods whose store grows by one token per step (oracle_topk holds everything; LuKA clustered and LycheeCluster
+append raw tokens between events) slice their storage at a length that changes every step: they are
+``xfail(strict=True)`` with that reason — graph capture would need fixed-capacity storage with masked free slots,
+not built."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from luka_bench.host_sync import SyncCounter, sync_method_config
+from luka_bench.launches import LaunchCounter, event_count, method_scope
+from luka_bench.models import TinyRandomModel
+
+PROMPT, STEPS = 300, 12
+pytestmark = [pytest.mark.usefixtures("one_thread")]
+
+GROWS = ("the store grows by one token per step (storage sliced at n, n + 1, ...): a capture needs fixed-capacity "
+         "storage with masked free slots, not built")
+CASES = [
+    pytest.param("streaming_llm", id="streaming_llm"),
+    pytest.param("h2o", id="h2o"),
+    pytest.param("luka_lined", id="luka_lined"),
+    pytest.param("luka_mixed", id="luka_mixed"),
+    pytest.param("oracle_topk", id="oracle_topk", marks=pytest.mark.xfail(strict=True, reason="oracle_topk: " + GROWS)),
+    pytest.param("luka_clustered", id="luka_clustered",
+                 marks=pytest.mark.xfail(strict=True, reason="luka_clustered, between compressions: " + GROWS)),
+    pytest.param("lychee", id="lychee",
+                 marks=pytest.mark.xfail(strict=True, reason="lychee, between chunk closings: " + GROWS)),
+]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return TinyRandomModel(name="tiny_llama", arch="llama", num_hidden_layers=2, device="cpu",
+                           dtype="float32").load()
+
+
+def _first_difference(a: list, b: list) -> str:
+    if len(a) != len(b):
+        return f"{len(a)} ops vs {len(b)}"
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"op {i}: {x} vs {y}"
+    return "none"
+
+
+@torch.no_grad()
+def _steps(model, method, tokenizer):
+    """Per decode step: (luka_bench's traced ops, host syncs, tokens held per layer before, after, events)."""
+    from luka_bench.methods import hf
+
+    ids = torch.randint(0, 200, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(0))
+    out = []
+    with hf.attach(model, method, tokenizer) as att, method_scope():
+        cache = att.new_cache(reference_length=PROMPT)
+        cache.add_tokens(ids[0, :PROMPT].tolist())
+        model(input_ids=ids[:, :PROMPT], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for i in range(PROMPT, PROMPT + STEPS):
+            x = ids[:, i: i + 1]
+            cache.add_tokens([int(ids[0, i])])
+            held, before = cache.held_tokens(), event_count(cache)
+            with SyncCounter() as syncs, LaunchCounter(trace=True, method_only=True) as c:
+                model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            events = sum(a > b for a, b in zip(event_count(cache), before))
+            out.append((c.trace, syncs.total, held, cache.held_tokens(), events))
+    return out
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_two_steady_steps_dispatch_the_same_ops_on_the_same_shapes_without_a_sync(name, llama):
+    """Steady: a step with no event (compression, flush, chunk closing); two are compared when they change the
+    tokens held alike (with ``budget`` a fraction of the tokens seen, one step in 1/budget grows a fixed-capacity
+    method's capacity by one: that step is compared with none)."""
+    rows = _steps(llama.model, instantiate(sync_method_config(name), _convert_="all"), llama.tokenizer)
+    steady = [i for i, r in enumerate(rows) if i and not r[4]]
+    grew = [[a - b for a, b in zip(r[3], r[2])] for r in rows]
+    pairs = [(i, i + 1) for i in steady if i + 1 in steady and grew[i] == grew[i + 1]]
+    assert len(pairs) >= 3, f"{name}: too few consecutive steady steps: {[(r[2], r[3], r[4]) for r in rows]}"
+    for i, j in pairs:
+        a, b = rows[i][0], rows[j][0]
+        assert a, f"{name}: nothing traced inside luka_bench's code at step {i}"
+        assert a == b, f"{name}: steps {i} and {j} differ: {_first_difference(a, b)}"
+    assert all(rows[i][1] == 0 for i in steady), f"{name}: host syncs on steady steps: {[r[1] for r in rows]}"
+
+
+@torch.no_grad()
+def test_the_position_counter_is_advanced_in_place_and_refilled_after_a_jump(llama):
+    """The decode step's position comes from one device tensor per cache, advanced by one in place between
+    consecutive steps (no Python number in the op) and refilled after any other jump; clones own theirs."""
+    method = instantiate(sync_method_config("h2o"), _convert_="all")
+    from luka_bench.methods import hf
+
+    ids = torch.randint(0, 200, (1, 40), generator=torch.Generator().manual_seed(1))
+    with hf.attach(llama.model, method, llama.tokenizer) as att:
+        cache = att.new_cache()
+        llama.model(input_ids=ids[:, :30], past_key_values=cache, use_cache=True)
+        for t in range(30, 33):
+            llama.model(input_ids=ids[:, t: t + 1], past_key_values=cache, use_cache=True)
+        counter = cache.position_tensor(32, torch.device("cpu"))
+        assert counter.item() == 32
+        other = cache.clone()
+        llama.model(input_ids=ids[:, 33:34], past_key_values=cache, use_cache=True)
+        assert cache.position_tensor(33, torch.device("cpu")).item() == 33
+        assert other.position_tensor(32, torch.device("cpu")).item() == 32  # the clone's is its own
+        assert cache.position_tensor(7, torch.device("cpu")).item() == 7  # a jump refills
+        for s in cache.stores:  # the held positions are the logical ones, each once
+            pos = s.positions[0, 0]
+            assert int(pos.max()) == 33 and len(set(pos.tolist())) == s.n
