@@ -32,9 +32,6 @@ BUDGET = {"full": 2, "snapkv": 2, "laser_kv": 2, "streaming_llm": 4, "oracle_top
 # includes 0.25 per layer (1 per step on these 4 layers) for the step's position counter, advanced in place so
 # that a step carries no Python number (``MethodCache.position_tensor``; tests/test_graph_ready.py).
 OVER: dict[str, str] = {
-    "oracle_topk": "8.25 > 8: the step's position counter (add_, once per step: 0.25 per layer here, 1/32 on a "
-                   "32-layer model) on top of baddbmm + _softmax + sum + topk + gather (logits) + _softmax + "
-                   "gather (values) + bmm - sdpa, and the append's 3 copy_ - 2 cat",
     "streaming_llm": "7.25 > 4: 6 copy_ + 3 clone - 2 cat + 0.25 add_ (keep_ends shifts K/V/positions by a clone "
                      "and a copy each, the append writes K/V/position separately; the position counter)",
     "h2o": "30.25 > 12: tail shift in drop_one (4 clone + 4 copy_: K, V, positions, mass moved one slot left "

@@ -26,15 +26,15 @@ from typing import ClassVar
 import torch
 
 from luka_bench.methods.base import (KVMethod, LayerInfo, LayerPolicy, MethodConfigError, exact_attention,
-                                     group_apply, group_logits)
+                                     group_logits, sdpa)
 
 
 def oracle_topk_select(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, k: int,
                        sink: int = 0, recent: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode path of ``oracle_topk_attention``: (output [B, Hq, 1, Dv], the read tokens' indices [B, Hkv,
     min(k, n)]). Issue 36 (kernel launches per step): the scaled logits in one ``baddbmm`` (fp32: the scaling
-    inside the GEMM instead of a ``mul_`` after it), and the output from the ``k`` read tokens only — their logits
-    and values gathered, a softmax over them (= the softmax over all held tokens with the others masked, without
+    inside the GEMM instead of a ``mul_`` after it), and the output from the ``k`` read tokens only — their keys
+    and values gathered, one SDPA over them (= the softmax over all held tokens with the others masked, without
     building the mask) — so no [B, Hkv, n] mask is made on the step; ``read_mask`` builds it from the indices
     when someone asks (the probe)."""
     b, hq, lq, d = query.shape
@@ -54,11 +54,11 @@ def oracle_topk_select(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
         score = score.masked_fill(forced, float("inf"))
     m = min(k, n)
     top = torch.topk(score, m, dim=-1).indices  # [B, Hkv, m]
-    w = torch.softmax(logits.gather(-1, top[:, :, None, None, :].expand(b, hkv, g, lq, m)), dim=-1)
-    dv = values.shape[-1]
-    vsel = values.gather(2, top[..., None].expand(b, hkv, m, dv))  # [B, Hkv, m, Dv]
-    out = group_apply(w, vsel)  # [B, Hkv, g, 1, Dv]
-    return out.view(b, hq, lq, dv).to(query.dtype), top
+    # the output: the read tokens' keys and values gathered and one SDPA over them (= the softmax over all held
+    # tokens with the others masked); one op fewer than gathering their logits for a softmax and a matmul
+    ksel = keys.gather(2, top[..., None].expand(b, hkv, m, d))  # [B, Hkv, m, D]
+    vsel = values.gather(2, top[..., None].expand(b, hkv, m, values.shape[-1]))  # [B, Hkv, m, Dv]
+    return sdpa(query, ksel, vsel, scaling), top
 
 
 def read_mask(top: torch.Tensor, n: int) -> torch.Tensor:
