@@ -41,12 +41,7 @@ def oracle_topk_select(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     hkv, n = keys.shape[1], keys.shape[2]
     g = hq // hkv
     q = query.view(b, hkv, g, lq, d)
-    if query.dtype == torch.float32 and keys.dtype == torch.float32:
-        qf, kf = q.reshape(b * hkv, g * lq, d), keys.reshape(b * hkv, n, d).transpose(1, 2)
-        logits = torch.baddbmm(qf.new_empty(()).expand(b * hkv, g * lq, n), qf, kf, beta=0.0,
-                               alpha=scaling).view(b, hkv, g, lq, n)
-    else:
-        logits = group_logits(q, keys, scaling)  # [B, Hkv, g, 1, n] fp32
+    logits = group_logits(q, keys, scaling)  # [B, Hkv, g, 1, n] fp32 (fp32 inputs: the scaling inside the GEMM)
     score = torch.softmax(logits, dim=-1).sum(dim=(2, 3))  # [B, Hkv, n]: the group's true weights summed
     if sink or recent:
         j = torch.arange(n, device=keys.device)
