@@ -185,7 +185,9 @@ def test_a_timed_out_job_is_requeued_and_its_run_folder_ends_complete(slurm_env,
     _wait_for_queue_to_empty(slurm_env, {job})
 
     attempts, wait = _sacct(slurm_env, job), time.time() + 60
-    while len(attempts) < 2 and time.time() < wait:  # accounting reaches slurmdbd a moment after the job ends
+    # accounting reaches slurmdbd a moment after the job ends: the requeued attempt can still read RUNNING there
+    while (len(attempts) < 2 or attempts[-1].split()[-1] in ("RUNNING", "PENDING", "COMPLETING")) and \
+            time.time() < wait:
         time.sleep(1)
         attempts = _sacct(slurm_env, job)
     assert attempts == [f"{job} REQUEUED", f"{job} COMPLETED"], attempts
