@@ -22,13 +22,16 @@ with ``token_budget`` = the tokens read per step and layer by method X on the sa
 prefill is exact and does not depend on the budget, so it is prefilled once per prompt and each budget decodes
 a clone of that cache (as the runner answers several questions from one context).
 
-Records go to ``<out>/records.jsonl`` one per (prompt, method) as they finish (prompts outer, so a stopped run
-leaves whole prompts); ``--table`` prints the table: accuracy ± SE over prompts, needle recall, tokens read.
+Results go to ordinary run folders, one per method label below ``--out`` (``config.yaml`` with the model, the
+method's composed settings and the study's data settings; ``predictions.jsonl`` one record per prompt as it
+finishes, prompts outer, so a stopped study leaves whole prompts; ``metrics.json`` with accuracy ± binomial SE,
+``complete`` once every prompt of ``--start``..``--prompts`` is in). A re-run resumes them, and the report reads
+them (``python -m luka_bench.report <out>``). ``--table`` prints the table from one or more such folders:
+accuracy ± SE over prompts, needle recall, tokens read.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -181,93 +184,170 @@ def run_one(lm, method, pr: dict, eos, max_new: int, cache=None):
     return rec, c
 
 
+DATA_NAME = "needle_study"
+
+
+def slug(label: str) -> str:
+    """A method label as a folder name: ``snapkv qa 1/8`` -> ``snapkv_qa_1-8``."""
+    return label.strip().replace("/", "-").replace(" ", "_").replace("@", "_at_")
+
+
+def run_config(model_cfg: dict, label: str, method_cfg: dict, data: dict) -> dict:
+    """A run folder's config for one method label of the study (what the report's loaders read)."""
+    return {"model": model_cfg, "method": method_cfg, "data": {"name": DATA_NAME, **data},
+            "model_name": model_cfg.get("name"), "method_name": label, "data_name": DATA_NAME}
+
+
+def with_settings(method_cfg: dict, settings: dict) -> dict:
+    """A composed method config with a variant's decode-time settings (dotted keys) applied."""
+    import copy
+
+    out = copy.deepcopy(method_cfg)
+    for k, v in settings.items():
+        node = out
+        *up, last = k.split(".")
+        for u in up:
+            node = node.setdefault(u, {})
+        node[last] = v
+    return out
+
+
+def item_id(i: int) -> str:
+    return f"needle-{i}"
+
+
+def record(run, rec: dict, first: int, last: int) -> None:
+    """Append prompt ``rec`` to a run folder and rewrite its metrics over the prompts it holds (``complete`` once it
+    holds every prompt of ``first``..``last - 1``)."""
+    from luka_bench.stats import binomial_se, mean_se
+
+    run.append({"item_id": item_id(rec["prompt"]), **rec})
+    recs = [r for r in run.done.values() if first <= r["prompt"] < last]
+    correct = [r["correct"] for r in recs]
+    read = [r["tokens_read"] for r in recs if r.get("tokens_read") is not None]
+    recall = [r["needle_recall"] for r in recs if r.get("needle_recall") is not None]
+    run.write_metrics({"kind": "needle", "headline": "accuracy", "accuracy": sum(correct) / len(correct),
+                       "accuracy_se": binomial_se(sum(correct), len(correct)),
+                       "needle_recall": mean_se(recall)["mean"] if recall else None,
+                       "attended_tokens": sum(read) / len(read) if read else None,
+                       "n_examples": len(recs), "complete": len(recs) == last - first})
+
+
 def study(args) -> None:
     from hydra.utils import instantiate
+    from omegaconf import OmegaConf
 
     from luka_bench.config import compose
     from luka_bench.engine import eos_token_ids
+    from luka_bench.results import RunFolder, read_predictions
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "records.jsonl"
-    done, prior = set(), {}
-    if path.exists():
-        for r in map(json.loads, path.read_text().splitlines()):
-            done.add((r["prompt"], r["method"]))
-            prior[(r["prompt"], r["method"])] = r.get("tokens_read")
-    lm = instantiate(compose([f"model={args.model}"]).model).load()
+    model_cfg = compose([f"model={args.model}"]).model
+    lm = instantiate(model_cfg).load()
+    model_cfg = OmegaConf.to_container(model_cfg, resolve=True)
+    data = {"tokens": args.tokens, "max_new_tokens": args.max_new, "first": args.start, "limit": args.prompts}
+    runs: dict[str, RunFolder] = {}  # opened (and locked) on first use, for the whole process
+
+    def run_for(label: str, method_cfg: dict) -> RunFolder:
+        if label not in runs:
+            runs[label] = RunFolder(out / slug(label), run_config(model_cfg, label, method_cfg, data))
+        return runs[label]
+
+    def done(i: int, label: str) -> dict | None:
+        path = out / slug(label)
+        if label in runs:
+            return runs[label].done.get(item_id(i))
+        if not (path / "predictions.jsonl").exists():
+            return None
+        return next((r for r in read_predictions(path) if r["item_id"] == item_id(i)), None)
+
     eos = eos_token_ids(lm.model, lm.tokenizer)
     essays = haystack_text()
     only = set(args.methods.split(",")) if args.methods else None
     code = code_version()  # the commit this process loaded (a later commit does not change the code running)
     for i in range(args.start, args.prompts):
         pr = build_prompt(lm.tokenizer, essays, i, args.tokens)
-        read = {m: prior[(i, m)] for m in ORACLE_FOR if (i, m) in prior}  # a resumed prompt: the oracle still matches
-        with path.open("a") as f:
-            for group, ov, variants in GROUPS:
-                todo = [(lab, st) for lab, st in variants
-                        if (only is None or lab in only) and (i, lab + args.suffix) not in done]
-                if not todo:
-                    continue
-                method = instantiate(compose(ov).method)
-                base = None
-                if len(variants) > 1:  # one prefill, each variant decodes a clone
-                    from luka_bench.methods.hf import attach
-                    from luka_bench.engine import prefill
-
-                    with attach(lm.model, method, lm.tokenizer) as att:
-                        base = att.new_cache(question_ids=list(pr["q"]))
-                        prefill(lm.model, pr["ctx"], base)
-                for label, settings in todo:
-                    for k, v in settings.items():
-                        obj = method
-                        *up, last = k.split(".")
-                        for u in up:
-                            obj = getattr(obj, u)
-                        setattr(obj, last, v)
-                    rec, _ = run_one(lm, method, pr, eos, args.max_new, cache=None if base is None else base.clone())
-                    rec["method"] = label + args.suffix
-                    read[label] = rec["tokens_read"]
-                    rec["code"] = code
-                    f.write(json.dumps(rec) + "\n")
-                    f.flush()
-                    print(f"[{i}] {label}: {rec['answer']!r} correct={rec['correct']} read={rec['tokens_read']:.0f} "
-                          f"needle_recall={rec.get('needle_recall', float('nan')):.3f} {rec['seconds']:.0f}s",
-                          flush=True)
-            oracles = [(f"oracle_topk@{m}", read[m]) for m in ORACLE_FOR if m in read and read[m]
-                       and (i, f"oracle_topk@{m}") not in done]
-            oracles += [(f"oracle_topk k={k}", k) for k in args.oracle_k if (i, f"oracle_topk k={k}") not in done]
-            if oracles and not args.no_oracle:
+        read = {}  # a resumed prompt: the oracle still matches the tokens read its method recorded
+        for m in ORACLE_FOR:
+            prior = done(i, m + args.suffix)
+            if prior is not None:
+                read[m] = prior.get("tokens_read")
+        for group, ov, variants in GROUPS:
+            todo = [(lab, st) for lab, st in variants
+                    if (only is None or lab in only) and done(i, lab + args.suffix) is None]
+            if not todo:
+                continue
+            method_cfg = compose(ov).method
+            method = instantiate(method_cfg)
+            method_cfg = OmegaConf.to_container(method_cfg, resolve=True)
+            base = None
+            if len(variants) > 1:  # one prefill, each variant decodes a clone
                 from luka_bench.methods.hf import attach
-                from luka_bench.methods.oracle_topk import OracleTopK
                 from luka_bench.engine import prefill
 
-                method = OracleTopK(token_budget=10 ** 9)
                 with attach(lm.model, method, lm.tokenizer) as att:
-                    base = att.new_cache()
-                    prefill(lm.model, pr["ctx"], base)  # exact, whatever the budget
-                for label, k in oracles:
-                    method.token_budget = max(1, round(k))
-                    rec, _ = run_one(lm, method, pr, eos, args.max_new, cache=base.clone())
-                    rec["method"], rec["oracle_budget"], rec["code"] = label, method.token_budget, code
-                    f.write(json.dumps(rec) + "\n")
-                    f.flush()
-                    print(f"[{i}] {label} (k={method.token_budget}): {rec['answer']!r} correct={rec['correct']} "
-                          f"needle_recall={rec['needle_recall']:.3f} {rec['seconds']:.0f}s", flush=True)
+                    base = att.new_cache(question_ids=list(pr["q"]))
+                    prefill(lm.model, pr["ctx"], base)
+            for label, settings in todo:
+                for k, v in settings.items():
+                    obj = method
+                    *up, last = k.split(".")
+                    for u in up:
+                        obj = getattr(obj, u)
+                    setattr(obj, last, v)
+                rec, _ = run_one(lm, method, pr, eos, args.max_new, cache=None if base is None else base.clone())
+                rec["method"], rec["code"] = label + args.suffix, code
+                read[label] = rec["tokens_read"]
+                record(run_for(label + args.suffix, with_settings(method_cfg, settings)), rec, args.start,
+                       args.prompts)
+                print(f"[{i}] {label}: {rec['answer']!r} correct={rec['correct']} read={rec['tokens_read']:.0f} "
+                      f"needle_recall={rec.get('needle_recall', float('nan')):.3f} {rec['seconds']:.0f}s",
+                      flush=True)
+        oracles = [(f"oracle_topk@{m}", read[m], f"the tokens read by {m} on the same prompt (oracle_budget)")
+                   for m in ORACLE_FOR if m in read and read[m] and done(i, f"oracle_topk@{m}") is None]
+        oracles += [(f"oracle_topk k={k}", k, k) for k in args.oracle_k if done(i, f"oracle_topk k={k}") is None]
+        if oracles and not args.no_oracle:
+            from luka_bench.methods.hf import attach
+            from luka_bench.methods.oracle_topk import OracleTopK
+            from luka_bench.engine import prefill
+
+            method = OracleTopK(token_budget=10 ** 9)
+            with attach(lm.model, method, lm.tokenizer) as att:
+                base = att.new_cache()
+                prefill(lm.model, pr["ctx"], base)  # exact, whatever the budget
+            for label, k, budget in oracles:
+                method.token_budget = max(1, round(k))
+                rec, _ = run_one(lm, method, pr, eos, args.max_new, cache=base.clone())
+                rec["method"], rec["oracle_budget"], rec["code"] = label, method.token_budget, code
+                cfg = {"_target_": "luka_bench.methods.oracle_topk.OracleTopK", "token_budget": budget}
+                record(run_for(label, cfg), rec, args.start, args.prompts)
+                print(f"[{i}] {label} (k={method.token_budget}): {rec['answer']!r} correct={rec['correct']} "
+                      f"needle_recall={rec['needle_recall']:.3f} {rec['seconds']:.0f}s", flush=True)
+    for run in runs.values():
+        run.close()
 
 
-def records(folder: str) -> list[dict]:
+def records(folders) -> list[dict]:
+    """Every record of the study's run folders below ``folders`` (one folder or several: the folders of processes
+    that split the prompts), ``method`` = the run's label; a (prompt, method) twice: the first record counts."""
+    from luka_bench.results import find_runs, read_predictions, read_run_config
+
     recs, seen = [], set()
-    for line in (Path(folder) / "records.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if (r["prompt"], r["method"]) not in seen:  # two processes resuming one prompt: the first record counts
-            seen.add((r["prompt"], r["method"]))
-            recs.append(r)
+    for folder in [folders] if isinstance(folders, (str, Path)) else folders:
+        for run in find_runs(folder):
+            cfg = read_run_config(run / "config.yaml") or {}
+            if (cfg.get("data") or {}).get("name") != DATA_NAME:
+                continue
+            for r in read_predictions(run):
+                r = {**r, "method": cfg["method_name"]}
+                if (r["prompt"], r["method"]) not in seen:
+                    seen.add((r["prompt"], r["method"]))
+                    recs.append(r)
     return recs
 
 
-def table(folder: str) -> str:
+def table(folder) -> str:
     """One row per method: its tokens read per step and layer, accuracy ± binomial SE, and beside it the oracle
     top-k reading as many tokens on the same prompts; the needle diagnostics of both. Only prompts every method
     finished count (a table over whole prompts); the fixed-budget oracle rows below, over the prompts they ran."""
@@ -319,7 +399,7 @@ def table(folder: str) -> str:
     return head + "\n" + "\n".join(rows) + note
 
 
-def plot_by_layer(folder: str, path: str) -> None:
+def plot_by_layer(folder, path: str) -> None:
     """Needle recall by layer (closed loop, mean over steps, KV heads and prompts), one line per method."""
     import matplotlib
 
@@ -367,7 +447,8 @@ def main() -> None:
                     help="also the oracle at these fixed token budgets, e.g. 16,64,128")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="results/needle_study")
-    ap.add_argument("--table", default=None, help="print the table of a study folder and exit")
+    ap.add_argument("--table", nargs="+", default=None,
+                    help="print the table of the study's run folders below these folders and exit")
     ap.add_argument("--plot", default=None, help="with --table: write the needle-recall-by-layer plot here")
     args = ap.parse_args()
     if args.table:

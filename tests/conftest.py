@@ -76,6 +76,21 @@ def tiny_gemma3():
     return tiny("gemma3")
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (registered under ``name``, as a script's sibling imports find it when it
+    runs; no sys.path edit)."""
+    import importlib.util
+    import sys
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def compose(*overrides: str):
     """The real config, composed like the CLI does, with the group names filled in."""
     from hydra import compose as hcompose

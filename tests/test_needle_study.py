@@ -3,18 +3,14 @@ tokens are the number, the question ends with the answer prefix, the prompt is a
 needle sits at the asked depth."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
+from conftest import load_script
 
 
 @pytest.mark.parametrize("i", [0, 5, 9])
 def test_prompt_protocol(smollm2_tokenizer, i):
-    import needle_study as N
+    N = load_script("needle_study")
 
     tok = smollm2_tokenizer
     pr = N.build_prompt(tok, N.haystack_text(), i, 3700)
@@ -31,22 +27,29 @@ def test_prompt_protocol(smollm2_tokenizer, i):
 
 def test_table_pairs_each_method_with_its_oracle_over_prompts_every_method_finished(tmp_path):
     """The table counts only prompts every method finished, puts the oracle at a method's tokens read beside it,
-    and says which methods did not run."""
-    import json
+    and says which methods did not run; it reads the study's run folders, also split over several folders (two
+    processes that took half the prompts each)."""
+    from luka_bench.results import RunFolder
 
-    import needle_study as N
-
-    recs = []
+    N = load_script("needle_study")
+    folders = {}
     for p in range(3):
         for m in N.METHODS[:3]:
             if m == N.METHODS[2] and p == 2:
                 continue  # prompt 2 unfinished for one method: it must leave the table
             base = {"prompt": p, "needle_recall": 0.5, "needle_mass": 0.03, "needle_mass_read": 0.01, "code": "abc"}
-            recs.append({**base, "method": m, "correct": int(p == 0), "tokens_read": 400.0 + p})
-            recs.append({**base, "method": f"oracle_topk@{m}", "correct": 1, "tokens_read": 400.0 + p,
-                         "needle_mass_read": 0.03})
-    (tmp_path / "records.jsonl").write_text("\n".join(map(json.dumps, recs)) + "\n")
-    t = N.table(str(tmp_path))
+            for label, rec in ((m, {**base, "correct": int(p == 0), "tokens_read": 400.0 + p}),
+                               (f"oracle_topk@{m}", {**base, "correct": 1, "tokens_read": 400.0 + p,
+                                                     "needle_mass_read": 0.03})):
+                out = tmp_path / ("a" if p < 2 else "b")
+                key = (out, label)
+                if key not in folders:
+                    folders[key] = RunFolder(out / N.slug(label), N.run_config(
+                        {"name": "tiny"}, label, {"_target_": "x"}, {"tokens": 100, "first": 0, "limit": 3}))
+                N.record(folders[key], {**rec, "method": label}, 0, 3)
+    for f in folders.values():
+        f.close()
+    t = N.table([str(tmp_path / "a"), str(tmp_path / "b")])
     row = next(r for r in t.splitlines() if r.startswith(f"| {N.METHODS[1]} |"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[1] == "400"  # tokens read: mean over prompts 0 and 1 (400.0, 401.0) -> 400.5 -> "400"
@@ -55,12 +58,41 @@ def test_table_pairs_each_method_with_its_oracle_over_prompts_every_method_finis
     assert "(2: [0, 1])" in t and "not run: " + N.METHODS[3] in t and "code: abc" in t
 
 
+def test_study_folders_are_run_folders_the_report_reads(tmp_path):
+    """Each method label's folder is an ordinary run folder: the report's loader reads it, its metrics say accuracy
+    ± binomial SE over the prompts it holds and ``complete`` only once it holds every prompt of the study's range;
+    a second process cannot open the same folder."""
+    from luka_bench.results import RunFolder, RunFolderBusy
+    from luka_bench.tables import load_runs
+
+    N = load_script("needle_study")
+    cfg = N.run_config({"name": "tiny"}, "h2o 1/8", {"_target_": "luka_bench.methods.h2o.H2O", "budget": 0.125},
+                       {"tokens": 100, "max_new_tokens": 12, "first": 0, "limit": 3})
+    run = RunFolder(tmp_path / N.slug("h2o 1/8"), cfg)
+    assert run.path.name == "h2o_1-8"
+    with pytest.raises(RunFolderBusy):
+        RunFolder(run.path, cfg)
+    for p, correct in ((0, 1), (1, 0)):
+        N.record(run, {"prompt": p, "correct": correct, "tokens_read": 10.0, "needle_recall": 0.5}, 0, 3)
+    runs, missing = load_runs(tmp_path)
+    assert len(runs) == 0 or runs.iloc[0]["status"] != "complete"
+    N.record(run, {"prompt": 2, "correct": 1, "tokens_read": 13.0, "needle_recall": 1.0}, 0, 3)
+    run.close()
+    runs, missing = load_runs(tmp_path)
+    row = runs.iloc[0]
+    assert row["status"] == "complete" and row["method_name"] == "h2o 1/8" and row["data_name"] == "needle_study"
+    assert row["accuracy"] == pytest.approx(2 / 3) and row["accuracy_se"] == pytest.approx((2 / 9 / 2) ** 0.5)
+    assert row["attended_tokens"] == pytest.approx(11.0) and row["n_examples"] == 3
+    assert [r["item_id"] for r in N.records(str(tmp_path))] == ["needle-0", "needle-1", "needle-2"]
+
+
 def test_why_report_conditions_the_page0_share_on_the_rows_it_names(capsys):
     """needle_why's luka line 'when the needle page is in the true top-3 ...: page 0 among the refined' is over those
     rows, not all rows (it printed the all-rows share there)."""
     import argparse
 
-    import needle_why as W
+    load_script("needle_study")  # needle_why imports its sibling
+    W = load_script("needle_why")
 
     row = {"layer": 0, "rank_score": 5, "rank_true": 5, "pages": 10, "refined": False, "refined_true_mass": 0.3,
            "best3_true_mass": 0.4, "needle_page_true_mass": 0.01, "summary_logit": -5.0, "raw_max_logit": -3.0,
