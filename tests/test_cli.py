@@ -14,8 +14,40 @@ TINY = ["model=tiny_llama", "data.limit=1", "max_new_tokens=3", "progress=false"
 
 
 def cli(*args: str, cwd=ROOT):
+    """``python -m luka_bench *args`` in a fresh process (the real entry point, as a user types it)."""
     return subprocess.run([sys.executable, "-m", "luka_bench", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300)
+
+
+def cli_here(*args: str):
+    """The same entry point (``luka_bench.__main__.main``: the checks, Hydra, the run, the one-line errors) called
+    in this process with ``sys.argv`` set as the command line sets it: its exit status and what it printed.
+    A fresh interpreter per bad input costs ~6 s of imports each; the subprocess path is exercised by
+    ``finished_run`` and ``test_did_you_mean``."""
+    import contextlib
+    import io
+    import logging
+    from types import SimpleNamespace
+
+    from luka_bench.__main__ import main
+
+    argv, out, err, code = sys.argv, io.StringIO(), io.StringIO(), 0
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level  # Hydra configures the job's logging: put it back after
+    sys.argv = [str(ROOT / "luka_bench" / "__main__.py"), *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = argv
+        for h in root.handlers[:]:
+            if h not in handlers:
+                root.removeHandler(h)
+                h.close()
+        root.setLevel(level)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def error_line(proc) -> str:
@@ -46,7 +78,7 @@ def finished_run(tmp_path_factory):
 ])
 def test_unknown_names(arg, bad, allowed, finished_run):
     before = digest(finished_run)
-    line = error_line(cli(*TINY, arg, f"hydra.run.dir={finished_run}"))
+    line = error_line(cli_here(*TINY, arg, f"hydra.run.dir={finished_run}"))
     assert bad in line and allowed in line and "Available" in line
     assert digest(finished_run) == before
 
@@ -59,32 +91,32 @@ def test_did_you_mean():
 @pytest.mark.parametrize("budget", ["0", "1.5", "-0.25"])
 def test_budget_outside_range(budget, finished_run):
     before = digest(finished_run)
-    line = error_line(cli(*TINY, "method=streaming_llm", f"method.budget={budget}", f"hydra.run.dir={finished_run}"))
+    line = error_line(cli_here(*TINY, "method=streaming_llm", f"method.budget={budget}", f"hydra.run.dir={finished_run}"))
     assert f"method.budget={float(budget)!r}" in line or f"method.budget={budget}" in line
     assert "(0, 1]" in line
     assert digest(finished_run) == before
 
 
 def test_prompt_longer_than_context(finished_run, tmp_path):
-    line = error_line(cli(*TINY, "model.max_context=64", f"hydra.run.dir={tmp_path / 'r'}"))
+    line = error_line(cli_here(*TINY, "model.max_context=64", f"hydra.run.dir={tmp_path / 'r'}"))
     assert "max_context=64" in line and "<= 64" in line
 
 
 def test_missing_data_file(finished_run):
     before = digest(finished_run)
-    line = error_line(cli(*TINY, "data.source=file", "data.path=/no/such/squad.json",
+    line = error_line(cli_here(*TINY, "data.source=file", "data.path=/no/such/squad.json",
                           f"hydra.run.dir={finished_run}"))
     assert "/no/such/squad.json" in line
     assert digest(finished_run) == before
 
 
 def test_missing_pg19_file():
-    line = error_line(cli(*TINY, "data=pg19", "data.source=file", "data.path=/no/such/book.txt"))
+    line = error_line(cli_here(*TINY, "data=pg19", "data.source=file", "data.path=/no/such/book.txt"))
     assert "/no/such/book.txt" in line
 
 
 def test_other_config_into_a_finished_run_is_refused(finished_run):
     before = digest(finished_run)
-    line = error_line(cli(*TINY, "method=streaming_llm", "method.budget=0.5", f"hydra.run.dir={finished_run}"))
+    line = error_line(cli_here(*TINY, "method=streaming_llm", "method.budget=0.5", f"hydra.run.dir={finished_run}"))
     assert str(finished_run) in line and "another config" in line
     assert digest(finished_run) == before

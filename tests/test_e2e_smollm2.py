@@ -8,15 +8,16 @@ import sys
 import pytest
 
 import luka_bench.run as R
-from conftest import ROOT, compose
+from conftest import ROOT, compose, load_script
 
 # Runs in CI (scripts/setup.sh installs the model's package); without it the tests fail, they do not skip.
 pytestmark = [pytest.mark.slow]
 
 
 def test_cli_wikisalad_two_examples(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "luka_bench", "data.limit=2", "progress=false",
-                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    from test_cli import cli_here  # the command line's entry point, in this process
+
+    proc = cli_here("data.limit=2", "progress=false", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads((tmp_path / "metrics.json").read_text())
     for key in ("em", "em_lenient", "f1", "ttft_s", "tpot_s", "kv_ratio", "kv_bytes", "kv_bytes_full",
@@ -36,13 +37,13 @@ def test_streaming_quarter_budget_ratio(tmp_path):
 
 
 def test_pg19_streaming_budget_one_equals_full(tmp_path):
-    full = R.run(compose("data=pg19", "data.max_tokens=96", "progress=false"), tmp_path / "f")
-    s1 = R.run(compose("data=pg19", "data.max_tokens=96", "method=streaming_llm", "method.budget=1.0",
+    full = R.run(compose("data=pg19", "data.max_tokens=48", "progress=false"), tmp_path / "f")
+    s1 = R.run(compose("data=pg19", "data.max_tokens=48", "method=streaming_llm", "method.budget=1.0",
                        "progress=false"), tmp_path / "s")
     assert f"{full['perplexity']:.4g}" == f"{s1['perplexity']:.4g}"
     rec = json.loads((tmp_path / "f" / "predictions.jsonl").read_text().splitlines()[0])
     assert sum(b[0] for b in rec["nll_blocks"]) == pytest.approx(rec["nll_sum"])  # the SE's units add up
-    assert [b[1] for b in rec["nll_blocks"]] == [rec["n_tokens"]]  # 95 predicted tokens: one block, SE None
+    assert [b[1] for b in rec["nll_blocks"]] == [rec["n_tokens"]]  # 47 predicted tokens: one block, SE None
     assert full["uncertainty"]["perplexity"]["se"] is None
 
 
@@ -51,13 +52,13 @@ def test_bench_decode_both_modes_and_table(tmp_path):
     from --isolate-from on; every method has its ratios to the references, full's are exactly 1, its JSON is
     written as it goes and the markdown table has a row per method."""
     js, md = tmp_path / "b.json", tmp_path / "b.md"
-    proc = subprocess.run([sys.executable, "scripts/bench_decode.py", "--lengths", "64", "128", "--isolate-from",
-                           "128", "--methods", "streaming_llm", "luka_clustered", "--steps", "2", "--round", "1",
+    proc = subprocess.run([sys.executable, "scripts/bench_decode.py", "--lengths", "32", "48", "--isolate-from",
+                           "48", "--methods", "streaming_llm", "luka_clustered", "--steps", "2", "--round", "1",
                            "--prefill-reps", "2", "--threads", "1", "--json", str(js), "--markdown", str(md)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(js.read_text())
-    assert [(r["N"], r["mode"]) for r in rows] == [(64, "interleaved"), (128, "isolate")]
+    assert [(r["N"], r["mode"]) for r in rows] == [(32, "interleaved"), (48, "isolate")]
     for r in rows:
         assert list(r["methods"]) == ["stock", "full", "streaming_llm", "luka_clustered"]
         assert r["methods"]["full"]["decode_vs_full"] == 1.0 and r["methods"]["stock"]["decode_vs_stock"] == 1.0
@@ -66,14 +67,18 @@ def test_bench_decode_both_modes_and_table(tmp_path):
             assert d["prefill_peak_rss_gb"] >= d["rss_before_prefill_gb"] > 0.1  # the model alone is ~0.5 GB
     assert len(md.read_text().splitlines()) == 2 + 4
     assert "harness overhead of full" in proc.stdout
-    # --table-from merges per (N, method): a later run of one method at 128 replaces that cell only
+    # --table-from merges per (N, method): a later run of one method at 48 replaces that cell only
     later = tmp_path / "later.json"
     cell = {"decode_vs_full": 0.25, "prefill_vs_full": 1.5, "prefill_peak_rss_gb": 9.0}
-    later.write_text(json.dumps([{"N": 128, "methods": {"luka_clustered": cell, "h2o": cell}}]))
+    later.write_text(json.dumps([{"N": 48, "methods": {"luka_clustered": cell, "h2o": cell}}]))
     md2 = tmp_path / "merged.md"
-    proc = subprocess.run([sys.executable, "scripts/bench_decode.py", "--table-from", str(js), str(later),
-                           "--markdown", str(md2)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    bench = load_script("bench_decode")  # the table needs no model: its main in this process
+    argv = sys.argv
+    sys.argv = ["bench_decode.py", "--table-from", str(js), str(later), "--markdown", str(md2)]
+    try:
+        bench.main()
+    finally:
+        sys.argv = argv
     table = {ln.split(" | ")[0].strip("| "): ln for ln in md2.read_text().splitlines()[2:]}
     assert list(table) == ["stock", "full", "h2o", "luka_clustered", "streaming_llm"]
     # a cell: decode/stock, decode/full, prefill/full, GB; the later run measured no stock: "—" in its place

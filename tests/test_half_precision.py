@@ -205,13 +205,11 @@ def test_kmeans_ols_and_lsh_are_fp32(dtype):
 # -- the command line ------------------------------------------------------------------------------------------
 def test_cli_runs_in_bfloat16(tmp_path):
     import json
-    import subprocess
-    import sys
 
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "-m", "luka_bench", "model=tiny_llama", "model.dtype=bfloat16",
-                           "method=h2o", "data.limit=1", "max_new_tokens=3", "progress=false", "threads=1",
-                           f"hydra.run.dir={tmp_path}"], cwd=root, capture_output=True, text=True, timeout=300)
+    from test_cli import cli_here  # the command line's entry point, in this process
+
+    proc = cli_here("model=tiny_llama", "model.dtype=bfloat16", "method=h2o", "data.limit=1", "max_new_tokens=3",
+                    "progress=false", "threads=1", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     env = json.loads((tmp_path / "env.json").read_text())
     assert "bfloat16" in json.dumps(env), env

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -230,6 +231,38 @@ def lm_eval_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+def lm_eval_cli_here(args: list[str], cwd: Path) -> SimpleNamespace:
+    """lm-eval's command line (its ``cli_evaluate``, ``sys.argv`` set as the shell sets it) in this process, with
+    luka_bench registered by its import: (returncode, stdout, stderr). A fresh process spends ~20 s importing
+    lm-eval; ``lm_eval_cli`` (the real console script and the .pth) runs in ``test_smollm2_cli_...``."""
+    import contextlib
+    import io
+    import logging
+
+    from lm_eval.__main__ import cli_evaluate
+
+    import luka_bench.lm_eval  # noqa: F401 - what the .pth does in a fresh process
+
+    argv, here, out, err, code = sys.argv, os.getcwd(), io.StringIO(), io.StringIO(), 0
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    sys.argv = ["lm_eval", *args]
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            cli_evaluate()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = argv
+        os.chdir(here)
+        for h in root.handlers[:]:
+            if h not in handlers:
+                root.removeHandler(h)
+        root.setLevel(level)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 def cli_samples(out_dir: Path) -> tuple[dict, dict]:
     """(results JSON, {task: samples}) that ``--output_path out_dir --log_samples`` wrote."""
     results = json.loads(next(out_dir.rglob("results_*.json")).read_text())
@@ -243,7 +276,7 @@ def cli_samples(out_dir: Path) -> tuple[dict, dict]:
 def test_cli_full_gives_the_hf_models_samples_on_a_tiny_model(tiny_folder, task_manager, tmp_path, one_thread):
     """``lm_eval --model luka_bench ... --include_path tests/lm_eval_tasks --log_samples`` from the command line:
     the samples of lm-eval's hf model on the same folder, and the kv figures printed and in the results JSON."""
-    out = lm_eval_cli(["--model", "luka_bench", "--model_args", f"model={tiny_folder},method=full",
+    out = lm_eval_cli_here(["--model", "luka_bench", "--model_args", f"model={tiny_folder},method=full",
                        "--tasks", "luka_fixture", "--include_path", str(TASKS), "--limit", "2", "--log_samples",
                        "--output_path", str(tmp_path / "out"), "--device", "cpu"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -275,13 +308,13 @@ def test_smollm2_cli_snapkv_with_chat_template(tmp_path):
     """The issue's command: SmolLM2 under SnapKV at 0.125 with the chat template, samples logged, kv printed."""
     out = lm_eval_cli(["--model", "luka_bench", "--model_args", "model=smollm2_135m,method=snapkv,method.budget=0.125",
                        "--tasks", "luka_fixture", "--include_path", str(TASKS), "--apply_chat_template",
-                       "--log_samples", "--limit", "2", "--output_path", str(tmp_path / "out"), "--device", "cpu"],
+                       "--log_samples", "--limit", "1", "--output_path", str(tmp_path / "out"), "--device", "cpu"],
                       tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "luka_bench: method=snapkv (budget=0.125" in out.stdout
     results, samples = cli_samples(tmp_path / "out")
     kv = results["config"]["luka_bench"]
-    assert kv["n"] == 2 + 2 * 4 and 0 < kv["kv_ratio"]["mean"] < 0.2
+    assert kv["n"] == 1 + 1 * 4 and 0 < kv["kv_ratio"]["mean"] < 0.2
     assert set(samples) == {"luka_fixture_gen", "luka_fixture_mc"}
     assert all("<|im_start|>" in s["arguments"]["gen_args_0"]["arg_0"] for s in samples["luka_fixture_gen"])
 
@@ -292,8 +325,8 @@ def test_smollm2_full_gives_the_hf_models_samples_with_chat_template(task_manage
 
     folder = cache_root() / "models" / "smollm2_135m"
     tasks = ["luka_fixture_gen", "luka_fixture_mc"]
-    hf = evaluate("hf", f"pretrained={folder},dtype=float32", tasks, task_manager, limit=2, apply_chat_template=True)
-    ours = evaluate("luka_bench", "model=smollm2_135m,method=full", tasks, task_manager, limit=2,
+    hf = evaluate("hf", f"pretrained={folder},dtype=float32", tasks, task_manager, limit=1, apply_chat_template=True)
+    ours = evaluate("luka_bench", "model=smollm2_135m,method=full", tasks, task_manager, limit=1,
                     apply_chat_template=True)
     same_samples(hf["samples"], ours["samples"])
     assert ours["results"]["luka_fixture_gen"]["contains,none"] == hf["results"]["luka_fixture_gen"]["contains,none"]

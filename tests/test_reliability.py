@@ -78,11 +78,10 @@ def assert_bad_input(args: list[str], folder: Path, capsys, *needles: str, cwd: 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """A finished tiny run (2 WikiSalad examples = 8 questions) and its file hashes."""
-    import subprocess
+    from test_cli import cli_here  # the command line's entry point, in this process
 
     d = tmp_path_factory.mktemp("finished")
-    proc = subprocess.run([sys.executable, "-m", "luka_bench", *TINY, f"hydra.run.dir={d}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = cli_here(*TINY, f"hydra.run.dir={d}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((d / "metrics.json").read_text())["n_examples"] == 8
     return d

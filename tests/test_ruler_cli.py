@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_cli import cli, error_line
+from test_cli import cli_here, error_line
 
 
 @pytest.mark.parametrize("args,words", [
@@ -17,7 +17,7 @@ from test_cli import cli, error_line
 ])
 def test_bad_input_one_line_nothing_written(args, words, tmp_path):
     out = tmp_path / "run"
-    proc = cli("model=tiny_llama", "progress=false", *args, f"hydra.run.dir={out}")
+    proc = cli_here("model=tiny_llama", "progress=false", *args, f"hydra.run.dir={out}")
     line = error_line(proc)
     assert all(w in line for w in words), line
     assert "Loading weights" not in proc.stderr + proc.stdout

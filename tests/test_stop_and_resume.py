@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -40,10 +41,43 @@ def _stop_after(cwd: Path, sig: signal.Signals, after_lines: int = 3) -> tuple[s
     return proc, err, pred
 
 
+def _stop_here_after(cwd: Path, sig: signal.Signals, capsys, after_lines: int = 3):
+    """The same run through the same entry point in this process (``_main``), ``sig`` sent to this process by a
+    watcher thread once ``after_lines`` items are saved (the handler runs in the main thread, between two
+    bytecodes of the run, as in a process of its own); (exit status, stderr, predictions.jsonl)."""
+    import threading
+
+    pred = cwd / "results" / "runs" / RUN_NAME / "predictions.jsonl"
+    done = threading.Event()
+
+    def watch():
+        deadline = time.time() + 240
+        while not done.is_set() and time.time() < deadline:
+            if pred.exists() and pred.read_bytes().count(b"\n") >= after_lines:
+                os.kill(os.getpid(), sig)
+                return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        code, err = _main(TINY, cwd, capsys)
+    finally:
+        done.set()
+        watcher.join()
+    return SimpleNamespace(returncode=code), err, pred
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1", "SIGUSR2"])
-def test_stop_signal_is_one_line_exit_128_plus_signal_and_the_folder_resumes(tmp_path, sig):
+def test_stop_signal_is_one_line_exit_128_plus_signal_and_the_folder_resumes(tmp_path, sig, capsys):
+    """SIGTERM in a process of its own (the shell's exit status, then the same command resumes the folder);
+    SIGUSR1 and SIGUSR2, which take the same path through ``StopGuard``, in this process (a fresh interpreter
+    per signal costs ~6 s of imports)."""
     sig = getattr(signal, sig)
-    proc, err, pred = _stop_after(tmp_path, sig)
+    if sig == signal.SIGTERM:
+        proc, err, pred = _stop_after(tmp_path, sig)
+    else:
+        proc, err, pred = _stop_here_after(tmp_path, sig, capsys)
     assert proc.returncode == 128 + sig, (proc.returncode, err[-3000:])
     assert "Traceback" not in err
     lines = _lines(pred)
@@ -55,9 +89,8 @@ def test_stop_signal_is_one_line_exit_128_plus_signal_and_the_folder_resumes(tmp
                     "resume"), err[-3000:]
     if sig != signal.SIGTERM:
         return
-    again = subprocess.run([sys.executable, "-m", "luka_bench", *TINY], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert again.returncode == 0 and f"resuming: {saved}/80 items done" in again.stderr, again.stderr[-3000:]
+    code, again = _main(TINY, tmp_path, capsys)  # the same command again (here: in this process)
+    assert code == 0 and f"resuming: {saved}/80 items done" in again, again[-3000:]
     ids = [json.loads(ln)["item_id"] for ln in _lines(pred)]
     assert len(ids) == 80 == len(set(ids))  # every item once
     assert json.loads((pred.parent / "metrics.json").read_text())["n_examples"] == 80

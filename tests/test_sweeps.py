@@ -24,6 +24,21 @@ def cli(*args: str, cwd: Path):
                           timeout=400)
 
 
+def cli_in(*args: str, cwd: Path):
+    """The same command through the same entry point in this process, from ``cwd`` (the basic launcher runs
+    its jobs in the calling process anyway; a fresh interpreter costs ~6 s of imports)."""
+    import os
+
+    from test_cli import cli_here
+
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        return cli_here(*args)
+    finally:
+        os.chdir(here)
+
+
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory):
     """The 2 x 2 sweep, run once from an empty working folder (so the default results/sweeps/ is used)."""
@@ -74,7 +89,7 @@ def test_rerun_runs_only_the_missing_job(grid):
     preds = {n: (sweep / n / "predictions.jsonl").read_text() for n in FOLDERS}
     (lost / "metrics.json").unlink()  # as if the sweep was killed while this job was finishing
     # the same sweep again (with the basic launcher: one process, quicker to start; the folders are the same)
-    proc = cli(*SWEEP, cwd=cwd)
+    proc = cli_in(*SWEEP, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout + proc.stderr
     assert out.count("already complete") == 3
@@ -88,7 +103,7 @@ def test_rerun_runs_only_the_missing_job(grid):
 
 def test_a_failing_job_does_not_sink_the_sweep(tmp_path):
     # `full` refuses budget 0.5: that job fails, the other still runs (basic launcher: one process, in order)
-    proc = cli("-m", "method=full,streaming_llm", "method.budget=0.5", "sweep_name=fails", *TINY, cwd=tmp_path)
+    proc = cli_in("-m", "method=full,streaming_llm", "method.budget=0.5", "sweep_name=fails", *TINY, cwd=tmp_path)
     assert proc.returncode == 2
     out = proc.stdout + proc.stderr
     assert "[fails] job 1/2 FAILED" in out and "not allowed for 'full'" in out

@@ -99,11 +99,30 @@ class PG19(Task):
             raise DataError(f"data.path={self.path!r} is empty; pg19 needs a text of at least 2 tokens")
         return [(self.source, text)]
 
+    MARGIN = 64  # tokens past what is needed: a cut inside a word changes only the tokens at the cut
+
+    def _ids(self, tokenizer, text: str) -> list[int]:
+        """The text's token ids, or where ``limit`` bounds what is used (hub: ``max_tokens`` of each book; one long
+        text: ``limit`` windows) the ids of a prefix long enough to give those tokens plus ``MARGIN`` (the same
+        ids as the whole text's up to there: tokenization is local), so a 500K-token book is not tokenized to
+        use its first 1K. Doubles the prefix until it has enough tokens or is the whole text."""
+        need = self.max_tokens if self.source == "hf" else None if self.limit is None else self.limit * self.max_tokens
+        if need is None:
+            return tokenizer(text, add_special_tokens=False).input_ids
+        chars = (need + self.MARGIN) * 8
+        while True:
+            ids = tokenizer(text[:chars], add_special_tokens=False).input_ids
+            if chars >= len(text):
+                return ids
+            if len(ids) >= need + self.MARGIN:
+                return ids[:need]
+            chars *= 2
+
     def documents(self, tokenizer) -> list[Document]:
         """Documents as token ids (``meta["ids"]``), each at most ``max_tokens`` long."""
         docs: list[Document] = []
         for doc_id, text in self._texts():
-            ids = tokenizer(text, add_special_tokens=False).input_ids
+            ids = self._ids(tokenizer, text)
             if self.source == "hf":
                 windows = [ids[: self.max_tokens]]
             else:  # one long text: consecutive windows
