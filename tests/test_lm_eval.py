@@ -243,17 +243,24 @@ def lm_eval_cli_here(args: list[str], cwd: Path) -> SimpleNamespace:
 
     import luka_bench.lm_eval  # noqa: F401 - what the .pth does in a fresh process
 
+    import lm_eval.tasks
+
     argv, here, out, err, code = sys.argv, os.getcwd(), io.StringIO(), io.StringIO(), 0
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     sys.argv = ["lm_eval", *args]
     os.chdir(cwd)
+    manager = lm_eval.tasks.TaskManager
+    # the command indexes lm-eval's own task configs (~15 s) before it looks up ours (--include_path): here only
+    # ours are indexed, the tasks run are the same
+    lm_eval.tasks.TaskManager = lambda *a, **kw: manager(*a, **{**kw, "include_defaults": False})
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             cli_evaluate()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     finally:
+        lm_eval.tasks.TaskManager = manager
         sys.argv = argv
         os.chdir(here)
         for h in root.handlers[:]:

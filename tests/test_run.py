@@ -206,3 +206,23 @@ def test_a_cuda_run_warms_up_before_its_first_timed_item(tmp_path, monkeypatch):
     monkeypatch.setattr(E, "warm_up", lambda model, method, tok: seen.append(type(method).__name__))
     R.run(compose("model=tiny_llama", "data.limit=1", "max_new_tokens=2", "progress=false", "method=h2o"), tmp_path)
     assert seen == ["H2O"]
+
+
+@pytest.mark.parametrize("limit,max_tokens", [(1, 80), (3, 1024), (1, 2)])
+def test_pg19_tokenizes_only_the_prefix_it_uses_and_gets_the_same_ids(smollm2_tokenizer, limit, max_tokens):
+    """With ``limit`` set, pg19 tokenizes a prefix of the text (plus a margin) instead of all of it: the documents'
+    ids equal the windows of the whole text's tokenization."""
+    from luka_bench.data.pg19 import PG19, essays_text
+
+    text = essays_text()
+    whole = smollm2_tokenizer(text, add_special_tokens=False).input_ids
+    seen = []
+
+    def tok(t, **kw):
+        seen.append(len(t))
+        return smollm2_tokenizer(t, **kw)
+
+    docs = PG19(source="essays", limit=limit, max_tokens=max_tokens).documents(tok)
+    assert max(seen) < len(text) // 10  # a prefix, not the ~500K-token text
+    want = [whole[s: s + max_tokens] for s in range(0, len(whole), max_tokens)][:limit]
+    assert [d.meta["ids"] for d in docs] == want
