@@ -2,22 +2,21 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 import luka_bench.run as R
-from conftest import ROOT, compose, load_script
+from conftest import compose, load_script
 
 # Runs in CI (scripts/setup.sh installs the model's package); without it the tests fail, they do not skip.
 pytestmark = [pytest.mark.slow]
 
 
-def test_cli_wikisalad_two_examples(tmp_path):
+def test_cli_wikisalad_one_example(tmp_path):
     from test_cli import cli_here  # the command line's entry point, in this process
 
-    proc = cli_here("data.limit=2", "progress=false", f"hydra.run.dir={tmp_path}")
+    proc = cli_here("data.limit=1", "progress=false", f"hydra.run.dir={tmp_path}")  # 4 questions
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads((tmp_path / "metrics.json").read_text())
     for key in ("em", "em_lenient", "f1", "ttft_s", "tpot_s", "kv_ratio", "kv_bytes", "kv_bytes_full",
@@ -47,16 +46,29 @@ def test_pg19_streaming_budget_one_equals_full(tmp_path):
     assert full["uncertainty"]["perplexity"]["se"] is None
 
 
-def test_bench_decode_both_modes_and_table(tmp_path):
+def run_main(main, argv: list[str], capsys) -> str:
+    """A script's ``main()`` with ``sys.argv`` set (torch's thread count put back after it): what it printed."""
+    import torch
+
+    old, threads = sys.argv, torch.get_num_threads()
+    sys.argv = argv
+    try:
+        main()
+    finally:
+        sys.argv = old
+        torch.set_num_threads(threads)
+    return capsys.readouterr().out
+
+
+def test_bench_decode_both_modes_and_table(tmp_path, capsys):
     """scripts/bench_decode.py (the README's speed table): interleaved at the short length, one method at a time
     from --isolate-from on; every method has its ratios to the references, full's are exactly 1, its JSON is
     written as it goes and the markdown table has a row per method."""
     js, md = tmp_path / "b.json", tmp_path / "b.md"
-    proc = subprocess.run([sys.executable, "scripts/bench_decode.py", "--lengths", "32", "48", "--isolate-from",
-                           "48", "--methods", "streaming_llm", "luka_clustered", "--steps", "2", "--round", "1",
-                           "--prefill-reps", "2", "--threads", "1", "--json", str(js), "--markdown", str(md)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    bench = load_script("bench_decode")  # its main in this process, sys.argv as the shell sets it
+    out = run_main(bench.main, ["bench_decode.py", "--lengths", "32", "48", "--isolate-from", "48", "--methods",
+                                "streaming_llm", "luka_clustered", "--steps", "2", "--round", "1", "--prefill-reps",
+                                "2", "--threads", "1", "--json", str(js), "--markdown", str(md)], capsys)
     rows = json.loads(js.read_text())
     assert [(r["N"], r["mode"]) for r in rows] == [(32, "interleaved"), (48, "isolate")]
     for r in rows:
@@ -66,19 +78,13 @@ def test_bench_decode_both_modes_and_table(tmp_path):
             assert d["decode_ms"] > 0 and d["prefill_s"] > 0 and d["prefill_vs_full"] > 0
             assert d["prefill_peak_rss_gb"] >= d["rss_before_prefill_gb"] > 0.1  # the model alone is ~0.5 GB
     assert len(md.read_text().splitlines()) == 2 + 4
-    assert "harness overhead of full" in proc.stdout
+    assert "harness overhead of full" in out
     # --table-from merges per (N, method): a later run of one method at 48 replaces that cell only
     later = tmp_path / "later.json"
     cell = {"decode_vs_full": 0.25, "prefill_vs_full": 1.5, "prefill_peak_rss_gb": 9.0}
     later.write_text(json.dumps([{"N": 48, "methods": {"luka_clustered": cell, "h2o": cell}}]))
     md2 = tmp_path / "merged.md"
-    bench = load_script("bench_decode")  # the table needs no model: its main in this process
-    argv = sys.argv
-    sys.argv = ["bench_decode.py", "--table-from", str(js), str(later), "--markdown", str(md2)]
-    try:
-        bench.main()
-    finally:
-        sys.argv = argv
+    run_main(bench.main, ["bench_decode.py", "--table-from", str(js), str(later), "--markdown", str(md2)], capsys)
     table = {ln.split(" | ")[0].strip("| "): ln for ln in md2.read_text().splitlines()[2:]}
     assert list(table) == ["stock", "full", "h2o", "luka_clustered", "streaming_llm"]
     # a cell: decode/stock, decode/full, prefill/full, GB; the later run measured no stock: "—" in its place
