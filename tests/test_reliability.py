@@ -462,7 +462,7 @@ def test_ctrl_c_is_one_line_exit_130_and_the_same_command_resumes(tmp_path, caps
     import signal
     import subprocess
 
-    args = [*TINY, "data.limit=20"]  # 80 questions: the signal lands while questions are being answered
+    args = [*TINY, "data.limit=8"]  # 32 questions: the signal lands while questions are being answered
     proc = subprocess.Popen([sys.executable, "-m", "luka_bench", *args], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
@@ -478,11 +478,11 @@ def test_ctrl_c_is_one_line_exit_130_and_the_same_command_resumes(tmp_path, caps
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err
     saved = _count(pred)
-    assert 3 <= saved < 80
-    assert lines[-1] == (f"interrupted: {saved}/80 items saved in {pred.parent}; run the same command to resume")
+    assert 3 <= saved < 32
+    assert lines[-1] == (f"interrupted: {saved}/32 items saved in {pred.parent}; run the same command to resume")
     code, out, err = cli(args, capsys, cwd=tmp_path)
-    assert code == 0 and f"resuming: {saved}/80 items done" in err
-    assert json.loads((pred.parent / "metrics.json").read_text())["n_examples"] == 80 == _count(pred)
+    assert code == 0 and f"resuming: {saved}/32 items done" in err
+    assert json.loads((pred.parent / "metrics.json").read_text())["n_examples"] == 32 == _count(pred)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import ROOT
 
-TINY = ["model=tiny_llama", "data.limit=20", "max_new_tokens=2", "progress=false", "threads=1"]  # 80 questions
+TINY = ["model=tiny_llama", "data.limit=8", "max_new_tokens=2", "progress=false", "threads=1"]  # 32 questions
 RUN_NAME = "tiny_llama,full,wikisalad_easy,max_new_tokens=2"
 
 
@@ -82,18 +82,18 @@ def test_stop_signal_is_one_line_exit_128_plus_signal_and_the_folder_resumes(tmp
     assert "Traceback" not in err
     lines = _lines(pred)
     saved = len(lines)
-    assert 3 <= saved < 80
+    assert 3 <= saved < 32
     assert all(ln.endswith(b"\n") and "item_id" in json.loads(ln) for ln in lines)  # the last line is whole
     last = [ln for ln in err.splitlines() if ln.strip()][-1]
-    assert last == (f"{sig.name}: interrupted: {saved}/80 items saved in {pred.parent}; run the same command to "
+    assert last == (f"{sig.name}: interrupted: {saved}/32 items saved in {pred.parent}; run the same command to "
                     "resume"), err[-3000:]
     if sig != signal.SIGTERM:
         return
     code, again = _main(TINY, tmp_path, capsys)  # the same command again (here: in this process)
-    assert code == 0 and f"resuming: {saved}/80 items done" in again, again[-3000:]
+    assert code == 0 and f"resuming: {saved}/32 items done" in again, again[-3000:]
     ids = [json.loads(ln)["item_id"] for ln in _lines(pred)]
-    assert len(ids) == 80 == len(set(ids))  # every item once
-    assert json.loads((pred.parent / "metrics.json").read_text())["n_examples"] == 80
+    assert len(ids) == 32 == len(set(ids))  # every item once
+    assert json.loads((pred.parent / "metrics.json").read_text())["n_examples"] == 32
 
 
 def test_stop_guard_leaves_handlers_set_by_others_and_restores_its_own():
