@@ -76,6 +76,39 @@ def tiny_gemma3():
     return tiny("gemma3")
 
 
+def in_process(main, argv: list[str], cwd: Path | None = None):
+    """A command's ``main()`` in this process as the shell would run it (``sys.argv = argv``, from ``cwd``):
+    (returncode, stdout, stderr). The logging handlers it adds (Hydra's, lm-eval's) are removed after it and
+    torch's thread count put back, so later tests see the process as it was."""
+    import contextlib
+    import io
+    import logging
+    import sys
+    from types import SimpleNamespace
+
+    old_argv, here, out, err, code = sys.argv, os.getcwd(), io.StringIO(), io.StringIO(), 0
+    root = logging.getLogger()
+    handlers, level, threads = list(root.handlers), root.level, torch.get_num_threads()
+    sys.argv = list(argv)
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main() or 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = old_argv
+        os.chdir(here)
+        for h in root.handlers[:]:
+            if h not in handlers:
+                root.removeHandler(h)
+                h.close()
+        root.setLevel(level)
+        torch.set_num_threads(threads)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 def load_script(name: str):
     """``scripts/<name>.py`` as a module (registered under ``name``, as a script's sibling imports find it when it
     runs; no sys.path edit)."""

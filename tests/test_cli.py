@@ -24,30 +24,10 @@ def cli_here(*args: str):
     in this process with ``sys.argv`` set as the command line sets it: its exit status and what it printed.
     A fresh interpreter per bad input costs ~6 s of imports each; the subprocess path is exercised by
     ``finished_run`` and ``test_did_you_mean``."""
-    import contextlib
-    import io
-    import logging
-    from types import SimpleNamespace
-
+    from conftest import in_process
     from luka_bench.__main__ import main
 
-    argv, out, err, code = sys.argv, io.StringIO(), io.StringIO(), 0
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level  # Hydra configures the job's logging: put it back after
-    sys.argv = [str(ROOT / "luka_bench" / "__main__.py"), *args]
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    finally:
-        sys.argv = argv
-        for h in root.handlers[:]:
-            if h not in handlers:
-                root.removeHandler(h)
-                h.close()
-        root.setLevel(level)
-    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+    return in_process(main, [str(ROOT / "luka_bench" / "__main__.py"), *args])
 
 
 def error_line(proc) -> str:

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 import luka_bench.run as R
-from conftest import compose, load_script
+from conftest import compose, in_process, load_script
 
 # Runs in CI (scripts/setup.sh installs the model's package); without it the tests fail, they do not skip.
 pytestmark = [pytest.mark.slow]
@@ -46,29 +45,16 @@ def test_pg19_streaming_budget_one_equals_full(tmp_path):
     assert full["uncertainty"]["perplexity"]["se"] is None
 
 
-def run_main(main, argv: list[str], capsys) -> str:
-    """A script's ``main()`` with ``sys.argv`` set (torch's thread count put back after it): what it printed."""
-    import torch
-
-    old, threads = sys.argv, torch.get_num_threads()
-    sys.argv = argv
-    try:
-        main()
-    finally:
-        sys.argv = old
-        torch.set_num_threads(threads)
-    return capsys.readouterr().out
-
-
-def test_bench_decode_both_modes_and_table(tmp_path, capsys):
+def test_bench_decode_both_modes_and_table(tmp_path):
     """scripts/bench_decode.py (the README's speed table): interleaved at the short length, one method at a time
     from --isolate-from on; every method has its ratios to the references, full's are exactly 1, its JSON is
     written as it goes and the markdown table has a row per method."""
     js, md = tmp_path / "b.json", tmp_path / "b.md"
     bench = load_script("bench_decode")  # its main in this process, sys.argv as the shell sets it
-    out = run_main(bench.main, ["bench_decode.py", "--lengths", "32", "48", "--isolate-from", "48", "--methods",
-                                "streaming_llm", "luka_clustered", "--steps", "2", "--round", "1", "--prefill-reps",
-                                "2", "--threads", "1", "--json", str(js), "--markdown", str(md)], capsys)
+    proc = in_process(bench.main, ["bench_decode.py", "--lengths", "32", "48", "--isolate-from", "48", "--methods",
+                                   "streaming_llm", "luka_clustered", "--steps", "2", "--round", "1",
+                                   "--prefill-reps", "2", "--threads", "1", "--json", str(js), "--markdown", str(md)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(js.read_text())
     assert [(r["N"], r["mode"]) for r in rows] == [(32, "interleaved"), (48, "isolate")]
     for r in rows:
@@ -78,13 +64,14 @@ def test_bench_decode_both_modes_and_table(tmp_path, capsys):
             assert d["decode_ms"] > 0 and d["prefill_s"] > 0 and d["prefill_vs_full"] > 0
             assert d["prefill_peak_rss_gb"] >= d["rss_before_prefill_gb"] > 0.1  # the model alone is ~0.5 GB
     assert len(md.read_text().splitlines()) == 2 + 4
-    assert "harness overhead of full" in out
+    assert "harness overhead of full" in proc.stdout
     # --table-from merges per (N, method): a later run of one method at 48 replaces that cell only
     later = tmp_path / "later.json"
     cell = {"decode_vs_full": 0.25, "prefill_vs_full": 1.5, "prefill_peak_rss_gb": 9.0}
     later.write_text(json.dumps([{"N": 48, "methods": {"luka_clustered": cell, "h2o": cell}}]))
     md2 = tmp_path / "merged.md"
-    run_main(bench.main, ["bench_decode.py", "--table-from", str(js), str(later), "--markdown", str(md2)], capsys)
+    proc = in_process(bench.main, ["bench_decode.py", "--table-from", str(js), str(later), "--markdown", str(md2)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
     table = {ln.split(" | ")[0].strip("| "): ln for ln in md2.read_text().splitlines()[2:]}
     assert list(table) == ["stock", "full", "h2o", "luka_clustered", "streaming_llm"]
     # a cell: decode/stock, decode/full, prefill/full, GB; the later run measured no stock: "—" in its place

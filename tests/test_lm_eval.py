@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
-from conftest import ROOT, compose, tiny  # noqa: E402
+from conftest import ROOT, compose, in_process, tiny  # noqa: E402
 
 TASKS = ROOT / "tests" / "lm_eval_tasks"
 PTH = "luka_bench-lm_eval.pth"
@@ -235,39 +235,19 @@ def lm_eval_cli_here(args: list[str], cwd: Path) -> SimpleNamespace:
     """lm-eval's command line (its ``cli_evaluate``, ``sys.argv`` set as the shell sets it) in this process, with
     luka_bench registered by its import: (returncode, stdout, stderr). A fresh process spends ~20 s importing
     lm-eval; ``lm_eval_cli`` (the real console script and the .pth) runs in ``test_smollm2_cli_...``."""
-    import contextlib
-    import io
-    import logging
-
+    import lm_eval.tasks
     from lm_eval.__main__ import cli_evaluate
 
     import luka_bench.lm_eval  # noqa: F401 - what the .pth does in a fresh process
 
-    import lm_eval.tasks
-
-    argv, here, out, err, code = sys.argv, os.getcwd(), io.StringIO(), io.StringIO(), 0
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    sys.argv = ["lm_eval", *args]
-    os.chdir(cwd)
     manager = lm_eval.tasks.TaskManager
     # the command indexes lm-eval's own task configs (~15 s) before it looks up ours (--include_path): here only
     # ours are indexed, the tasks run are the same
     lm_eval.tasks.TaskManager = lambda *a, **kw: manager(*a, **{**kw, "include_defaults": False})
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            cli_evaluate()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        return in_process(cli_evaluate, ["lm_eval", *args], cwd)
     finally:
         lm_eval.tasks.TaskManager = manager
-        sys.argv = argv
-        os.chdir(here)
-        for h in root.handlers[:]:
-            if h not in handlers:
-                root.removeHandler(h)
-        root.setLevel(level)
-    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def cli_samples(out_dir: Path) -> tuple[dict, dict]:
