@@ -16,7 +16,6 @@ really held).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,24 +106,27 @@ def main() -> None:
 
 def started_budget(folder: Path) -> float | None:
     """method.budget of a run folder already started (None if there is none)."""
-    import yaml
+    from luka_bench.results import read_run_config
 
-    cfg = folder / "config.yaml"
-    return yaml.safe_load(cfg.read_text())["method"]["budget"] if cfg.exists() else None
+    cfg = read_run_config(folder / "config.yaml")
+    return cfg["method"]["budget"] if cfg else None
 
 
 def table(sweep: Path, lengths, variants, tasks, budgets, out: Path, limits: dict[str, int]) -> None:
-    """Mean ± SE per task over the first ``limits[length]`` samples (a folder may hold more from a longer run)."""
+    """Mean ± SE per task over the first ``limits[length]`` samples (a folder may hold more from a longer run);
+    run folders read through the report's loaders."""
+    from luka_bench.results import read_predictions
+
     lines = ["| length | method | " + " | ".join(f"{t} acc" for t in tasks) + " | "
              + " | ".join(f"{t} facts kept" for t in tasks) + " | held after prefill (tokens) | method.budget | n/task |",
              "|" + "---|" * (2 * len(tasks) + 5)]
     for length in lengths:
         for v in variants:
-            path = sweep / f"{length}_{v}" / "predictions.jsonl"
-            if not path.exists():
+            folder = sweep / f"{length}_{v}"
+            recs = read_predictions(folder)
+            if not recs:
                 lines.append(f"| {length} | {v} | missing |")
                 continue
-            recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
             recs = [r for r in recs if r["meta"]["index"] < limits[length]]
             acc, kept = [], []
             for t in tasks:
@@ -143,9 +145,7 @@ def table(sweep: Path, lengths, variants, tasks, budgets, out: Path, limits: dic
                     kept.append("-")
             held = [sum(r["kv_tokens_prefill"]) / len(r["kv_tokens_prefill"]) for r in recs]
             n = min(sum(1 for r in recs if r["meta"]["task"] == t) for t in tasks)
-            import yaml
-
-            budget = yaml.safe_load((path.parent / "config.yaml").read_text())["method"]["budget"]
+            budget = started_budget(folder)
             lines.append(f"| {length} | {v} | " + " | ".join(acc) + " | " + " | ".join(kept)
                          + f" | {sum(held) / len(held):.0f} | {budget:g} | {n} |")
     note = ("\nAccuracy and supporting-fact tokens kept after the prefill, % (mean ± one standard error over "

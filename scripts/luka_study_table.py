@@ -11,13 +11,11 @@ counted in the 1/8; every run before ``recent_budget`` existed) for lined layers
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-import yaml
 
-from luka_bench.results import read_predictions
+from luka_bench.results import find_runs, read_metrics, read_predictions, read_run_config
 from luka_bench.stats import cluster_of, mean_se, paired_difference
 
 LEVELS = ["easy", "medium", "hard", "very_hard"]
@@ -53,7 +51,7 @@ def parse(run: Path) -> tuple[str, str, dict]:
 
 def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "results/sweeps/luka_study_paper")
-    runs = [d for d in sorted(root.iterdir()) if (d / "metrics.json").exists()]
+    runs = [d for d in find_runs(root) if d != root and read_metrics(d)[0] is not None]  # finished runs
     print("| level | method | rules | examples / questions | em_lenient ± SE (examples) | − lined 1/8, paired ± SE "
           "| attended tokens / layer / step | kv_ratio |")
     print("|---|---|---|--:|--:|--:|--:|--:|")
@@ -62,11 +60,11 @@ def main() -> None:
         rows.sort(key=lambda r: (ORDER.index(r[0][1]) if r[0][1] in ORDER else len(ORDER), sorted(r[0][2].items())))
         base = next((d for (lv, m, ov), d in rows if m == "luka_lined" and not ov), None)
         for (_, method, ov), d in rows:
-            cfg = yaml.safe_load((d / "config.yaml").read_text()) if (d / "config.yaml").exists() else {}
+            cfg = read_run_config(d / "config.yaml") or {}
             label = " ".join([method] + [f"{k.removeprefix('method.')}={v}" for k, v in sorted(ov.items())])
             recs = read_predictions(d)
             s = mean_se([float(r["scores"]["em_lenient"]) for r in recs], [cluster_of(r) for r in recs])
-            m = json.loads((d / "metrics.json").read_text())
+            m = read_metrics(d)[0]
             if base is None or d == base:
                 diff = "—"
             else:
