@@ -219,7 +219,7 @@ def item_id(i: int) -> str:
 def record(run, rec: dict, first: int, last: int) -> None:
     """Append prompt ``rec`` to a run folder and rewrite its metrics over the prompts it holds (``complete`` once it
     holds every prompt of ``first``..``last - 1``)."""
-    from luka_bench.stats import binomial_se, mean_se
+    from luka_bench.stats import binomial_se
 
     run.append({"item_id": item_id(rec["prompt"]), **rec})
     recs = [r for r in run.done.values() if first <= r["prompt"] < last]
@@ -228,7 +228,7 @@ def record(run, rec: dict, first: int, last: int) -> None:
     recall = [r["needle_recall"] for r in recs if r.get("needle_recall") is not None]
     run.write_metrics({"kind": "needle", "headline": "accuracy", "accuracy": sum(correct) / len(correct),
                        "accuracy_se": binomial_se(sum(correct), len(correct)),
-                       "needle_recall": mean_se(recall)["mean"] if recall else None,
+                       "needle_recall": sum(recall) / len(recall) if recall else None,
                        "attended_tokens": sum(read) / len(read) if read else None,
                        "n_examples": len(recs), "complete": len(recs) == last - first})
 
@@ -254,13 +254,14 @@ def study(args) -> None:
             runs[label] = RunFolder(out / slug(label), run_config(model_cfg, label, method_cfg, data))
         return runs[label]
 
+    earlier: dict[str, dict] = {}  # folders this process has not opened: their records, read once
+
     def done(i: int, label: str) -> dict | None:
-        path = out / slug(label)
         if label in runs:
             return runs[label].done.get(item_id(i))
-        if not (path / "predictions.jsonl").exists():
-            return None
-        return next((r for r in read_predictions(path) if r["item_id"] == item_id(i)), None)
+        if label not in earlier:
+            earlier[label] = {r["item_id"]: r for r in read_predictions(out / slug(label))}
+        return earlier[label].get(item_id(i))
 
     eos = eos_token_ids(lm.model, lm.tokenizer)
     essays = haystack_text()
