@@ -32,8 +32,6 @@ BUDGET = {"full": 2, "snapkv": 2, "laser_kv": 2, "streaming_llm": 4, "oracle_top
 # includes 0.25 per layer (1 per step on these 4 layers) for the step's position counter, advanced in place so
 # that a step carries no Python number (``MethodCache.position_tensor``; tests/test_graph_ready.py).
 OVER: dict[str, str] = {
-    "streaming_llm": "7.25 > 4: 6 copy_ + 3 clone - 2 cat + 0.25 add_ (keep_ends shifts K/V/positions by a clone "
-                     "and a copy each, the append writes K/V/position separately; the position counter)",
     "h2o": "29.25 > 12: tail shift in drop_one (4 clone + 4 copy_: K, V, positions, mass moved one slot left "
            "separately), the dropped slot refilled per tensor (4 index_select + 4 index_copy_; a scatter_ from the "
            "slot itself overlaps its source, refused by torch for some dtypes), the row offsets (2 add), the "

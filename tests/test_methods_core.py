@@ -83,10 +83,48 @@ def test_streaming_evicts_physically_keeps_positions(tiny_llama):
         for t in range(100, 120):
             model(ids[:, t: t + 1], past_key_values=c)
         assert c.get_seq_length() == 120
-        for s in c.stores:
+        for s in c.stores:  # a decode step's new token takes the evicted one's slot: the window is unordered
             assert s.n == 30
-            assert s.positions[0, 0].tolist() == [0, 1, 2, 3] + list(range(94, 120))
+            assert s.positions[0, 0, :4].tolist() == [0, 1, 2, 3]
+            assert sorted(s.positions[0, 0].tolist()) == [0, 1, 2, 3] + list(range(94, 120))
         assert c.held_bytes() / c.full_bytes() == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gqa3"])
+def test_streaming_slot_moves_equal_shifting_the_window(arch, request):
+    """A decode step's eviction moves the new token into the oldest window token's slot (issue 36: no shift):
+    every step's logits and the held tokens equal those of the in-order eviction (``keep_ends``, the window
+    shifted left), through capacity growth (budget 0.25: one more token held every 4 steps) and a multi-token
+    forward after the slots were reordered."""
+    from luka_bench.methods.streaming_llm import StreamingPolicy
+
+    class Shifting(StreamingPolicy):
+        def _evict(self, store):
+            cap = self.capacity(store)
+            if store.n > cap:
+                store.keep_ends(min(self.method.sink, cap), cap - min(self.method.sink, cap))
+
+    class ShiftingLLM(StreamingLLM):
+        policy_class = Shifting
+
+    model = request.getfixturevalue(arch).model
+    ids = torch.randint(0, 256, (1, 110), generator=torch.Generator().manual_seed(31))
+    runs = []
+    for method in (StreamingLLM(budget=0.25, sink=4), ShiftingLLM(budget=0.25, sink=4)):
+        with attach(model, method) as a, torch.no_grad():
+            c = a.new_cache(reference_length=60, manual=True)
+            model(ids[:, :60], past_key_values=c)
+            c.end_prefill()
+            logits = [model(ids[:, t: t + 1], past_key_values=c).logits[0, -1] for t in range(60, 100)]
+            logits.append(model(ids[:, 100:110], past_key_values=c).logits[0])  # a chunk after the moves
+            logits += [model(ids[:, t: t + 1], past_key_values=c).logits[0, -1] for t in range(0, 5)]
+            held = [sorted(s.positions[0, 0].tolist()) for s in c.stores]
+            runs.append((logits, held, [s.n for s in c.stores]))
+    (moved, held, n), (shifted, held_ref, n_ref) = runs
+    assert held == held_ref and n == n_ref
+    assert held[0][:4] == [0, 1, 2, 3] and held[0][-1] == 114
+    for x, y in zip(moved, shifted):
+        assert torch.allclose(x, y, atol=1e-5, rtol=0), (x - y).abs().max()
 
 
 def test_streaming_positions_match_a_manual_reference(tiny_llama):
@@ -250,7 +288,7 @@ def test_streaming_cache_positions_put_every_key_at_its_place_in_the_cache(arch,
                 model(ids[:, t: t + 1], past_key_values=c)
             s = c.stores[0]
             kept = s.positions[0, 0]
-            assert s.n == 18 and kept[:4].tolist() == [0, 1, 2, 3] and kept[-1] == 69
+            assert s.n == 18 and kept[:4].tolist() == [0, 1, 2, 3] and kept.max() == 69  # original: unordered window
             with attach(model, Full()) as f:
                 fresh = f.new_cache()
                 model(ids[:, kept], past_key_values=fresh)

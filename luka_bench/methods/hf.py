@@ -47,6 +47,23 @@ ATTN_NAME = "luka_bench"
 CACHE_KWARG = "luka_bench_cache"  # the forward keyword that carries the MethodCache down to the attention calls
 
 
+def _stackable(k: torch.Tensor, v: torch.Tensor) -> bool:
+    return k.shape == v.shape and k.dtype == v.dtype and k.device == v.device
+
+
+def _write_position(dst: torch.Tensor, due: tuple[torch.Tensor, int], cache: "MethodCache",
+                    slot: torch.Tensor | None = None) -> None:
+    """Write a decode step's position ``due`` = (the cache's position counter, the value it held) into ``dst``
+    [B, Hkv] (or, with ``slot``, into ``dst`` [B, Hkv, m] at that one-element index)."""
+    counter, seen = due
+    if not cache.position_holds(counter, seen):
+        counter = torch.full((), seen, dtype=torch.long, device=dst.device)
+    if slot is None:
+        dst.copy_(counter)
+    else:
+        dst.index_copy_(2, slot, counter.expand(*dst.shape[:2], 1))
+
+
 def _rows(t: torch.Tensor, flat: torch.Tensor, m: int) -> torch.Tensor:
     """``t[b, h, index[b, h, i]]`` for storage t [B, Hkv, cap, ...] (contiguous) and ``flat`` the row ids of
     ``index`` [B, Hkv, m] in t flattened to [B * Hkv * cap, ...] (``KVStore._flat``): one index_select, [B, Hkv,
@@ -72,6 +89,13 @@ class KVStore(CacheLayerMixin):
         self.is_sliding = policy.info.sliding_window is not None
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
+        # keys and values in one tensor [2, B, Hkv, cap, D] (``_k``/``_v`` are its halves) where their shapes and
+        # dtypes agree: a token moved inside the cache is then one copy, not two (``move_last_into``)
+        self._kv: torch.Tensor | None = None
+        # a decode step's position, not yet written to its slot (the last): (the cache's position counter, the
+        # value it holds). Written when something reads positions or at the end of the layer's forward
+        # (``settle_positions``), unless an eviction moving the token writes it straight into its new slot
+        self._pos_due: tuple[torch.Tensor, int] | None = None
         self._pos: torch.Tensor | None = None
         self._row_base: tuple | None = None  # row_offsets(), keyed by storage shape
         self._aux: dict[str, torch.Tensor] = {}  # per-token method state [B, Hkv, cap], kept aligned with keys
@@ -116,7 +140,22 @@ class KVStore(CacheLayerMixin):
     @property
     def positions(self) -> torch.Tensor:
         """Logical position of each held token, [B, Hkv, n] (int64)."""
+        self.settle_positions()
         return self._pos[:, :, : self.n]
+
+    def positions_before(self, stop: int) -> torch.Tensor:
+        """Positions of the held tokens in slots ``:stop`` (``stop < n``), without writing a decode step's pending
+        position (the last slot's): for an eviction that moves that token and writes its position where it lands."""
+        assert stop < self.n or self._pos_due is None
+        return self._pos[:, :, :stop]
+
+    def settle_positions(self) -> None:
+        """Write a decode step's pending position into its slot (the last). From the cache's position counter
+        while it still holds the step's position (one copy, no Python number); after the counter moved on (a
+        caller that never ran the layer's attention through ``run_policy``), from the number."""
+        due, self._pos_due = self._pos_due, None
+        if due is not None:
+            _write_position(self._pos[:, :, self.n - 1], due, self.cache)
 
     def aux(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A per-held-token tensor [B, Hkv, n] owned by the policy (e.g. accumulated attention mass). It is
@@ -142,9 +181,10 @@ class KVStore(CacheLayerMixin):
     def _allocate(self, like_k: torch.Tensor, like_v: torch.Tensor, cap: int) -> None:
         b, h, _, dk = like_k.shape
         dv = like_v.shape[-1]
-        k = like_k.new_empty(b, h, cap, dk)
-        v = like_v.new_empty(b, h, cap, dv)
+        kv = like_k.new_empty(2, b, h, cap, dk) if _stackable(like_k, like_v) else None
+        k, v = (kv[0], kv[1]) if kv is not None else (like_k.new_empty(b, h, cap, dk), like_v.new_empty(b, h, cap, dv))
         pos = torch.empty(b, h, cap, dtype=torch.long, device=like_k.device)
+        self.settle_positions()
         if self._k is not None and self.n:
             k[:, :, : self.n] = self.keys
             v[:, :, : self.n] = self.values
@@ -153,9 +193,18 @@ class KVStore(CacheLayerMixin):
             new = torch.zeros(b, h, cap, dtype=a.dtype, device=a.device)
             new[:, :, : self.n] = a[:, :, : self.n]
             self._aux[name] = new
-        self._k, self._v, self._pos = k, v, pos
+        self._k, self._v, self._pos, self._kv = k, v, pos, kv
+
+    def _set_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """New storage holding exactly ``k``/``v`` [B, Hkv, m, D] (stacked where they can be)."""
+        if _stackable(k, v):
+            self._kv = torch.stack([k, v])
+            self._k, self._v = self._kv[0], self._kv[1]
+        else:
+            self._kv, self._k, self._v = None, k.contiguous(), v.contiguous()
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.settle_positions()
         L = key_states.shape[2]
         need = self.n + L
         if self._k is None or need > self._k.shape[2]:
@@ -163,8 +212,8 @@ class KVStore(CacheLayerMixin):
             self._allocate(key_states, value_states, cap)
         self._k[:, :, self.n : need] = key_states
         self._v[:, :, self.n : need] = value_states
-        if L == 1:  # a decode step: one copy from the cache's position counter (no Python number in the op)
-            self._pos[:, :, self.n].copy_(self.cache.position_tensor(self.seen, key_states.device))
+        if L == 1:  # a decode step: its position is the cache's counter (no Python number), written when needed
+            self._pos_due = (self.cache.position_tensor(self.seen, key_states.device), self.seen)
         else:
             self._pos[:, :, self.n : need] = torch.arange(self.seen, self.seen + L, device=key_states.device)
         for a in self._aux.values():
@@ -176,6 +225,7 @@ class KVStore(CacheLayerMixin):
         """Keep only the held tokens at ``index`` (into the current ``n`` tokens): [m] for all heads alike, or
         [B, Hkv, m] per KV head. Order is preserved as given; pass sorted indices to keep time order. Storage
         is reallocated (memory actually freed) when the kept part is under half of it."""
+        self.settle_positions()
         b, h = self._k.shape[:2]
         if index.dim() == 1:
             m = index.numel()
@@ -188,7 +238,8 @@ class KVStore(CacheLayerMixin):
             k, v, pos = _rows(self._k, flat, m), _rows(self._v, flat, m), _rows(self._pos, flat, m)
             aux = {name: _rows(a, flat, m) for name, a in self._aux.items()}
         if m < self._k.shape[2] // 2:
-            self._k, self._v, self._pos = k.contiguous(), v.contiguous(), pos.contiguous()
+            self._set_kv(k, v)
+            self._pos = pos.contiguous()
             self._aux = {name: a.contiguous() for name, a in aux.items()}
         else:
             self._k[:, :, :m] = k
@@ -206,6 +257,7 @@ class KVStore(CacheLayerMixin):
         needed to know where the dropped tokens are (a shift from the earliest dropped one on would need it).
         The older region's slots are no longer in time order; positions (and keys: cached after RoPE) move with
         their tokens, so attention is unchanged, and a policy that needs time order sorts by ``positions``."""
+        self.settle_positions()
         n = self.n
         last = n - tail - 1  # the older region's last slot
         off = self.row_offsets().view(-1)
@@ -217,6 +269,31 @@ class KVStore(CacheLayerMixin):
             if tail:
                 t[:, :, last: n - 1] = t[:, :, last + 1: n].clone()
         self.n -= 1
+
+    def move_last_into(self, slot: torch.Tensor, start: int = 0) -> None:
+        """Drop the held token at slot ``start + slot`` (``slot``: a one-element int64 device tensor, all heads
+        alike; the slot before the last) by moving the newest held token, the last slot, into it: one copy of its
+        keys and values (stacked storage), one of its position and of each aux; ``n`` shrinks by one. A decode
+        step's eviction at a slot the device chose: fixed-size copies, no shift, no host sync. The held tokens are
+        no longer in time order; positions (and keys: cached after RoPE) move with their tokens, so attention is
+        unchanged, and a policy that needs time order reads ``positions``."""
+        n = self.n
+        # written through a view that ends before the source slot: an in-place copy whose source overlaps its
+        # destination is refused
+        if self._kv is not None:
+            self._kv[:, :, :, start: n - 1].index_copy_(3, slot, self._kv[:, :, :, n - 1: n])
+        else:
+            for t in (self._k, self._v):
+                t[:, :, start: n - 1].index_copy_(2, slot, t[:, :, n - 1: n])
+        due, self._pos_due = self._pos_due, None
+        moved = list(self._aux.values())
+        if due is not None:  # a decode step's token: its position goes straight to its new slot
+            _write_position(self._pos[:, :, start: n - 1], due, self.cache, slot)
+        else:
+            moved.append(self._pos)
+        for t in moved:
+            t[:, :, start: n - 1].index_copy_(2, slot, t[:, :, n - 1: n])
+        self.n = n - 1
 
     def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the held tokens at ``index`` [B, Hkv, m] (per KV head; any order, repeats allowed):
@@ -244,6 +321,7 @@ class KVStore(CacheLayerMixin):
 
     def keep_ends(self, head: int, tail: int) -> None:
         """Keep the first ``head`` and the last ``tail`` held tokens, drop the rest (all heads alike)."""
+        self.settle_positions()
         drop_to = self.n - tail
         if drop_to <= head:
             return
@@ -326,7 +404,7 @@ class KVStore(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self._k = self._v = self._pos = None
+        self._k = self._v = self._pos = self._kv = self._pos_due = None
         self._aux = {}
         self.n = self.seen = 0
         self.pos_shift = 0
@@ -397,6 +475,11 @@ class MethodCache(Cache):
                 got[1].fill_(seen)
             got[0] = seen
         return got[1]
+
+    def position_holds(self, counter: torch.Tensor, seen: int) -> bool:
+        """Whether ``counter`` (a ``position_tensor``) still holds ``seen``."""
+        got = self._position.get(counter.device)
+        return got is not None and got[1] is counter and got[0] == seen
 
     def add_tokens(self, ids) -> None:
         """Announce the ids of the next forward before it runs (``token_ids`` grows by them): a caller holding them
@@ -681,6 +764,7 @@ def run_policy(store: KVStore, query: torch.Tensor, scaling: float) -> torch.Ten
         if policy.info.layer_idx == policy.info.num_layers - 1:
             store.cache._note()  # once per forward, after the last layer
             store.cache._note_attended()
+    store.settle_positions()  # before the next step moves the cache's position counter
     return out
 
 

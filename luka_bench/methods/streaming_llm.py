@@ -2,7 +2,9 @@
 
 Keeps the first ``sink`` tokens (attention sinks) and the most recent tokens; everything in between is evicted
 physically. Acts at both hook points: once after the context prefill, and after every later step (question
-chunk, each generated / teacher-forced token), so the cache never exceeds its capacity.
+chunk, each generated / teacher-forced token), so the cache never exceeds its capacity. A decode step that puts
+the cache one token over moves the new token into the slot of the window's oldest (``KVStore.move_last_into``):
+the window's slots are then not in time order (attention does not care; positions move with their tokens).
 
 Budget: a layer holds ``capacity = ceil(budget * max(seen, reference_length))`` tokens, sinks included:
 ``sink`` sinks + ``capacity - sink`` recent tokens. Every KV head keeps the same tokens (no scores, GQA
@@ -21,19 +23,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError
 
 POSITIONS = ("original", "cache")
 
 
 class StreamingPolicy(LayerPolicy):
+    def __init__(self, method, info):
+        super().__init__(method, info)
+        self.in_order = True  # held tokens in time order (false once a decode step moved one: ``move_last_into``)
+
     def _evict(self, store) -> None:
         cap = self.capacity(store)
         if store.n <= cap:
             return
         sink = min(self.method.sink, cap)
         before = store.n
-        store.keep_ends(sink, cap - sink)
+        if before == cap + 1 and cap > sink and self.method.positions == "original":
+            # one token over (a decode step): the oldest of the window leaves and the newest, in the last slot,
+            # takes its place (positions=cache keeps the window in time order: the key at cache index i sits at
+            # position i, re-rotated below). One argmin over the window's positions and fixed-size copies (issue 36: no shift of
+            # the window, no host sync); the window's slots stop being in time order, which attention ignores
+            oldest = store.positions_before(before - 1)[0, 0, sink:].argmin().view(1)
+            store.move_last_into(oldest, sink)
+            self.in_order = False
+        elif self.in_order:
+            store.keep_ends(sink, cap - sink)
+        else:  # several tokens over after decode steps moved some: keep the sinks and the newest, in time order
+            order = store.positions[0, 0].argsort()
+            store.keep(torch.cat([order[:sink], order[before - (cap - sink):]]))
+            self.in_order = True
         if self.method.positions == "cache":
             store.rotate_keys(sink, store.n, store.n - before)  # the window moves down by the tokens evicted
             store.pos_shift = store.seen - store.n
