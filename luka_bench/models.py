@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from importlib import import_module
 import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
@@ -166,8 +166,11 @@ class GGUFPackageModel(_Base):
         target = cache_root() / "gguf" / self.gguf_file
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
-            mod = import_module(self.package)
-            mod.assemble(str(target))
+            # per process, then one rename: processes starting at once (parallel tests, a local sweep) never read
+            # a half-joined file
+            tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            import_module(self.package).assemble(str(tmp))
+            os.replace(tmp, target)
         return target
 
     def load(self) -> LoadedModel:
@@ -180,7 +183,7 @@ class GGUFPackageModel(_Base):
             if not gguf.exists():
                 raise ModelUnavailable(f"model '{self.name}': {gguf} is missing; reinstall {self.pip_name}")
             log.info("converting %s once into %s", gguf.name, folder)
-            tmp = folder.with_name(folder.name + ".tmp")
+            tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")  # per process: see _gguf_path
             shutil.rmtree(tmp, ignore_errors=True)
             tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -193,7 +196,12 @@ class GGUFPackageModel(_Base):
             plain.save_pretrained(tmp)
             tok.save_pretrained(tmp)
             del src, plain
-            tmp.rename(folder)  # atomic: a half-written conversion is never used
+            try:
+                tmp.rename(folder)  # atomic: a half-written conversion is never used
+            except OSError:  # another process converted it first (a folder is not replaced): use theirs
+                if not (folder / "config.json").exists():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
         tok = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         return self._finish(model, tok, t0, source=f"{self.pip_name}:{self.gguf_file}", cache=str(folder))
