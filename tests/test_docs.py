@@ -36,11 +36,11 @@ def site(tmp_path_factory) -> Path:
 def test_readme_is_a_short_front_door():
     text = README.read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 200
-    for needed in ("bash scripts/setup.sh && .venv/bin/python -m pytest -q", "## One run", "## One sweep",
+    for needed in ("bash scripts/setup.sh && .venv/bin/python -m pytest -q -n 2", "## One run", "## One sweep",
                    "## Reading results", "## Adding a method", "## Adding a dataset", "mkdocs"):
         assert needed in text
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    assert ".venv/bin/python -m pytest -q" in ci  # CI runs the README's test command
+    assert ".venv/bin/python -m pytest -q -n 2\n" in ci  # CI runs the README's test command
 
 
 def test_readme_sample_summary_is_the_committed_one():
