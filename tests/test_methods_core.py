@@ -102,7 +102,8 @@ def test_streaming_slot_moves_equal_shifting_the_window(arch, request):
         def _evict(self, store):
             cap = self.capacity(store)
             if store.n > cap:
-                store.keep_ends(min(self.method.sink, cap), cap - min(self.method.sink, cap))
+                sink = min(self.method.sink, cap)
+                store.keep_ends(sink, cap - sink)
 
     class ShiftingLLM(StreamingLLM):
         policy_class = Shifting

@@ -263,12 +263,18 @@ class KVStore(CacheLayerMixin):
         off = self.row_offsets().view(-1)
         dst = index.reshape(-1) + off
         src = off + last
-        for t in (self._k, self._v, self._pos, *self._aux.values()):
-            rows = t.view(-1, *t.shape[3:])
-            rows.index_copy_(0, dst, rows.index_select(0, src))
+        for t, ax in self._token_tensors():
+            rows = t.flatten(ax - 2, ax)  # batch, head and token axes as one row axis
+            rows.index_copy_(ax - 2, dst, rows.index_select(ax - 2, src))
             if tail:
-                t[:, :, last: n - 1] = t[:, :, last + 1: n].clone()
+                t.narrow(ax, last, tail).copy_(t.narrow(ax, last + 1, tail).clone())
         self.n -= 1
+
+    def _token_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """The storage that moves with the held tokens, each tensor with its token axis: keys and values (one
+        stacked tensor where they are: one copy for both), positions, each aux."""
+        kv = [(self._kv, 3)] if self._kv is not None else [(self._k, 2), (self._v, 2)]
+        return [*kv, (self._pos, 2), *((a, 2) for a in self._aux.values())]
 
     def move_last_into(self, slot: torch.Tensor, start: int = 0) -> None:
         """Drop the held token at slot ``start + slot`` (``slot``: a one-element int64 device tensor, all heads
@@ -278,21 +284,15 @@ class KVStore(CacheLayerMixin):
         no longer in time order; positions (and keys: cached after RoPE) move with their tokens, so attention is
         unchanged, and a policy that needs time order reads ``positions``."""
         n = self.n
-        # written through a view that ends before the source slot: an in-place copy whose source overlaps its
-        # destination is refused
-        if self._kv is not None:
-            self._kv[:, :, :, start: n - 1].index_copy_(3, slot, self._kv[:, :, :, n - 1: n])
-        else:
-            for t in (self._k, self._v):
-                t[:, :, start: n - 1].index_copy_(2, slot, t[:, :, n - 1: n])
         due, self._pos_due = self._pos_due, None
-        moved = list(self._aux.values())
-        if due is not None:  # a decode step's token: its position goes straight to its new slot
-            _write_position(self._pos[:, :, start: n - 1], due, self.cache, slot)
-        else:
-            moved.append(self._pos)
-        for t in moved:
-            t[:, :, start: n - 1].index_copy_(2, slot, t[:, :, n - 1: n])
+        for t, ax in self._token_tensors():
+            # written through a view that ends before the source slot: an in-place copy whose source overlaps
+            # its destination is refused
+            window = t.narrow(ax, start, n - 1 - start)
+            if t is self._pos and due is not None:  # a decode step's token: its position goes straight there
+                _write_position(window, due, self.cache, slot)
+            else:
+                window.index_copy_(ax, slot, t.narrow(ax, n - 1, 1))
         self.n = n - 1
 
     def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,13 +327,8 @@ class KVStore(CacheLayerMixin):
             return
         if drop_to - head < self._k.shape[2] // 2 and tail > 0:
             # small drop (a decode step): shift the tail left in place, no new tensors of cache size
-            src = slice(drop_to, self.n)
-            dst = slice(head, head + tail)
-            self._k[:, :, dst] = self._k[:, :, src].clone()
-            self._v[:, :, dst] = self._v[:, :, src].clone()
-            self._pos[:, :, dst] = self._pos[:, :, src].clone()
-            for a in self._aux.values():
-                a[:, :, dst] = a[:, :, src].clone()
+            for t, ax in self._token_tensors():
+                t.narrow(ax, head, tail).copy_(t.narrow(ax, drop_to, tail).clone())
             self.n = head + tail
             return
         index = torch.cat([torch.arange(head, device=self.device),

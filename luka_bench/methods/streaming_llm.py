@@ -43,9 +43,9 @@ class StreamingPolicy(LayerPolicy):
         before = store.n
         if before == cap + 1 and cap > sink and self.method.positions == "original":
             # one token over (a decode step): the oldest of the window leaves and the newest, in the last slot,
-            # takes its place (positions=cache keeps the window in time order: the key at cache index i sits at
-            # position i, re-rotated below). One argmin over the window's positions and fixed-size copies (issue 36: no shift of
-            # the window, no host sync); the window's slots stop being in time order, which attention ignores
+            # takes its place. One argmin over the window's positions and fixed-size copies (issue 36: no shift of
+            # the window, no host sync); the window's slots stop being in time order, which attention ignores.
+            # positions=cache keeps the window in time order: the key at cache index i sits at position i
             oldest = store.positions_before(before - 1)[0, 0, sink:].argmin().view(1)
             store.move_last_into(oldest, sink)
             self.in_order = False
