@@ -5,11 +5,13 @@ where the pure-torch loop over blocks costs 1.5-2x it.
 
 Compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler is needed; the build is cached under
 ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions`` and takes ~30 s once here). ``scripts/setup.sh``
-builds it. If it cannot be built, or ``LUKA_BENCH_NO_KERNEL=1``, the pure-torch loop computes the same numbers
+builds it. The build is named by the source's content and compiled from a copy of it beside the cache, so
+checkouts at different paths (worktrees, CI clones) share one build instead of rebuilding each other's. If it cannot be built, or ``LUKA_BENCH_NO_KERNEL=1``, the pure-torch loop computes the same numbers
 (a warning says so once). ``python -m luka_bench.methods.cpu_kernel`` builds it and prints where it stands."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 import warnings
@@ -37,6 +39,21 @@ def _build_flags() -> tuple[str, list[str]]:
     return cap, flags
 
 
+def _stable_source() -> tuple[str, Path]:
+    """(build name suffix, the source's copy at a path that depends only on its content): torch's build records
+    the source's path, so compiling each checkout's own file would rebuild whenever another checkout loaded it."""
+    text = SOURCE.read_bytes()
+    digest = hashlib.sha256(text).hexdigest()[:12]
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    copy = root / "luka_bench_sources" / f"attention_mass_{digest}.cpp"
+    if not copy.exists() or copy.read_bytes() != text:
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        tmp = copy.with_name(f"{copy.name}.{os.getpid()}.tmp")  # written whole, then renamed: racing processes
+        tmp.write_bytes(text)
+        os.replace(tmp, copy)
+    return digest, copy
+
+
 @functools.cache
 def attention_mass_op():
     """``torch.ops.luka_bench.attention_mass``, built on the first call; None when disabled or the build failed."""
@@ -45,9 +62,10 @@ def attention_mass_op():
         try:
             from torch.utils.cpp_extension import load
             cap, flags = _build_flags()
+            digest, source = _stable_source()
             print(f"[luka_bench] loading the fused CPU attention kernel ({cap}; the first build takes ~30 s)",
                   file=sys.stderr, flush=True)
-            load(name=f"luka_bench_attention_mass_{cap.lower()}", sources=[str(SOURCE)], extra_cflags=flags,
+            load(name=f"luka_bench_attention_mass_{cap.lower()}_{digest}", sources=[str(source)], extra_cflags=flags,
                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             op = torch.ops.luka_bench.attention_mass
         except Exception as ex:  # no compiler, no OpenMP, ...: the pure-torch loop gives the same numbers
