@@ -34,9 +34,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "device: runs on LUKA_TEST_DEVICE (cpu or cuda); with cuda only these run")
 
 
+# Tests that mostly wait (for a SLURM queue, a requeue, accounting): run first, so that under ``-n 2`` their waits
+# overlap the other worker's tests instead of leaving one core idle at the end of the run.
+RUN_FIRST = ("test_slurm_cluster.py",)
+
+
 def pytest_collection_modifyitems(config, items):
-    """With LUKA_TEST_DEVICE=cuda, the tests written for any device (marked ``device``) run, on the GPU; the
-    others (CPU fixtures, the C++ CPU kernel, CPU-side tensors) are skipped, not run on the wrong device."""
+    """The waiting tests (``RUN_FIRST``) first, the rest in collection order. With LUKA_TEST_DEVICE=cuda, the tests
+    written for any device (marked ``device``) run, on the GPU; the others (CPU fixtures, the C++ CPU kernel,
+    CPU-side tensors) are skipped, not run on the wrong device."""
+    items.sort(key=lambda item: item.path.name not in RUN_FIRST)  # stable: the order within each part is kept
     if DEVICE == "cpu":
         return
     skip = pytest.mark.skip(reason=f"CPU test; LUKA_TEST_DEVICE={DEVICE} runs the tests marked 'device'")

@@ -137,8 +137,8 @@ def test_sweep_on_a_real_slurm_cluster_kill_one_job_rerun_and_report(slurm_env, 
 # Issue 38: a job that reaches its time limit is requeued and its run folder resumes
 # ---------------------------------------------------------------------------------------------------------
 
-# 80 questions of ~0.2 s each: the job is still answering when the signal comes after its third item.
-LONG_JOB = ["-m", "model=tiny_llama", "data.limit=20", "max_new_tokens=8", "threads=1", "progress=false",
+# 40 questions of ~0.2 s each: the job is still answering (for ~7 s) when the signal comes after its third item.
+LONG_JOB = ["-m", "model=tiny_llama", "data.limit=10", "max_new_tokens=8", "threads=1", "progress=false",
             "sweep_name=slurm_requeue", *LAUNCH]
 
 
@@ -197,9 +197,9 @@ def test_a_timed_out_job_is_requeued_and_its_run_folder_ends_complete(slurm_env,
     assert "(2 remaining timeouts)" in log_err + log_out  # max_num_timeout: 3 in conf/hydra/launcher/slurm.yaml
     saved = int(log_err.split("SIGUSR2: ", 1)[1].split(" items saved", 1)[0])
     assert f"SIGUSR2: {saved} items saved in {run}; submitit requeued the job, which resumes from there" in log_err
-    assert f"resuming: {saved}/80 items done in {run}" in log_err
+    assert f"resuming: {saved}/40 items done in {run}" in log_err
     assert saved >= signalled_at
     ids = [json.loads(line)["item_id"] for line in pred.read_text(encoding="utf-8").splitlines()]
-    assert len(ids) == 80 == len(set(ids))  # each item once
-    assert json.loads((run / "metrics.json").read_text())["n_examples"] == 80
-    print(f"job {job}: {attempts}; {saved}/80 items saved by the first attempt, {80 - saved} by the requeued one")
+    assert len(ids) == 40 == len(set(ids))  # each item once
+    assert json.loads((run / "metrics.json").read_text())["n_examples"] == 40
+    print(f"job {job}: {attempts}; {saved}/40 items saved by the first attempt, {40 - saved} by the requeued one")

@@ -12,6 +12,7 @@ Sources of articles (all turned into the same internal form, :class:`Article`):
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -332,6 +333,13 @@ def build_example(articles: list[Article], pattern: str, rng: random.Random, ex_
     return QAExample(id=ex_id, context=context, questions=questions, meta=m)
 
 
+@functools.lru_cache(maxsize=8)
+def _synthetic_articles(n_articles: int, seed: int, n_sentences: int) -> tuple[Article, ...]:
+    """The offline stand-in's articles, built once per setting in a process (a sweep or a test session builds
+    the same ones for every run; Articles are frozen, so sharing them is safe)."""
+    return tuple(articles_from_squad(generate_squad(n_articles, seed), src="synthetic", n_sentences=n_sentences))
+
+
 @dataclass
 class WikiSalad(Task):
     """WikiSalad task (usable as a Hydra ``_target_``).
@@ -413,7 +421,7 @@ class WikiSalad(Task):
     def articles(self) -> list[Article]:
         kind, path = self._resolve_source()
         if kind == "synthetic":
-            squad, src = generate_squad(self.n_articles, self.seed), "synthetic"
+            return list(_synthetic_articles(self.n_articles, self.seed, self.n_sentences))
         elif kind == "squad_v2":
             squad, src = load_squad_hub(self.split), f"{HUB_ID}[{self.split}]"
         else:
