@@ -32,14 +32,25 @@ RECENT_BUDGETS = ("inside", "on_top")
 
 
 class H2OPolicy(LayerPolicy):
-    incremental = True  # a step one token over capacity drops one token in place (False: always top-k + keep)
+    incremental = True  # a step one token over capacity moves the new token into the evicted slot (False: top-k)
+
+    def __init__(self, method, info):
+        super().__init__(method, info)
+        self._new_mass: torch.Tensor | None = None  # a slot step's mass for its new token (see ``attend``)
 
     def attend(self, store, query, scaling):
         out, mass = attention_with_mass(store, query, scaling)
-        acc = store.aux(MASS)
+        acc = store.aux(MASS, zero_new=False)  # the new tokens' entries are written here, not zeroed by append
+        n, lq = store.n, query.shape[2]
+        old = n - lq
         if self.method.decay is not None:
-            acc.mul_(self.method.decay)
-        acc.add_(mass)
+            acc[:, :, :old].mul_(self.method.decay)
+        acc[:, :, :old].add_(mass[:, :, :old])
+        if self._slot_step(store, lq):
+            # the new token moves into the evicted slot after this forward: its mass goes there with it
+            self._new_mass = mass[:, :, n - 1]
+        else:
+            acc[:, :, old:].copy_(mass[:, :, old:])
         return out
 
     def split(self, cap: int) -> tuple[int, int]:
@@ -54,6 +65,13 @@ class H2OPolicy(LayerPolicy):
     def capacity(self, store) -> int:
         return sum(self.split(super().capacity(store)))
 
+    def _slot_step(self, store, lq: int) -> bool:
+        """A decode step that puts the layer one token over capacity, with a recent window the new token belongs
+        to: the least-mass older token goes and the new token takes its slot (``evict_into``)."""
+        if not self.incremental or lq != 1 or store.cache.phase != "decode":
+            return False
+        return store.n == self.capacity(store) + 1 and self.split(super().capacity(store))[1] >= 1
+
     def evict(self, store) -> None:
         cap = self.capacity(store)
         n = store.n
@@ -61,23 +79,29 @@ class H2OPolicy(LayerPolicy):
             return
         heavy, recent = self.split(super().capacity(store))
         older = n - recent
-        if n == cap + 1 and self.incremental:
-            # one token more than fits (a decode step): the kept set, the top `heavy` of the `heavy + 1` older
-            # tokens plus the tail, drops exactly the older token of least mass — the latest of equal ones, as
-            # the stable top-k below keeps the earlier. An argmin and a move of fixed size (``drop_one``: no host
-            # sync) instead of two sorts and a copy of the whole cache. Older tokens are then not in time order
-            # in their slots: ties are broken by position.
-            mass = store.aux(MASS)[:, :, :older]
-            pos = store.positions[:, :, :older]
-            least = torch.where(mass == mass.amin(-1, keepdim=True), pos, -1).argmax(-1)
-            store.drop_one(least, recent)
+        new_mass, self._new_mass = self._new_mass, None
+        if new_mass is not None:
+            # One token more than fits (a decode step): the kept set, the top `heavy` of the `heavy + 1` older
+            # tokens plus the recent window, drops exactly the older token of least mass — the latest of equal
+            # ones, as the stable top-k below keeps the earlier. The recent window is told by position (older:
+            # position < seen - recent), the victim by one key per held token, position - 2^32 * (the bits of
+            # its mass): non-negative float32s order as their bits, so the key's argmax is the least mass and,
+            # among equal masses, the latest position (positions < 2^32); the recent window's masses read as
+            # +inf. The new token (the last slot: recent) then moves into the victim's slot. Five kernels and
+            # three writes of fixed size, no host sync; slots are not in time order (positions tell it).
+            first_recent = store.cache.position_before(store.seen - 1, recent - 1, store.device)
+            pos = store.positions_before(n - 1)
+            mass = store.aux(MASS)[:, :, : n - 1].masked_fill(pos >= first_recent, float("inf"))
+            key = torch.sub(pos, mass.view(torch.int32), alpha=1 << 32)
+            store.evict_into(key.argmax(-1), {MASS: new_mass})
             return
-        b, h = store.keys.shape[:2]
-        tail = torch.arange(older, n, device=store.device).expand(b, h, recent)
+        # in time order (slot steps leave the slots unordered): the older tokens, then the recent window;
+        # top-k ties go to the earlier token
+        order = store.positions.argsort(-1)
+        tail = order[:, :, older:]
         if heavy > 0:
-            # in time order (``drop_one`` leaves the older slots unordered): ties go to the earlier token
-            order = store.positions[:, :, :older].argsort(-1)
-            top = order.gather(-1, top_indices(store.aux(MASS)[:, :, :older].gather(-1, order), heavy))
+            first = order[:, :, :older]
+            top = first.gather(-1, top_indices(store.aux(MASS).gather(-1, first), heavy))
             index = torch.cat([top, tail], dim=-1)
         else:
             index = tail

@@ -99,6 +99,8 @@ class KVStore(CacheLayerMixin):
         self._pos: torch.Tensor | None = None
         self._row_base: tuple | None = None  # row_offsets(), keyed by storage shape
         self._aux: dict[str, torch.Tensor] = {}  # per-token method state [B, Hkv, cap], kept aligned with keys
+        self._aux_unzeroed: set[str] = set()  # aux the policy writes for new tokens itself (``aux(zero_new=False)``)
+        self._heads: tuple | None = None  # head_index(), keyed by storage shape
         self.n = 0
         self.seen = 0
         self.pos_shift = 0  # seen - the position the next token gets (StreamingLLM's positions=cache); 0: logical
@@ -157,12 +159,16 @@ class KVStore(CacheLayerMixin):
         if due is not None:
             _write_position(self._pos[:, :, self.n - 1], due, self.cache)
 
-    def aux(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def aux(self, name: str, dtype: torch.dtype = torch.float32, zero_new: bool = True) -> torch.Tensor:
         """A per-held-token tensor [B, Hkv, n] owned by the policy (e.g. accumulated attention mass). It is
-        created zero-filled on first use, new tokens get 0, and ``keep``/``keep_ends`` move it with the keys."""
+        created zero-filled on first use and ``keep``/``keep_ends``/``evict_into`` move it with the keys. New
+        tokens get 0 — unless it was created with ``zero_new=False``: then the policy writes every new token's
+        entry itself in the forward that appended it (one kernel fewer per step where it writes them anyway)."""
         if name not in self._aux:
             b, h, cap = self._k.shape[:3]
             self._aux[name] = torch.zeros(b, h, cap, dtype=dtype, device=self._k.device)
+            if not zero_new:
+                self._aux_unzeroed.add(name)
         return self._aux[name][:, :, : self.n]
 
     @property
@@ -216,8 +222,9 @@ class KVStore(CacheLayerMixin):
             self._pos_due = (self.cache.position_tensor(self.seen, key_states.device), self.seen)
         else:
             self._pos[:, :, self.n : need] = torch.arange(self.seen, self.seen + L, device=key_states.device)
-        for a in self._aux.values():
-            a[:, :, self.n : need] = 0
+        for name, a in self._aux.items():
+            if name not in self._aux_unzeroed:
+                a[:, :, self.n : need] = 0
         self.n = need
         self.seen += L
 
@@ -249,26 +256,45 @@ class KVStore(CacheLayerMixin):
                 self._aux[name][:, :, :m] = a
         self.n = m
 
-    def drop_one(self, index: torch.Tensor, tail: int) -> None:
-        """Drop one held token per KV head, ``index`` [B, Hkv] into the *older* region (the first ``n - tail``
-        held tokens; the last ``tail`` are a recent window kept in time order): the older region's last token
-        moves into the dropped one's slot and the tail moves one slot left (a decode step's eviction; ``keep``
-        copies the whole cache). Copies of fixed size — one row per head and the tail — so no host sync is
-        needed to know where the dropped tokens are (a shift from the earliest dropped one on would need it).
-        The older region's slots are no longer in time order; positions (and keys: cached after RoPE) move with
-        their tokens, so attention is unchanged, and a policy that needs time order sorts by ``positions``."""
-        self.settle_positions()
+    def evict_into(self, slot: torch.Tensor, sources: dict[str, torch.Tensor] | None = None) -> None:
+        """Drop one held token per KV head, ``slot`` [B, Hkv] (int64, any slot before the last), by moving the
+        newest held token (the last slot) into it: one indexed write per storage tensor — keys and values as one
+        (stacked storage), the position (a decode step's pending one goes straight from the cache's counter),
+        each aux (from ``sources[name]`` [B, Hkv] where given: a value the policy computed for the new token
+        instead of its slot's) — and ``n`` shrinks by one. A decode step's eviction at slots the device chose:
+        fixed-size writes, no shift, no host sync. Slots are not in time order afterwards; positions (and keys:
+        cached after RoPE) move with their tokens, so attention is unchanged, and a policy that needs time order
+        reads ``positions``."""
         n = self.n
-        last = n - tail - 1  # the older region's last slot
-        off = self.row_offsets().view(-1)
-        dst = index.reshape(-1) + off
-        src = off + last
+        bi, hi = self.head_index()
+        index = (bi, hi, slot)
+        due, self._pos_due = self._pos_due, None
+        sources = sources or {}
+        named = {id(a): name for name, a in self._aux.items()}
         for t, ax in self._token_tensors():
-            rows = t.flatten(ax - 2, ax)  # batch, head and token axes as one row axis
-            rows.index_copy_(ax - 2, dst, rows.index_select(ax - 2, src))
-            if tail:
-                t.narrow(ax, last, tail).copy_(t.narrow(ax, last + 1, tail).clone())
-        self.n -= 1
+            rows = t.movedim(0, 3) if ax == 3 else t  # stacked K/V [2, B, H, cap, D] -> [B, H, cap, 2, D]
+            # written through a view that ends before the source slot (the source is not overwritten)
+            window = rows.narrow(2, 0, n - 1)
+            if t is self._pos and due is not None:  # a decode step's token: its position goes straight there
+                counter, seen = due
+                if not self.cache.position_holds(counter, seen):
+                    counter = torch.full((), seen, dtype=torch.long, device=t.device)
+                window.index_put_(index, counter.expand(slot.shape))
+            elif named.get(id(t)) in sources:
+                window.index_put_(index, sources[named[id(t)]])
+            else:
+                window.index_put_(index, rows.select(2, n - 1))
+        self.n = n - 1
+
+    def head_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, 1], [1, Hkv]) int64: the batch and head indices that, with a slot per head [B, Hkv], address one
+        token of each head in an indexed read or write (made once per storage shape)."""
+        b, h = self._k.shape[:2]
+        key = (b, h, self._k.device)
+        if self._heads is None or self._heads[0] != key:
+            dev = self._k.device
+            self._heads = (key, torch.arange(b, device=dev).view(b, 1), torch.arange(h, device=dev).view(1, h))
+        return self._heads[1], self._heads[2]
 
     def _token_tensors(self) -> list[tuple[torch.Tensor, int]]:
         """The storage that moves with the held tokens, each tensor with its token axis: keys and values (one
@@ -401,6 +427,7 @@ class KVStore(CacheLayerMixin):
     def reset(self) -> None:
         self._k = self._v = self._pos = self._kv = self._pos_due = None
         self._aux = {}
+        self._aux_unzeroed = set()
         self.n = self.seen = 0
         self.pos_shift = 0
         self.is_initialized = False
@@ -447,6 +474,7 @@ class MethodCache(Cache):
         self._attended: tuple[list[float], list[float], list[float]] = ([], [], [])
         self._attended_pending: list[tuple] = []
         self._position: dict = {}  # device -> [value, 0-dim int64 tensor]: see position_tensor
+        self._offsets: dict = {}  # (device, delta) -> (counter, value, counter - delta): see position_before
         stores = [KVStore(method.policy_for_layer(info), self) for info in infos]
         super().__init__(layers=stores)
 
@@ -470,6 +498,17 @@ class MethodCache(Cache):
                 got[1].fill_(seen)
             got[0] = seen
         return got[1]
+
+    def position_before(self, seen: int, delta: int, device: torch.device) -> torch.Tensor:
+        """``position_tensor(seen) - delta``, a 0-dim device tensor computed once per step for all layers (e.g. the
+        first position of a recent window that ends at the step's token): no Python number that changes from step
+        to step in the ops, one kernel per step instead of one per layer."""
+        counter = self.position_tensor(seen, device)
+        key = (device, delta)
+        got = self._offsets.get(key)
+        if got is None or got[0] is not counter or got[1] != seen:
+            got = self._offsets[key] = (counter, seen, torch.sub(counter, delta))
+        return got[2]
 
     def position_holds(self, counter: torch.Tensor, seen: int) -> bool:
         """Whether ``counter`` (a ``position_tensor``) still holds ``seen``."""
@@ -836,6 +875,11 @@ def _before_forward(module, args, kwargs):
         return args, kwargs
     n = x.shape[1]
     cache.before_forward(ids, n)
+    if cache.phase == "decode" and n == 1 and cache.seen and cache.stores[0].pos_shift == 0:
+        # A decode step's position is the cache's device counter (advanced in place, once per step): the model then
+        # derives no position of its own (an arange and an add from a Python number, which a captured CUDA graph
+        # would bake in), and the layers' appends find the counter already at this step.
+        kwargs["position_ids"] = cache.position_tensor(cache.seen, x.device).view(1, 1)
     chunk = cache.prefill_chunk
     if cache.phase != "prefill" or not chunk or n <= chunk or ids is None:
         return args, kwargs
