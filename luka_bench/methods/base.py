@@ -118,6 +118,10 @@ class LayerPolicy:
     ``times_itself = True`` and records them with ``store.cache.span`` / ``mark`` + ``add_span``."""
 
     times_itself: bool = False
+    # True for a policy that reads or moves held tokens' positions on every decode step (an eviction per step):
+    # its store writes each step's position at once. Otherwise decode steps' positions are written lazily, as one
+    # run, when something reads them (``KVStore.end_forward``): no kernel per step for them.
+    moves_tokens_every_step: bool = False
 
     def __init__(self, method: "KVMethod", info: LayerInfo):
         self.method = method
@@ -179,6 +183,8 @@ class LayerPolicy:
 class SlidingWindowPolicy(LayerPolicy):
     """Exact attention within a sliding window (Gemma3's local layers), and physically only the window: after
     every forward the layer keeps its last ``window - 1`` tokens, as transformers' own sliding layer does."""
+
+    moves_tokens_every_step = True
 
     def attend(self, store: "KVStore", query: torch.Tensor, scaling: float) -> torch.Tensor:
         out = exact_attention(store, query, scaling, self.info.sliding_window)

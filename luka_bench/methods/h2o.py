@@ -32,6 +32,7 @@ RECENT_BUDGETS = ("inside", "on_top")
 
 
 class H2OPolicy(LayerPolicy):
+    moves_tokens_every_step = True  # an eviction per decode step
     incremental = True  # a step one token over capacity moves the new token into the evicted slot (False: top-k)
 
     def __init__(self, method, info):

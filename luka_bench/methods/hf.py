@@ -96,10 +96,17 @@ class KVStore(CacheLayerMixin):
         # value it holds). Written when something reads positions or at the end of the layer's forward
         # (``settle_positions``), unless an eviction moving the token writes it straight into its new slot
         self._pos_due: tuple[torch.Tensor, int] | None = None
+        # decode steps' positions not yet written, as one run: (first slot, its position, end slot): the slots
+        # first..end-1 hold position + (slot - first). Consecutive decode steps of a store that moves no token
+        # extend it at no cost; it is written (one arange) when something reads or moves positions
+        self._pos_run: tuple[int, int, int] | None = None
         self._pos: torch.Tensor | None = None
         self._row_base: tuple | None = None  # row_offsets(), keyed by storage shape
         self._aux: dict[str, torch.Tensor] = {}  # per-token method state [B, Hkv, cap], kept aligned with keys
         self._aux_unzeroed: set[str] = set()  # aux the policy writes for new tokens itself (``aux(zero_new=False)``)
+        # every aux entry at a slot >= this is 0 (storage is zeroed when allocated; only removals leave stale entries
+        # beyond n): an append at n >= it needs no zero fill — a store that never drops a token fills none
+        self._aux_zero_from = 0
         self._heads: tuple | None = None  # head_index(), keyed by storage shape
         self.n = 0
         self.seen = 0
@@ -149,15 +156,44 @@ class KVStore(CacheLayerMixin):
         """Positions of the held tokens in slots ``:stop`` (``stop < n``), without writing a decode step's pending
         position (the last slot's): for an eviction that moves that token and writes its position where it lands."""
         assert stop < self.n or self._pos_due is None
+        self._settle_run()
         return self._pos[:, :, :stop]
 
     def settle_positions(self) -> None:
-        """Write a decode step's pending position into its slot (the last). From the cache's position counter
-        while it still holds the step's position (one copy, no Python number); after the counter moved on (a
-        caller that never ran the layer's attention through ``run_policy``), from the number."""
+        """Write every pending position: the run of earlier decode steps' (one arange) and this decode step's
+        (the last slot's), from the cache's position counter while it still holds the step's position (one
+        copy, no Python number); after the counter moved on (a caller that never ran the layer's attention
+        through ``run_policy``), from the number."""
+        self._settle_run()
         due, self._pos_due = self._pos_due, None
         if due is not None:
             _write_position(self._pos[:, :, self.n - 1], due, self.cache)
+
+    def _settle_run(self) -> None:
+        run, self._pos_run = self._pos_run, None
+        if run is not None:
+            first, pos, end = run
+            end = min(end, self.n - (self._pos_due is not None))  # a scratch forward's tokens were dropped
+            if end > first:
+                self._pos[:, :, first:end] = torch.arange(pos, pos + end - first, device=self._pos.device)
+
+    def end_forward(self) -> None:
+        """The layer's forward is over: a decode step's pending position (its token still in the last slot) joins
+        the run of unwritten positions when it continues it — no kernel — and is written otherwise (before the
+        next step moves the cache's position counter)."""
+        due = self._pos_due
+        if due is None:
+            return
+        if self.policy.moves_tokens_every_step:  # it reads or moves positions anyway: written now, one copy
+            self.settle_positions()
+            return
+        slot, seen = self.n - 1, due[1]
+        run = self._pos_run
+        if run is None or (run[2] == slot and run[1] + slot - run[0] == seen):
+            self._pos_due = None
+            self._pos_run = (slot, seen, slot + 1) if run is None else (run[0], run[1], slot + 1)
+        else:
+            self.settle_positions()
 
     def aux(self, name: str, dtype: torch.dtype = torch.float32, zero_new: bool = True) -> torch.Tensor:
         """A per-held-token tensor [B, Hkv, n] owned by the policy (e.g. accumulated attention mass). It is
@@ -200,6 +236,7 @@ class KVStore(CacheLayerMixin):
             new[:, :, : self.n] = a[:, :, : self.n]
             self._aux[name] = new
         self._k, self._v, self._pos, self._kv = k, v, pos, kv
+        self._aux_zero_from = self.n
 
     def _set_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """New storage holding exactly ``k``/``v`` [B, Hkv, m, D] (stacked where they can be)."""
@@ -210,7 +247,7 @@ class KVStore(CacheLayerMixin):
             self._kv, self._k, self._v = None, k.contiguous(), v.contiguous()
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.settle_positions()
+        self.end_forward()  # a previous decode step's position, if its forward did not end through run_policy
         L = key_states.shape[2]
         need = self.n + L
         if self._k is None or need > self._k.shape[2]:
@@ -222,9 +259,11 @@ class KVStore(CacheLayerMixin):
             self._pos_due = (self.cache.position_tensor(self.seen, key_states.device), self.seen)
         else:
             self._pos[:, :, self.n : need] = torch.arange(self.seen, self.seen + L, device=key_states.device)
-        for name, a in self._aux.items():
-            if name not in self._aux_unzeroed:
-                a[:, :, self.n : need] = 0
+        if self.n < self._aux_zero_from:  # slots a removal left stale
+            for name, a in self._aux.items():
+                if name not in self._aux_unzeroed:
+                    a[:, :, self.n : need] = 0
+        self._aux_zero_from = max(self._aux_zero_from, need)
         self.n = need
         self.seen += L
 
@@ -248,6 +287,7 @@ class KVStore(CacheLayerMixin):
             self._set_kv(k, v)
             self._pos = pos.contiguous()
             self._aux = {name: a.contiguous() for name, a in aux.items()}
+            self._aux_zero_from = m  # the new storage holds exactly the kept tokens
         else:
             self._k[:, :, :m] = k
             self._v[:, :, :m] = v
@@ -265,6 +305,7 @@ class KVStore(CacheLayerMixin):
         fixed-size writes, no shift, no host sync. Slots are not in time order afterwards; positions (and keys:
         cached after RoPE) move with their tokens, so attention is unchanged, and a policy that needs time order
         reads ``positions``."""
+        self._settle_run()
         n = self.n
         bi, hi = self.head_index()
         index = (bi, hi, slot)
@@ -309,6 +350,7 @@ class KVStore(CacheLayerMixin):
         step's eviction at a slot the device chose: fixed-size copies, no shift, no host sync. The held tokens are
         no longer in time order; positions (and keys: cached after RoPE) move with their tokens, so attention is
         unchanged, and a policy that needs time order reads ``positions``."""
+        self._settle_run()
         n = self.n
         due, self._pos_due = self._pos_due, None
         for t, ax in self._token_tensors():
@@ -329,8 +371,18 @@ class KVStore(CacheLayerMixin):
 
     def gather_flat(self, flat: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``gather`` for row ids already in the flattened storage (index + ``row_offsets()``, flattened; [B *
-        Hkv * m]), for a policy that builds them in fewer ops on its per-step path."""
+        Hkv * m]), for a policy that builds them in fewer ops on its per-step path. Keys and values in one
+        ``index_select`` where they are stored stacked."""
+        if self._kv is not None:
+            b, h, cap, d = self._k.shape
+            rows = self._kv.view(2, b * h * cap, d).index_select(1, flat).view(2, b, h, m, d)
+            return rows[0], rows[1]
         return _rows(self._k, flat, m), _rows(self._v, flat, m)
+
+    def stacked(self, start: int, stop: int) -> torch.Tensor | None:
+        """Keys and values of the held slots ``start:stop`` as one view [2, B, Hkv, stop - start, D] of the stacked
+        storage (one copy moves both), or None where they are stored apart (their shapes or dtypes differ)."""
+        return None if self._kv is None else self._kv[:, :, :, start:stop]
 
     def row_offsets(self) -> torch.Tensor:
         """[B, Hkv, 1]: the first row of each head in the storage flattened to rows [B * Hkv * cap, D]; the
@@ -425,9 +477,10 @@ class KVStore(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self._k = self._v = self._pos = self._kv = self._pos_due = None
+        self._k = self._v = self._pos = self._kv = self._pos_due = self._pos_run = None
         self._aux = {}
         self._aux_unzeroed = set()
+        self._aux_zero_from = 0
         self.n = self.seen = 0
         self.pos_shift = 0
         self.is_initialized = False
@@ -798,7 +851,7 @@ def run_policy(store: KVStore, query: torch.Tensor, scaling: float) -> torch.Ten
         if policy.info.layer_idx == policy.info.num_layers - 1:
             store.cache._note()  # once per forward, after the last layer
             store.cache._note_attended()
-    store.settle_positions()  # before the next step moves the cache's position counter
+    store.end_forward()  # before the next step moves the cache's position counter
     return out
 
 

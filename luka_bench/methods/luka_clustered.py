@@ -75,6 +75,7 @@ class LuKAPolicy(LayerPolicy):
         # the cover instead of one per part.
         self.cov_k: torch.Tensor | None = None
         self.cov_v: torch.Tensor | None = None
+        self.cov_kv: torch.Tensor | None = None  # both, stacked [2, ...], where they can be (``_alloc_cover``)
         self.cov_n = 0        # valid entries in the cover buffer
         self.cov_pages = -1   # pages the buffer was built with
         self.cov_raw = 0      # raw tokens mirrored into it (its tail ends at raw index cov_raw)
@@ -86,6 +87,8 @@ class LuKAPolicy(LayerPolicy):
         self._rows: torch.Tensor | None = None  # _page_rows, for the storage whose row_offsets is _rows_for
         self._rows_for: torch.Tensor | None = None
         self._zero_t: torch.Tensor | None = None  # _zero
+        self._ones_t: torch.Tensor | None = None  # _ones
+        self._lbuf: torch.Tensor | None = None  # _logit_buffer
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
     @property
@@ -239,25 +242,28 @@ class LuKAPolicy(LayerPolicy):
         [B, Hkv, Lq, K], valid [B, Hkv, Lq, K] or None when every chosen node is refined) or None when nothing
         is refined."""
         r = self.method.refine
-        C = score.shape[-1]
-        if r.rule == "none" or C == 0:
-            return None
-        if r.rule == "top_k":
-            K = min(r.k, C)
-        elif r.rule == "top_frac":
-            K = min(C, math.ceil(r.fraction * C - 1e-9))
-        else:
-            # threshold: a fixed K that no (head, query) can exceed, the rest masked (``valid``) — as many as the
-            # most demanding one needs would be data-dependent, a host sync per step. A KV head's score sums the
-            # masses of its group's g query heads (<= g in all), so fewer than g / threshold nodes exceed it.
-            g = self.info.num_heads // self.info.num_kv_heads
-            K = min(C, math.ceil(g / r.threshold - 1e-9)) if r.threshold > 0 else C
+        K = self._nodes_refined(score.shape[-1])
         if K <= 0:
             return None
         # the K highest by a stable descending sort: equal masses go to the earlier node, on every device and run
         # (torch.topk leaves the order of ties to the implementation)
         idx = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :K]
         return idx, (score.gather(-1, idx) > r.threshold if r.rule == "threshold" else None)
+
+    def _nodes_refined(self, C: int) -> int:
+        """How many of ``C`` candidate nodes the rule refines (a fixed number: see the threshold rule)."""
+        r = self.method.refine
+        if r.rule == "none" or C == 0:
+            return 0
+        if r.rule == "top_k":
+            return min(r.k, C)
+        if r.rule == "top_frac":
+            return min(C, math.ceil(r.fraction * C - 1e-9))
+        # threshold: a fixed K that no (head, query) can exceed, the rest masked (``valid``) — as many as the
+        # most demanding one needs would be data-dependent, a host sync per step. A KV head's score sums the
+        # masses of its group's g query heads (<= g in all), so fewer than g / threshold nodes exceed it.
+        g = self.info.num_heads // self.info.num_kv_heads
+        return min(C, math.ceil(g / r.threshold - 1e-9)) if r.threshold > 0 else C
 
     def _cover(self, store) -> tuple[torch.Tensor, torch.Tensor]:
         """The cover buffer [sink | level-1 summaries | raw tail] in sync with the store (see __init__)."""
@@ -266,10 +272,7 @@ class LuKAPolicy(LayerPolicy):
         K, V = store.keys, store.values
         if self.cov_pages != P or self.cov_k is None:
             size = s0 + P + (n - fr)
-            b, h, _, d = K.shape
-            cap = size + max(64, size // 4)
-            self.cov_k = K.new_empty(b, h, cap, d)
-            self.cov_v = V.new_empty(b, h, cap, V.shape[-1])
+            self._alloc_cover(K, V, size + max(64, size // 4))
             for dst, src_k, src_v in ((slice(0, s0), K[:, :, :s0], V[:, :, :s0]),
                                       (slice(s0, s0 + P), self.sk[1][:, :, :P], self.sv[1][:, :, :P]),
                                       (slice(s0 + P, size), K[:, :, fr:n], V[:, :, fr:n])):
@@ -279,21 +282,34 @@ class LuKAPolicy(LayerPolicy):
         elif self.cov_raw < n:
             add = n - self.cov_raw
             self._grow(self.cov_n + add)
-            self.cov_k[:, :, self.cov_n: self.cov_n + add] = K[:, :, self.cov_raw: n]
-            self.cov_v[:, :, self.cov_n: self.cov_n + add] = V[:, :, self.cov_raw: n]
+            new = store.stacked(self.cov_raw, n)
+            if new is not None and self.cov_kv is not None:  # keys and values in one copy
+                self.cov_kv[:, :, :, self.cov_n: self.cov_n + add] = new
+            else:
+                self.cov_k[:, :, self.cov_n: self.cov_n + add] = K[:, :, self.cov_raw: n]
+                self.cov_v[:, :, self.cov_n: self.cov_n + add] = V[:, :, self.cov_raw: n]
             self.cov_n += add
             self.cov_raw = n
         return self.cov_k[:, :, : self.cov_n], self.cov_v[:, :, : self.cov_n]
 
+    def _alloc_cover(self, like_k: torch.Tensor, like_v: torch.Tensor, cap: int) -> None:
+        """Empty cover buffers of ``cap`` entries: keys and values stacked in one tensor [2, B, Hkv, cap, D] where
+        their shapes and dtypes agree (a raw token mirrored into the cover is then one copy, not two)."""
+        b, h, _, d = like_k.shape
+        if like_k.shape[-1] == like_v.shape[-1] and like_k.dtype == like_v.dtype:
+            self.cov_kv = like_k.new_empty(2, b, h, cap, d)
+            self.cov_k, self.cov_v = self.cov_kv[0], self.cov_kv[1]
+        else:
+            self.cov_kv = None
+            self.cov_k, self.cov_v = like_k.new_empty(b, h, cap, d), like_v.new_empty(b, h, cap, like_v.shape[-1])
+
     def _grow(self, need: int) -> None:
         """Make the cover buffers hold at least ``need`` entries (contents kept; beyond ``cov_n`` is scratch)."""
         if need > self.cov_k.shape[2]:
-            cap = int(need * 1.25) + 64
-            nk = self.cov_k.new_empty(self.cov_k.shape[0], self.cov_k.shape[1], cap, self.cov_k.shape[3])
-            nv = self.cov_v.new_empty(self.cov_v.shape[0], self.cov_v.shape[1], cap, self.cov_v.shape[3])
-            nk[:, :, : self.cov_n] = self.cov_k[:, :, : self.cov_n]
-            nv[:, :, : self.cov_n] = self.cov_v[:, :, : self.cov_n]
-            self.cov_k, self.cov_v = nk, nv
+            old_k, old_v = self.cov_k, self.cov_v
+            self._alloc_cover(old_k, old_v, int(need * 1.25) + 64)
+            self.cov_k[:, :, : self.cov_n] = old_k[:, :, : self.cov_n]
+            self.cov_v[:, :, : self.cov_n] = old_v[:, :, : self.cov_n]
 
     def _page_rows(self, store, S: int, s0: int) -> torch.Tensor:
         """[B, Hkv, 1, S]: the rows of page 0's tokens in the store's flattened storage (``KVStore.row_offsets``
@@ -326,8 +342,11 @@ class LuKAPolicy(LayerPolicy):
         q = query.reshape(bh, g, d)  # a view for the usual layouts
         ck, cv = self._cover(store)
         C = ck.shape[2]
+        # fp32: the cover's logits and the refined children's are written side by side into one buffer, so the
+        # softmax over both needs no concatenation (other dtypes: computed, cast to fp32 and concatenated)
+        lb = self._logit_buffer(bh, g, C + self._max_children(), query) if query.dtype == torch.float32 else None
         logit = torch.baddbmm(self._zero(query), q, ck.view(bh, C, d).transpose(1, 2), beta=0.0,
-                              alpha=scaling).float()  # [B*Hkv, g, C], scaled
+                              alpha=scaling, **({} if lb is None else {"out": lb[:, :, :C]})).float()  # [B*Hkv, g, C]
         if m.summary_bias != "none":
             logit[..., s0: s0 + P] += m.bias(1)
         t1 = cache.mark(query.device)
@@ -339,8 +358,9 @@ class LuKAPolicy(LayerPolicy):
             k_sel = idx.shape[-1]
             kk, vv = store.gather_flat(torch.add(self._page_rows(store, S, s0), idx.view(b, hkv, k_sel, 1),
                                                  alpha=S).view(-1), k_sel * S)
-            cl = torch.baddbmm(self._zero(query), q, kk.view(bh, k_sel * S, d).transpose(1, 2), beta=0.0,
-                               alpha=scaling).float()  # [B*Hkv, g, K*S]
+            in_buf = lb is not None and m.refine.mass == "exact" and valid is None  # no out-of-place edits below
+            cl = torch.baddbmm(self._zero(query), q, kk.view(bh, k_sel * S, d).transpose(1, 2), beta=0.0, alpha=scaling,
+                               **({"out": lb[:, :, C: C + k_sel * S]} if in_buf else {})).float()  # [B*Hkv, g, K*S]
             pidx = (idx + s0 if s0 else idx).unsqueeze(1).expand(-1, g, -1)
             if m.refine.mass == "parent":
                 parent = logit.gather(-1, pidx)  # [B*Hkv, g, K]
@@ -358,7 +378,7 @@ class LuKAPolicy(LayerPolicy):
             if valid is None:
                 self._att_count = float(s0 + n - fr + k_sel * S)
             t2 = cache.mark(query.device)
-            p = torch.softmax(torch.cat([logit, cl], -1), -1)
+            p = torch.softmax(lb[:, :, : C + k_sel * S] if in_buf else torch.cat([logit, cl], -1), -1)
             # the children's values in the buffer's scratch right after the cover: one output matmul
             self._grow(C + k_sel * S)
             self.cov_v[:, :, C: C + k_sel * S] = vv
@@ -371,7 +391,9 @@ class LuKAPolicy(LayerPolicy):
             out = torch.bmm(p.to(cv.dtype), cv.view(bh, C, -1))
         self._last_p, self._last_total = p, None
         if self._needs_mass() and C > s0 + P:
-            store.aux(MASS)[:, :, fr:n].add_(p.view(b, hkv, g, -1)[..., s0 + P: C].sum(2))
+            # the raw tail's importance += its mass summed over the group's query heads: one batched GEMV that adds
+            # into the accumulator (ones [1, g] @ p), instead of a sum and an add
+            store.aux(MASS)[:, :, fr:n].view(bh, 1, n - fr).baddbmm_(self._ones(bh, g, p), p[:, :, s0 + P: C])
         t3 = cache.mark(query.device)
         cache.add_span("attention", t0, t1)
         cache.add_span("attention", t2, t3)
@@ -384,6 +406,26 @@ class LuKAPolicy(LayerPolicy):
         b, h, k = idx.shape
         ids = (idx.unsqueeze(-1) * S + torch.arange(s0, s0 + S, device=idx.device)).view(b, h, k * S)
         return [(ids, None if valid is None else valid.repeat_interleave(S, -1))]
+
+    def _max_children(self) -> int:
+        """Raw tokens a decode step's refinement adds to the cover: the pages the rule refines, each of
+        ``page_size`` tokens."""
+        return self._nodes_refined(self.P[1]) * self.method.page_size
+
+    def _logit_buffer(self, bh: int, g: int, need: int, like: torch.Tensor) -> torch.Tensor:
+        """A float32 [bh, g, >= need] scratch for a decode step's logits (cover, then refined children), kept
+        between steps and grown by a quarter when short."""
+        t = self._lbuf
+        if t is None or t.shape[:2] != (bh, g) or t.shape[2] < need or t.device != like.device:
+            t = self._lbuf = torch.empty(bh, g, int(need * 1.25) + 64, dtype=torch.float32, device=like.device)
+        return t
+
+    def _ones(self, bh: int, g: int, like: torch.Tensor) -> torch.Tensor:
+        """[bh, 1, g] ones of ``like``'s dtype and device, made once (the group-sum GEMV's left factor)."""
+        t = self._ones_t
+        if t is None or t.shape != (bh, 1, g) or t.device != like.device or t.dtype != like.dtype:
+            t = self._ones_t = like.new_ones(bh, 1, g)
+        return t
 
     def _zero(self, like: torch.Tensor) -> torch.Tensor:
         """A 0-d tensor for ``baddbmm(…, beta=0)`` (its input is ignored but must be given), made once."""

@@ -31,6 +31,8 @@ POSITIONS = ("original", "cache")
 
 
 class StreamingPolicy(LayerPolicy):
+    moves_tokens_every_step = True  # an eviction per decode step
+
     def __init__(self, method, info):
         super().__init__(method, info)
         self.in_order = True  # held tokens in time order (false once a decode step moved one: ``move_last_into``)
