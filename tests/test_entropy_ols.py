@@ -328,3 +328,41 @@ def test_value_fit_weights_each_reference_query_by_the_bins_share_of_its_attenti
     cost = lambda v: float((((p @ v - t) * share[:, None]) ** 2).sum())  # noqa: E731
     assert torch.allclose(values.double(), weighted, atol=2e-3), (values.double() - weighted).abs().max()
     assert cost(plain) > 1.05 * cost(weighted)  # the two solutions really differ here: the test can fail
+
+
+@pytest.mark.parametrize("mode", ["ols", "drop"])
+def test_decode_fast_path_equals_the_general_path(mode, tiny_gqa3, monkeypatch):
+    """A decode step's attention in the fewest kernels (``_decode_attend``: logits of the held tokens and the
+    synthetic entries in one buffer, the entropy and the masses by batched dot products) gives the general path's
+    logits, accumulated masses, synthetic masses, entropies and flushes at every step, through several flushes."""
+    from luka_bench.methods.entropy_ols import ENT, MASS, EntropyOLSPolicy
+
+    model = tiny_gqa3.model
+    ids = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(21))
+
+    def run(fast):
+        if not fast:
+            monkeypatch.setattr(EntropyOLSPolicy, "_fast_path", lambda self, store, query: False)
+        steps = []
+        with attach(model, EntropyOLS(budget=0.3, mode=mode, bin_size=8, rank=2, n_ref=4)) as a, torch.no_grad():
+            c = a.new_cache()
+            model(ids[:, :60], past_key_values=c)
+            for t in range(60, 100):
+                logits = model(ids[:, t: t + 1], past_key_values=c).logits[0, -1]
+                steps.append((logits, [(s.positions.clone(), s.aux(MASS).clone(), s.aux(ENT).clone(),
+                                        None if s.policy.smass is None else s.policy.smass.clone(),
+                                        s.policy.stats["flushes"]) for s in c.stores]))
+        monkeypatch.undo()
+        return steps
+
+    fast, slow = run(True), run(False)
+    assert fast[-1][1][0][4] > 2  # several flushes on the way
+    for (lf, sf), (ls, ss) in zip(fast, slow):
+        torch.testing.assert_close(lf, ls, rtol=1e-4, atol=1e-5)
+        for a_, b_ in zip(sf, ss):
+            assert torch.equal(a_[0], b_[0]) and a_[4] == b_[4]  # the same tokens held, the same flushes
+            for x, y in zip(a_[1:4], b_[1:4]):
+                if x is None or y is None:
+                    assert x is None and y is None
+                else:
+                    torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)

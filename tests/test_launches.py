@@ -35,9 +35,6 @@ BUDGET = {"full": 2, "snapkv": 2, "laser_kv": 2, "streaming_llm": 4, "oracle_top
 # A store that moves no token on a decode step writes no position per step (``KVStore.end_forward``: written as one
 # run when read), so full attention is 0.25 under stock.
 OVER: dict[str, str] = {
-    "entropy_ols": "37.75 > 14 (not reduced yet): 7 copy_ + 4.25 add_ + 4 zeros + 3 sum + 2 each of mul, baddbmm, gt, "
-                   "bmm + 1.75 add + the per-query entropy (_log_softmax, exp, where, zeros_like, log, clamp_min, div, "
-                   "mean, neg) + full + clone - sdpa",
     "lychee": "71.75 > 20 (not reduced yet): 12 gather + 6.5 add + 4.25 arange + 3.75 bmm + 3.75 bitwise_and + 3 each "
               "of mul, sum, masked_fill, sort, lt, where + 2.25 each of le, zeros_like, index + ... (retrieval over the "
               "index)",

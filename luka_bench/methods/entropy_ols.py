@@ -139,7 +139,9 @@ class EntropyOLSPolicy(LayerPolicy):
         self.sk = self.sv = self.sb = None  # synthetic keys [B, Hkv, S, D], values, biases [B, Hkv, S] (fp32)
         self.smass = self.sent = None       # their accumulated mass / inherited entropy [B, Hkv, S]
         self.la = self.lb = None            # linear mode: per-centroid map factors [B, Hkv, S, D, k], [.., k, Dv]
-        self.qbuf: torch.Tensor | None = None  # last n_ref queries [B, Hq, <=n_ref, D]
+        self._qring: torch.Tensor | None = None  # the last n_ref queries [B, Hq, n_ref, D], a ring (``qbuf``)
+        self._qn = 0  # queries pushed so far
+        self._lbuf = self._ones_t = self._zero_t = None  # the decode step's scratch (``_decode_attend``)
         self.scaling = info.head_dim ** -0.5
         self.stats = {"flushes": 0.0, "binned_tokens": 0.0, "dropped_tokens": 0.0, "synthetic_made": 0.0}
 
@@ -164,14 +166,14 @@ class EntropyOLSPolicy(LayerPolicy):
         return total
 
     def extra_bytes(self) -> int:
-        return self.synthetic_bytes() + (0 if self.qbuf is None else self.qbuf.nbytes)
+        return self.synthetic_bytes() + self._qbuf_bytes()
 
     def report(self, store) -> dict[str, float]:
         m = self.method
         cap = self.capacity(store)
         return {**self.stats, "synthetic_entries": float(self.extra_entries()),
                 "synthetic_bytes": float(self.synthetic_bytes()),
-                "query_buffer_bytes": float(0 if self.qbuf is None else self.qbuf.nbytes),
+                "query_buffer_bytes": float(self._qbuf_bytes()),
                 "store_bytes": float(store.held_bytes()),
                 # the post's FAIR formula, literally: k_budget - (bin_size - k_rank), per layer
                 "post_fair_budget": float(cap - (m.bin_size - m.rank))}
@@ -179,17 +181,109 @@ class EntropyOLSPolicy(LayerPolicy):
     # -- attention -----------------------------------------------------------------------------------------
     def attend(self, store, query, scaling):
         self.scaling = scaling
-        out, mass, emass, ent, ew = attention_with_extra(store, query, scaling, self.sk, self.sv, self.sb)
-        if self.la is not None and self.S:
-            out = out + self._linear_term(query, ew)
-        store.aux(MASS).add_(mass)
-        store.aux(ENT)[:, :, store.n - query.shape[2]:] = ent
-        if self.S:
-            self.smass += emass
+        if self._fast_path(store, query):
+            out = self._decode_attend(store, query, scaling)
+        else:
+            out, mass, emass, ent, ew = attention_with_extra(store, query, scaling, self.sk, self.sv, self.sb)
+            if self.la is not None and self.S:
+                out = out + self._linear_term(query, ew)
+            store.aux(MASS).add_(mass)
+            store.aux(ENT, zero_new=False)[:, :, store.n - query.shape[2]:] = ent  # every new token's, here
+            if self.S:
+                self.smass += emass
         if self.method.budget < 1.0:
-            q = query if self.qbuf is None else torch.cat([self.qbuf, query], dim=2)
-            self.qbuf = q[:, :, -self.method.n_ref:].clone(memory_format=torch.contiguous_format)
+            self._push_queries(query)
         return out
+
+    def _fast_path(self, store, query) -> bool:
+        """A decode step (one query) in fp32 without the linear mode's per-centroid maps: ``_decode_attend``."""
+        return query.shape[2] == 1 and self.la is None and query.dtype == torch.float32 and \
+            store.keys.dtype == torch.float32 and (self.S == 0 or self.smass.is_contiguous())
+
+    def _decode_attend(self, store, query, scaling):
+        """``attention_with_extra``'s decode step in the fewest kernels: the held tokens' and the synthetic
+        entries' logits (bias included: ``baddbmm`` with beta 1) side by side in one buffer, one log-softmax and
+        one exp for both; the entropy normalised and averaged over the group in one batched dot product
+        (-sum p log p / (g log N)) written straight into the new token's slot; the masses added into their
+        accumulators by ``baddbmm_`` (ones . P); the output as one GEMM plus one accumulating GEMM for the
+        synthetic values. Same values as the general path (``tests/test_entropy_ols.py``)."""
+        b, hq, _, d = query.shape
+        hkv = self.info.num_kv_heads
+        g, bh = hq // hkv, b * hkv
+        n, S = store.n, self.S
+        N = n + S
+        buf = self._logits(bh, g, N, query)
+        q = query.reshape(bh, g, d)
+        zero = self._const(query, 0.0)
+        torch.baddbmm(zero, q, store.keys.reshape(bh, n, d).transpose(1, 2), beta=0.0, alpha=scaling,
+                      out=buf[:, :, :n])
+        if S:
+            torch.baddbmm(self.sb.view(bh, 1, S), q, self.sk.reshape(bh, S, d).transpose(1, 2), alpha=scaling,
+                          out=buf[:, :, n:])
+        logp = torch.log_softmax(buf, dim=-1)
+        p = logp.exp()
+        alpha = -1.0 / (g * math.log(N)) if N > 1 else 0.0
+        torch.baddbmm(zero, p.view(bh, 1, g * N), logp.view(bh, g * N, 1), beta=0.0, alpha=alpha,
+                      out=store.aux(ENT, zero_new=False)[:, :, n - 1:].view(bh, 1, 1))
+        ones = self._ones(bh, g, p)
+        store.aux(MASS).view(bh, 1, n).baddbmm_(ones, p[:, :, :n])
+        out = torch.bmm(p[:, :, :n], store.values.reshape(bh, n, -1))
+        if S:
+            self.smass.view(bh, 1, S).baddbmm_(ones, p[:, :, n:])
+            out = torch.baddbmm(out, p[:, :, n:], self.sv.reshape(bh, S, -1))
+        return out.view(b, hq, 1, -1)
+
+    def _logits(self, bh: int, g: int, N: int, like: torch.Tensor) -> torch.Tensor:
+        """A float32 [bh, g, N] view of a scratch kept between steps (grown by a quarter when short)."""
+        t = self._lbuf
+        if t is None or t.shape[:2] != (bh, g) or t.shape[2] < N or t.device != like.device:
+            t = self._lbuf = torch.empty(bh, g, int(N * 1.25) + 64, dtype=torch.float32, device=like.device)
+        return t[:, :, :N]
+
+    def _ones(self, bh: int, g: int, like: torch.Tensor) -> torch.Tensor:
+        t = self._ones_t
+        if t is None or t.shape != (bh, 1, g) or t.device != like.device or t.dtype != like.dtype:
+            t = self._ones_t = like.new_ones(bh, 1, g)
+        return t
+
+    def _const(self, like: torch.Tensor, value: float) -> torch.Tensor:
+        t = self._zero_t
+        if t is None or t.device != like.device or t.dtype != like.dtype:
+            t = self._zero_t = like.new_full((), value)
+        return t
+
+    # -- the reference queries: the last n_ref, in a ring (one copy per step) --------------------------------
+    @property
+    def qbuf(self) -> torch.Tensor | None:
+        """The last ``n_ref`` queries [B, Hq, <= n_ref, D], oldest first."""
+        ring = self._qring
+        if ring is None:
+            return None
+        R = ring.shape[2]
+        if self._qn <= R:
+            return ring[:, :, : self._qn]
+        k = self._qn % R
+        return ring if k == 0 else torch.cat([ring[:, :, k:], ring[:, :, :k]], dim=2)
+
+    def _qbuf_bytes(self) -> int:
+        ring = self._qring
+        return 0 if ring is None else ring[:, :, :1].nbytes * min(self._qn, ring.shape[2])
+
+    def _push_queries(self, query) -> None:
+        b, hq, lq, d = query.shape
+        R = self.method.n_ref
+        if self._qring is None:
+            self._qring = query.new_empty(b, hq, R, d)
+        if lq >= R:
+            self._qring.copy_(query[:, :, lq - R:])
+            self._qn = R
+            return
+        start = self._qn % R
+        first = min(lq, R - start)
+        self._qring[:, :, start: start + first] = query[:, :, :first]
+        if lq > first:
+            self._qring[:, :, : lq - first] = query[:, :, first:]
+        self._qn += lq
 
     def _linear_term(self, query, ew):
         b, hq, lq, d = query.shape
@@ -207,9 +301,10 @@ class EntropyOLSPolicy(LayerPolicy):
         self.compact(store)
 
     def _ref(self):
-        b, hq, m, d = self.qbuf.shape
+        q = self.qbuf
+        b, hq, m, d = q.shape
         hkv = self.info.num_kv_heads
-        return self.qbuf.view(b, hkv, (hq // hkv) * m, d)
+        return q.reshape(b, hkv, (hq // hkv) * m, d)
 
     def _lz_all(self, store, q):
         logits = (q @ store.keys.transpose(-1, -2)).float() * self.scaling
