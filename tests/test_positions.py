@@ -21,13 +21,19 @@ def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
+def _prefilled(att, model, ids, n: int):
+    """A fresh cache of ``att`` with the first ``n`` ids prefilled."""
+    c = att.new_cache()
+    model(ids[:, :n], past_key_values=c)
+    return c
+
+
 @torch.no_grad()
 def test_decode_positions_are_written_when_read_and_read_back_exactly(tiny_llama):
     model = tiny_llama.model
     ids = _ids(70, 3)
     with attach(model, Full()) as att:
-        c = att.new_cache()
-        model(ids[:, :40], past_key_values=c)
+        c = _prefilled(att, model, ids, 40)
         for t in range(40, 50):
             model(ids[:, t: t + 1], past_key_values=c)
         s = c.stores[0]
@@ -54,8 +60,7 @@ def test_lazy_positions_in_a_method_that_compresses(tiny_llama):
     ids = _ids(140, 4)
     method = LuKAClustered(page_size=8, tail=16, compress_every=16)
     with attach(model, method) as att:
-        c = att.new_cache()
-        model(ids[:, :60], past_key_values=c)
+        c = _prefilled(att, model, ids, 60)
         for t in range(60, 140):
             model(ids[:, t: t + 1], past_key_values=c)
         for store in c.stores:
@@ -74,8 +79,7 @@ def test_a_step_position_from_the_cache_counter_gives_the_models_own_logits(tiny
     def run():
         out = []
         with attach(model, H2O(budget=0.5)) as att:
-            c = att.new_cache()
-            model(ids[:, :40], past_key_values=c)
+            c = _prefilled(att, model, ids, 40)
             for t in range(40, 60):
                 out.append(model(ids[:, t: t + 1], past_key_values=c).logits[0, -1])
         return torch.stack(out)
@@ -102,8 +106,7 @@ def test_append_zero_fills_method_state_only_where_a_removal_left_stale_entries(
     model = tiny_llama.model
     ids = _ids(50, 6)
     with attach(model, Full()) as att:
-        c = att.new_cache()
-        model(ids[:, :30], past_key_values=c)
+        c = _prefilled(att, model, ids, 30)
         s = c.stores[0]
         s.aux("state").fill_(7.0)
         s.keep(torch.arange(20, 30))  # in place: stale entries beyond the kept ten
