@@ -127,3 +127,37 @@ def test_question_and_prefill_are_exact(tiny_gqa3):
 def test_bad_settings_are_refused(bad):
     with pytest.raises(MethodConfigError):
         OracleTopK(**bad)
+
+
+def test_the_fixed_shape_decode_step_reads_and_outputs_what_the_held_tokens_give(tiny_gqa3, monkeypatch):
+    """The graph-ready decode step (the store's whole capacity with its free slots masked; the new token written at
+    a slot held on the device) reads the same tokens and gives the same logits as the step over the held tokens
+    alone, at every step, through a storage reallocation and in a clone."""
+    from luka_bench.methods.oracle_topk import OracleTopKPolicy
+
+    model = tiny_gqa3.model
+    ids = torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(5))
+
+    def run(static):
+        monkeypatch.setattr(OracleTopKPolicy, "static_decode", static)
+        steps, grew = [], set()
+        with attach(model, OracleTopK(token_budget=24)) as a, torch.no_grad():
+            c = a.new_cache()
+            model(ids[:, :40], past_key_values=c)
+            for t in range(40, 160):
+                if t == 100:
+                    c = c.clone()
+                caps = [s.storage()[0].shape[2] for s in c.stores]
+                logits = model(ids[:, t: t + 1], past_key_values=c).logits[0, -1]
+                grew |= {i for i, s in enumerate(c.stores) if s.storage()[0].shape[2] != caps[i]}
+                assert all((s.static_slot is not None) == static for s in c.stores)
+                steps.append((logits, [s.policy.top.sort(-1).values for s in c.stores]))
+        monkeypatch.undo()
+        return steps, grew
+
+    (fixed, grew), (plain, _) = run(True), run(False)
+    assert grew  # the storage grew on the way
+    for (lf, tf), (lp, tp) in zip(fixed, plain):
+        torch.testing.assert_close(lf, lp, rtol=1e-5, atol=1e-6)
+        for a_, b_ in zip(tf, tp):
+            assert torch.equal(a_, b_)

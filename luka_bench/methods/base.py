@@ -122,6 +122,11 @@ class LayerPolicy:
     # its store writes each step's position at once. Otherwise decode steps' positions are written lazily, as one
     # run, when something reads them (``KVStore.end_forward``): no kernel per step for them.
     moves_tokens_every_step: bool = False
+    # True for a policy whose store grows by one token per decode step and that attends over the store's whole
+    # capacity with the free slots masked (``KVStore.storage``): its store then writes a decode step's keys and values
+    # at a slot held on the device (``KVStore.static_slot``), so consecutive steps dispatch the same ops on the same
+    # shapes until the storage grows (the graph-ready steady state, tests/test_graph_ready.py).
+    static_decode: bool = False
 
     def __init__(self, method: "KVMethod", info: LayerInfo):
         self.method = method

@@ -108,6 +108,7 @@ class KVStore(CacheLayerMixin):
         # beyond n): an append at n >= it needs no zero fill — a store that never drops a token fills none
         self._aux_zero_from = 0
         self._heads: tuple | None = None  # head_index(), keyed by storage shape
+        self.static_slot: torch.Tensor | None = None  # the last decode step's slot, as a device tensor [1]
         self.n = 0
         self.seen = 0
         self.pos_shift = 0  # seen - the position the next token gets (StreamingLLM's positions=cache); 0: logical
@@ -223,8 +224,10 @@ class KVStore(CacheLayerMixin):
     def _allocate(self, like_k: torch.Tensor, like_v: torch.Tensor, cap: int) -> None:
         b, h, _, dk = like_k.shape
         dv = like_v.shape[-1]
-        kv = like_k.new_empty(2, b, h, cap, dk) if _stackable(like_k, like_v) else None
-        k, v = (kv[0], kv[1]) if kv is not None else (like_k.new_empty(b, h, cap, dk), like_v.new_empty(b, h, cap, dv))
+        # zeroed, not empty: a policy that attends over the whole storage with the free slots masked
+        # (``storage``) must not meet uninitialised bits there (a NaN times a masked weight is still NaN)
+        kv = like_k.new_zeros(2, b, h, cap, dk) if _stackable(like_k, like_v) else None
+        k, v = (kv[0], kv[1]) if kv is not None else (like_k.new_zeros(b, h, cap, dk), like_v.new_zeros(b, h, cap, dv))
         pos = torch.empty(b, h, cap, dtype=torch.long, device=like_k.device)
         self.settle_positions()
         if self._k is not None and self.n:
@@ -253,8 +256,16 @@ class KVStore(CacheLayerMixin):
         if self._k is None or need > self._k.shape[2]:
             cap = need if self._k is None else max(need, int(self._k.shape[2] * self.GROWTH) + 16)
             self._allocate(key_states, value_states, cap)
-        self._k[:, :, self.n : need] = key_states
-        self._v[:, :, self.n : need] = value_states
+        if L == 1 and self.policy.static_decode and not self._aux:
+            # a decode step written at a slot the device holds (the step's position less the tokens dropped before
+            # it): no Python number that changes from step to step in the ops (``static_slot``)
+            self.static_slot = self.cache.position_before(self.seen, self.seen - self.n, key_states.device).view(1)
+            self._k.index_copy_(2, self.static_slot, key_states)
+            self._v.index_copy_(2, self.static_slot, value_states)
+        else:
+            self.static_slot = None
+            self._k[:, :, self.n : need] = key_states
+            self._v[:, :, self.n : need] = value_states
         if L == 1:  # a decode step: its position is the cache's counter (no Python number), written when needed
             self._pos_due = (self.cache.position_tensor(self.seen, key_states.device), self.seen)
         else:
@@ -379,6 +390,12 @@ class KVStore(CacheLayerMixin):
             return rows[0], rows[1]
         return _rows(self._k, flat, m), _rows(self._v, flat, m)
 
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values over the whole allocated capacity [B, Hkv, cap, D] (slots from ``n`` on are free: zero
+        or a dropped token's, always finite): for a policy that attends over a fixed shape with the free slots
+        masked, so that consecutive decode steps have the same shapes (``LayerPolicy.static_decode``)."""
+        return self._k, self._v
+
     def stacked(self, start: int, stop: int) -> torch.Tensor | None:
         """Keys and values of the held slots ``start:stop`` as one view [2, B, Hkv, stop - start, D] of the stacked
         storage (one copy moves both), or None where they are stored apart (their shapes or dtypes differ)."""
@@ -442,6 +459,10 @@ class KVStore(CacheLayerMixin):
         self.append(key_states, value_states)
         if self.cache.observer is not None:  # the fidelity probe reads what this forward added
             self.last_update = (key_states, value_states)
+        if self.static_slot is not None:
+            # transformers hands these to our attention function, which reads the store instead: a static decode
+            # step returns the whole storage, so that no view of a step-dependent length is made in the step
+            return self.storage()
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -557,6 +578,8 @@ class MethodCache(Cache):
         first position of a recent window that ends at the step's token): no Python number that changes from step
         to step in the ops, one kernel per step instead of one per layer."""
         counter = self.position_tensor(seen, device)
+        if delta == 0:
+            return counter
         key = (device, delta)
         got = self._offsets.get(key)
         if got is None or got[0] is not counter or got[1] != seen:

@@ -75,20 +75,63 @@ def oracle_topk_attention(query: torch.Tensor, keys: torch.Tensor, values: torch
 
 
 class OracleTopKPolicy(LayerPolicy):
+    static_decode = True  # a decode step over the store's whole capacity, free slots masked (``_static_select``)
+
     def __init__(self, method: "OracleTopK", info: LayerInfo):
         super().__init__(method, info)
         self.top: torch.Tensor | None = None  # the last decode step's read indices (None: it read everything)
         self.n_read = 0  # tokens held at that step (the mask's length)
+        # the free-slot mask as an additive logit bias over the storage [B * Hkv, 1, cap] (0 held, -inf free), for
+        # the storage tensor it was made for, valid for its first `_bias_n` slots; one slot opened per step
+        self._bias: torch.Tensor | None = None
+        self._bias_for: torch.Tensor | None = None
+        self._bias_n = 0
 
     def attend(self, store, query, scaling):
         m = self.method
         if query.shape[2] != 1 or store.cache.phase != "decode" or store.n <= m.token_budget:
             self.top = None
             return exact_attention(store, query, scaling)
-        out, self.top = oracle_topk_select(query, store.keys, store.values, scaling, m.token_budget, m.sink,
-                                           m.recent)
+        if m.sink or m.recent or store.static_slot is None:
+            out, self.top = oracle_topk_select(query, store.keys, store.values, scaling, m.token_budget, m.sink,
+                                               m.recent)
+        else:
+            out, self.top = self._static_select(store, query, scaling)
         self.n_read = store.n
         return out
+
+    def _static_select(self, store, query, scaling):
+        """``oracle_topk_select`` over the store's whole capacity (``KVStore.storage``): the free slots masked by
+        an additive bias that the logits GEMM adds itself (``baddbmm`` with beta 1) and that one op per step opens
+        at the new token's slot, and again on the scores so that top-k never reads a free slot. Same tokens read
+        and the same output as over the held tokens alone (tested), on shapes that stay fixed from step to step
+        until the storage grows: the graph-ready steady state, for two kernels more per layer."""
+        m = self.method
+        K, V = store.storage()
+        b, hq, _, d = query.shape
+        hkv, cap = K.shape[1], K.shape[2]
+        g, bh = hq // hkv, b * hkv
+        bias = self._free_slots(store, query.dtype)
+        logits = torch.baddbmm(bias, query.reshape(bh, g, d), K.reshape(bh, cap, d).transpose(1, 2),
+                               alpha=scaling).float()  # [B*Hkv, g, cap]
+        score = torch.softmax(logits, dim=-1).sum(1) + bias.view(bh, cap)  # free slots: -inf
+        top = torch.topk(score, m.token_budget, dim=-1).indices.view(b, hkv, m.token_budget)
+        ksel = K.gather(2, top[..., None].expand(b, hkv, m.token_budget, d))
+        vsel = V.gather(2, top[..., None].expand(b, hkv, m.token_budget, V.shape[-1]))
+        return sdpa(query, ksel, vsel, scaling), top
+
+    def _free_slots(self, store, dtype) -> torch.Tensor:
+        K = store.storage()[0]
+        n, cap = store.n, K.shape[2]
+        if self._bias is not None and self._bias_for is K and self._bias.dtype == dtype and self._bias_n == n - 1:
+            self._bias.index_fill_(2, store.static_slot, 0.0)  # this step's slot is held now
+        elif not (self._bias is not None and self._bias_for is K and self._bias.dtype == dtype and self._bias_n == n):
+            held = torch.arange(cap, device=K.device) < n  # (re)made: a new storage, or a jump
+            self._bias = torch.zeros(cap, dtype=dtype, device=K.device).masked_fill(~held, float("-inf")).expand(
+                K.shape[0] * K.shape[1], 1, cap).contiguous()
+            self._bias_for = K
+        self._bias_n = n
+        return self._bias
 
     @property
     def read(self) -> torch.Tensor | None:
