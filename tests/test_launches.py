@@ -34,11 +34,10 @@ BUDGET = {"full": 2, "snapkv": 2, "laser_kv": 2, "streaming_llm": 4, "oracle_top
 # 0.5 (2 per step): the model takes its positions from that counter instead of an arange and an add of its own.
 # A store that moves no token on a decode step writes no position per step (``KVStore.end_forward``: written as one
 # run when read), so full attention is 0.25 under stock.
-OVER: dict[str, str] = {
-    "lychee": "71.75 > 20 (not reduced yet): 12 gather + 6.5 add + 4.25 arange + 3.75 bmm + 3.75 bitwise_and + 3 each "
-              "of mul, sum, masked_fill, sort, lt, where + 2.25 each of le, zeros_like, index + ... (retrieval over the "
-              "index)",
-}
+# lychee's count is per layer of the model, as every method's: with ``full_layers: 1`` of these 4 layers attending
+# exactly, its 3 retrieval layers add 26 each (19.25 * 4 / 3 + the store's 0.25); on a 32-layer model with the
+# paper's 2 full layers the per-layer figure would be ~24 (docs/speed.md).
+OVER: dict[str, str] = {}
 
 
 def _cases():

@@ -450,3 +450,28 @@ def test_full_attends_everything(tiny_llama):
 def test_bad_settings_are_refused(bad):
     with pytest.raises(MethodConfigError):
         Lychee(**bad)
+
+
+@pytest.mark.parametrize("opts", [{}, {"ranking": "qmu"}, {"k_g": 2}, {"pooling": "max", "coarse_factor": 1.0},
+                                  {"buffer": 4, "min_chunk": 4, "max_chunk": 12}])
+def test_decode_fast_path_reads_what_the_general_path_reads(opts):
+    """``_decode_attend`` (one scoring matmul, the unit rule by counting the units above, two stable sorts) against
+    ``retrieve`` + ``sparse_attention`` (sorted units, CSR members, ``_fill``) on the same index, through 40 lazy
+    updates: the same held tokens read per head and the same attention output at every step. Also the count the
+    harness records (``attended_count``, a ``DeviceCount``) equals the mask's."""
+    m = Lychee(token_budget=160, sink=4, chunking="fixed", **{"buffer": 16, **opts})
+    cache, store, pol, gen = synthetic_policy(m, 500, seed=8)
+    hq, d = pol.info.num_heads, pol.info.head_dim
+    hkv = store.keys.shape[1]
+    for step in range(40):
+        store.update(torch.randn(1, hkv, 4, d, generator=gen), torch.randn(1, hkv, 4, d, generator=gen))
+        pol._sync_index(store)
+        q = torch.randn(1, hq, 1, d, generator=gen)
+        fast = pol.attend(store, q, d ** -0.5)
+        count = pol.attended_count(store)
+        fast_mask = pol.attended(store).clone()
+        idx, valid = pol.retrieve(store, q)
+        slow = pol.sparse_attention(store, q, d ** -0.5, idx, valid)
+        assert torch.equal(fast_mask, pol.attended(store)), (opts, step)
+        assert torch.allclose(fast, slow, atol=1e-5), (opts, step)
+        assert abs(float(count.total) * count.scale + count.offset - float(fast_mask.sum()) / hkv) < 1e-9

@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +108,15 @@ class LayerInfo:
     head_dim: int
     sliding_window: int | None = None  # set for sliding-window layers (Gemma3)
     layer_type: str = "full_attention"
+
+
+class DeviceCount(NamedTuple):
+    """A count that ``LayerPolicy.attended_count`` knows as ``total * scale + offset`` with ``total`` a 0-d device
+    tensor: the harness reads every pending ``total`` in one device-to-host copy when the counts are read and
+    applies the host numbers then, so a decode step adds one reduction, not the arithmetic around it."""
+    total: torch.Tensor
+    scale: float
+    offset: float
 
 
 class LayerPolicy:
@@ -152,7 +161,7 @@ class LayerPolicy:
         LycheeCluster's retrieved chunks) override it; positions are ``store.positions[mask]``."""
         return None
 
-    def attended_count(self, store: "KVStore") -> float | torch.Tensor:
+    def attended_count(self, store: "KVStore") -> float | torch.Tensor | DeviceCount:
         """How many held tokens the last ``attend`` read, per KV head (mean over batch and heads): the harness
         records it after every decode forward. From the ``attended`` mask (a 0-d device tensor: reading it on the
         host would sync every step; the harness resolves all of them at once); a policy that knows the count

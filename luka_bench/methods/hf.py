@@ -41,7 +41,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, sdpa
+from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, sdpa
 
 ATTN_NAME = "luka_bench"
 CACHE_KWARG = "luka_bench_cache"  # the forward keyword that carries the MethodCache down to the attention calls
@@ -616,28 +616,41 @@ class MethodCache(Cache):
     def _note_attended(self) -> None:
         """After a decode forward: tokens (and bytes) read by every layer's last attend (``LayerPolicy.attended``,
         per KV head, averaged over heads; + ``attended_extra``), summed over layers. Counts a policy gives as
-        tensors stay on the device until read (``attended_tokens``)."""
-        toks = 0.0
-        byts = 0.0
-        held = 0.0
+        device tensors (or ``DeviceCount``) are kept as they are, per layer, and read with every other pending
+        count in one device-to-host copy when something reads them (``attended_tokens``): a decode step adds no
+        arithmetic on the device for the harness's bookkeeping."""
+        row = []
         for s in self.stores:
             if s._k is None:
                 continue
-            per_head = s.policy.attended_count(s) + s.policy.attended_extra()
-            toks = toks + per_head
-            byts = byts + per_head * s.token_bytes()
-            held += s.n + s.policy.extra_entries()  # entries held besides the store are read as entries too
-        self._attended_pending.append((toks, byts, held))
+            # entries held besides the store are read as entries too
+            row.append((s.policy.attended_count(s), s.policy.attended_extra(), s.token_bytes(),
+                        s.n + s.policy.extra_entries()))
+        self._attended_pending.append(row)
 
     def _resolve_attended(self) -> tuple[list[float], list[float], list[float]]:
         if self._attended_pending:
-            flat = [x for row in self._attended_pending for x in row]
-            at = [i for i, x in enumerate(flat) if torch.is_tensor(x)]
-            if at:  # one device-to-host copy for every pending count
-                for i, v in zip(at, torch.stack([flat[i].detach().double().reshape(()) for i in at]).tolist()):
-                    flat[i] = v
-            for j in range(0, len(flat), 3):
-                for lst, v in zip(self._attended, flat[j: j + 3]):
+            def parts(x):  # (device tensor or None, scale, offset)
+                if isinstance(x, DeviceCount):
+                    return x.total, x.scale, x.offset
+                return (x, 1.0, 0.0) if torch.is_tensor(x) else (None, 0.0, float(x))
+
+            flat = [t for row in self._attended_pending for c, e, _, _ in row for t in (parts(c)[0], parts(e)[0])
+                    if t is not None]
+            read = iter(torch.stack([t.detach().double().reshape(()) for t in flat]).tolist() if flat else [])
+
+            def value(x) -> float:
+                t, scale, offset = parts(x)
+                return offset if t is None else next(read) * scale + offset
+
+            for row in self._attended_pending:
+                toks = byts = held = 0.0
+                for c, e, tb, h in row:
+                    per_head = value(c) + value(e)
+                    toks += per_head
+                    byts += per_head * tb
+                    held += h
+                for lst, v in zip(self._attended, (toks, byts, held)):
                     lst.append(float(v))
             self._attended_pending.clear()
         return self._attended

@@ -36,6 +36,9 @@ A decode step (one query), vectorised over KV heads, units, clusters and tokens 
    that does not fit whole — ``_fill``);
 4. exact attention (softmax over the union, fp32 by SDPA) over the ``sink`` first tokens + every token of the
    chosen clusters' chunks + the recent unchunked tokens (the buffer).
+With ``k_c: null`` (the default) steps 1-4 run as ``_decode_attend``: one matmul scores every node and chunk, the
+unit rule counts the tokens of the units scoring above each unit, and two stable sorts give ``_fill``'s chunk order
+— the same tokens in a few dozen kernels instead of ~100 (docs/speed.md); ``retrieve`` is the general path.
 Lazy update (at the next step): each new chunk joins the fine cluster with the nearest centroid direction and that
 cluster's coarse unit; centroids move to the new member mean (a moving average) and each touched radius becomes
 max(r + ||mu' - mu||, ||x - mu'||): the old members' bound grows by the centroid shift (triangle inequality), so r
@@ -57,7 +60,8 @@ import torch.nn.functional as F
 
 from luka_bench.device import host_to_device
 from luka_bench.host_sync import host_side
-from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, exact_attention, group_sum
+from luka_bench.methods.base import (DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, exact_attention,
+                                     group_sum)
 
 NEG = float("-inf")
 NONE_LEVEL = 5
@@ -248,6 +252,11 @@ class LycheePolicy(LayerPolicy):
         # grouped members (CSR, ``_layout``): clusters by unit, chunks by cluster; ku: units a step may choose
         self.u_members = self.u_start = self.u_count = self.c_members = self.c_start = self.c_count = None
         self.u_width = self.c_width = self.ku = 0
+        self._layout_due: bool | None = None  # the CSR layout is built when the general path first needs it
+        # the decode fast path's tables (``_decode_tables``, redone when the index changes) and buffers
+        self._tab = self._chunk_unit = self._chunk_cluster = self._tok_col = self._slen = None
+        self._flat = self._buf = None
+        self._fast: dict | None = None  # what the fast path's last step chose (``last`` materialises it)
 
     # -- shared chunker ------------------------------------------------------------------------------------
     def chunker(self, store) -> Chunker:
@@ -261,8 +270,9 @@ class LycheePolicy(LayerPolicy):
             return 0
         t = [self.ck[:, :, : self.M], self.assign[:, :, : self.M], self.mu_c, self.r_c, self.cnt_c, self.tok_c,
              self.parent, self.mu_g, self.r_g, self.cnt_g, self.tok_g, self.u_members, self.u_start, self.u_count,
-             self.c_members, self.c_start, self.c_count]
-        return sum(x.nbytes for x in t)
+             self.c_members, self.c_start, self.c_count, self._tab, self._chunk_unit, self._chunk_cluster,
+             self._tok_col, self._slen]
+        return sum(x.nbytes for x in t if x is not None)
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def after_prefill(self, store) -> None:
@@ -277,6 +287,8 @@ class LycheePolicy(LayerPolicy):
             with cache.span("attention", dev):
                 return exact_attention(store, query, scaling)
         self._sync_index(store)
+        if m.k_c is None:
+            return self._decode_attend(store, query, scaling)
         t0 = cache.mark(dev)
         idx, valid = self.retrieve(store, query)
         t1 = cache.mark(dev)
@@ -284,6 +296,28 @@ class LycheePolicy(LayerPolicy):
         cache.add_span("retrieval", t0, t1)
         cache.add_span("attention", t1, cache.mark(dev))
         return out
+
+    @property
+    def last(self) -> dict | None:
+        """What the last retrieval chose (None: the last step attended exactly): ``idx`` / ``valid`` [B, H, T] (the
+        held tokens read: sinks, chunk tokens, recent buffer; invalid slots point at the newest token), ``cid`` /
+        ``cvalid`` (the chunks read), ``sel_g`` (the units kept), ``frontier``. The fast path keeps only what its
+        step computed and builds this on first read (diagnostics and tests, not the decode step)."""
+        if self._fast is not None:
+            self._last, self._fast = self._materialise(self._fast), None
+        return self._last
+
+    @last.setter
+    def last(self, value: dict | None) -> None:
+        self._last, self._fast = value, None
+
+    def attended_count(self, store):
+        f = self._fast
+        if f is None:
+            return super().attended_count(store)
+        # sinks + recent buffer (host) + the taken chunks' tokens (one device sum), per KV head
+        b, h = f["lens"].shape[:2]
+        return DeviceCount(f["lens"].sum(), 1.0 / (b * h), self.method.sink + f["n"] - f["frontier"])
 
     def attended(self, store):
         """Sinks + the retrieved chunks' tokens + the recent buffer of the last retrieval (None: exact)."""
@@ -366,7 +400,8 @@ class LycheePolicy(LayerPolicy):
         self.tok_g = torch.zeros_like(self.cnt_g).scatter_add_(2, self.parent, self.tok_c)
         self.M = M
         self.built = True
-        self._layout(units=True)
+        self._layout_due = True  # units too
+        self._decode_tables(ch)
 
     def lazy_update(self, store, ch: Chunker) -> None:
         """Each new chunk joins its nearest fine cluster (and that cluster's coarse unit): centroid = new member
@@ -393,7 +428,8 @@ class LycheePolicy(LayerPolicy):
         self.tok_c = self.tok_c.scatter_add(2, c, lens)
         self.tok_g = self.tok_g.scatter_add(2, g, lens)
         self.M = M1
-        self._layout(units=False)
+        self._layout_due = bool(self._layout_due)  # the units' part stays due if it never was built
+        self._decode_tables(ch)
 
     def _layout(self, units: bool) -> None:
         """Members of each node in one flat, grouped order (CSR), so a decode step gathers only the clusters of the
@@ -510,6 +546,9 @@ class LycheePolicy(LayerPolicy):
         and their validity [B, H, T] (a padding slot points at the newest token and is masked out)."""
         m = self.method
         ch = self.chunker(store)
+        if self._layout_due is not None:
+            self._layout(units=self._layout_due)
+            self._layout_due = None
         b, hq, _, d = query.shape
         hkv = store.keys.shape[1]
         dev = query.device
@@ -551,6 +590,135 @@ class LycheePolicy(LayerPolicy):
         self.last = {"sel_g": sel_g, "cid": cid, "cvalid": cvalid, "idx": idx, "valid": valid, "frontier": fr,
                      "candidates": cand_ok.sum(-1)}
         return idx, valid
+
+    # -- decode fast path (``k_c: null``, the default) ------------------------------------------------------
+    def _decode_tables(self, ch: Chunker) -> None:
+        """After the index changed (build, lazy update): every node's scoring row in one table [B, H, P + L + M,
+        D + 2] — units, fine clusters, chunks; row = [centroid or chunk key, radius, 0 or -inf for an empty node]
+        — so that one matmul by [q_s, ||q||_s, 1] gives every node's UB (chunks: their own score q_s.v); each
+        chunk's unit and cluster (indices into that score row), the units' token counts, the chunk lengths."""
+        b, h, P, d = self.mu_g.shape
+        L, M = self.mu_c.shape[2], self.M
+        tab = self.mu_g.new_zeros(b, h, P + L + M, d + 2)
+        tab[:, :, :P, :d] = self.mu_g
+        tab[:, :, P: P + L, :d] = self.mu_c
+        tab[:, :, P + L:, :d] = self.ck[:, :, :M]
+        tab[:, :, :P, d] = self.r_g
+        tab[:, :, P: P + L, d] = self.r_c
+        tab[:, :, :P, d + 1].masked_fill_(self.cnt_g <= 0, NEG)
+        tab[:, :, P: P + L, d + 1].masked_fill_(self.cnt_c <= 0, NEG)
+        a = self.assign[:, :, :M]
+        self._tab = tab
+        self._chunk_unit = self.parent.gather(2, a)
+        self._chunk_cluster = a + P
+        self._tok_col = self.tok_g.unsqueeze(-1).contiguous()  # [B, H, P, 1]
+        self._slen = ch.lens
+        self._flat = None  # the flat row tables follow M and the storage
+
+    def _flat_tables(self, store, ch: Chunker):
+        """Row ids in the flattened storage (``KVStore.gather_flat``), made once per storage shape and index
+        size: ``rows`` [B, H, cap] (row of each slot: the sinks and the recent buffer are slices of it) and
+        ``start`` [B, H, M] (row of each chunk's first token)."""
+        k = store.keys
+        key = (store.storage()[0].shape, self.M, k.device)
+        if self._flat is None or self._flat[0] != key:
+            cap = key[0][2]
+            base = store.row_offsets()
+            rows = base + torch.arange(cap, device=k.device)
+            start = base + ch.starts[: self.M]
+            self._flat = (key, rows, start, int(base.numel() * cap) - 1)
+        return self._flat[1], self._flat[2], self._flat[3]
+
+    def _buffers(self, query: torch.Tensor, hkv: int, c: int, t: int):
+        """The query column [B, H, D + 2, 1] (fp32; its last entry 1, the -inf column's weight) and the additive
+        mask [B, H, 1, >= t] (the query's dtype; only its chunk part [sink, sink + c) is ever written: the sinks
+        and the recent buffer stay 0), reused while their shapes hold."""
+        b, _, _, d = query.shape
+        key = (b, hkv, d, c, query.dtype, query.device)
+        if self._buf is None or self._buf[0] != key or self._buf[2].shape[-1] < t:
+            qa = torch.zeros(b, hkv, d + 2, 1, dtype=torch.float32, device=query.device)
+            qa[:, :, d + 1] = 1.0
+            width = max(t, self.method.sink + c + self.method.buffer + 2 * self.method.max_chunk)
+            bias = torch.zeros(b, hkv, 1, width, dtype=query.dtype, device=query.device)
+            consts = (torch.full((), NEG, dtype=query.dtype, device=query.device),
+                      torch.zeros((), dtype=query.dtype, device=query.device),
+                      torch.arange(self.method.max_chunk, device=query.device))
+            self._buf = (key, qa, bias, consts)
+        return self._buf[1], self._buf[2], self._buf[3]
+
+    def _decode_attend(self, store, query, scaling):
+        """One decode step's retrieval and attention in the fewest kernels, with the chunk set of ``retrieve``
+        (``k_c: null``): one matmul scores every unit, fine cluster and chunk (``_decode_tables``); a unit is kept
+        when the tokens of the units scoring above it stay under ``coarse_factor`` x R (``k_g``: when fewer than
+        k_g units score above it) — the rank-order rule without a sort; every chunk gets its cluster's UB where
+        its unit is kept (-inf elsewhere), and two stable sorts order the chunks by (cluster UB, own score), which
+        is ``_fill``'s order (whole clusters in rank order, each one's chunks by q_s.v); the prefix whose tokens
+        fit R is read. The chunks' token rows are written straight into the flattened storage's row ids, the
+        sinks and the recent buffer are slices of a row table, and one SDPA attends over the gathered rows with
+        an additive mask for the chunk slots past each chunk's end. Exact ties between two units' scores keep both
+        or neither (``retrieve`` keeps the lower-numbered first); otherwise the same tokens as ``retrieve``."""
+        m, cache, dev = self.method, store.cache, query.device
+        ch = self.chunker(store)
+        b, hq, _, d = query.shape
+        hkv = store.keys.shape[1]
+        n, fr, S, mc = store.n, ch.frontier, m.sink, m.max_chunk
+        R = m.token_budget - S - (n - fr)
+        P, L, M = self.mu_g.shape[2], self.mu_c.shape[2], self.M
+        cmax = max(1, min(M, (m.token_budget - S - m.buffer) // m.min_chunk))
+        C = cmax * mc
+        T = S + C + (n - fr)
+        rows, start, last_row = self._flat_tables(store, ch)
+        qa, bias, (neg, zero, within) = self._buffers(query, hkv, C, T)
+        t0 = cache.mark(dev)
+        qg = query.view(b, hkv, hq // hkv, d)
+        torch.sum(qg, dim=2, dtype=torch.float32, out=qa[:, :, :d, 0])
+        if m.ranking == "ub":
+            torch.sum(torch.linalg.vector_norm(qg, dim=-1, dtype=torch.float32), dim=2, out=qa[:, :, d, 0])
+        sc = torch.matmul(self._tab, qa).squeeze(-1)  # [B, H, P + L + M]
+        su = sc[:, :, :P]
+        above = su.unsqueeze(-2) > su.unsqueeze(-1)  # [B, H, u, v]: unit v scores above unit u
+        if m.k_g is None:
+            sel = torch.matmul(above.to(torch.float32), self._tok_col).squeeze(-1) < m.coarse_factor * R
+        else:
+            sel = above.sum(-1) < m.k_g
+        prim = torch.where(sel.gather(2, self._chunk_unit), sc.gather(2, self._chunk_cluster), neg)
+        o1 = torch.sort(sc[:, :, P + L:], dim=-1, descending=True, stable=True).indices
+        top, o2 = torch.sort(prim.gather(2, o1), dim=-1, descending=True, stable=True)
+        order = o1.gather(2, o2[:, :, :cmax])  # the chunks in reading order (at most cmax fit R)
+        lens = self._slen[order]
+        take = lens.cumsum(-1) <= R
+        if m.k_g is not None:  # kept units may hold fewer than R tokens: never read past them
+            take &= top[:, :, :cmax] > NEG
+        lens = lens * take
+        tok = start.gather(2, order).unsqueeze(-1) + within  # [B, H, cmax, max_chunk] storage rows
+        if m.buffer < mc - m.min_chunk:  # a chunk's padding could run past the storage's last row: masked anyway
+            tok.clamp_max_(last_row)
+        torch.where(within >= lens.unsqueeze(-1), neg, zero, out=bias[:, :, 0, S: S + C].view(b, hkv, cmax, mc))
+        idx = torch.cat([rows[:, :, :S], tok.view(b, hkv, C), rows[:, :, fr:n]], dim=2)
+        t1 = cache.mark(dev)
+        gk, gv = store.gather_flat(idx.view(-1), T)
+        out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), gk, gv, attn_mask=bias[..., :T],
+                                             scale=scaling)
+        cache.add_span("retrieval", t0, t1)
+        cache.add_span("attention", t1, cache.mark(dev))
+        self._last = None
+        self._fast = {"order": order, "lens": lens, "sel": sel, "n": n, "frontier": fr, "S": S, "starts": ch.starts}
+        return out.reshape(b, hq, 1, gv.shape[-1])
+
+    def _materialise(self, f: dict) -> dict:
+        """``last`` of a fast-path step, in ``retrieve``'s form."""
+        m, order, lens, n, fr, S = self.method, f["order"], f["lens"], f["n"], f["frontier"], f["S"]
+        b, h, cmax = order.shape
+        dev = order.device
+        within = torch.arange(m.max_chunk, device=dev)
+        tvalid = within < lens.unsqueeze(-1)
+        tok = torch.where(tvalid, f["starts"][order].unsqueeze(-1) + within,
+                          torch.full_like(tvalid, n - 1, dtype=torch.long)).flatten(2)
+        idx = torch.cat([torch.arange(S, device=dev).view(1, 1, -1).expand(b, h, -1), tok,
+                         torch.arange(fr, n, device=dev).view(1, 1, -1).expand(b, h, -1)], dim=2)
+        valid = torch.cat([torch.ones(b, h, S, dtype=torch.bool, device=dev), tvalid.flatten(2),
+                           torch.ones(b, h, n - fr, dtype=torch.bool, device=dev)], dim=2)
+        return {"sel_g": f["sel"], "cid": order, "cvalid": lens > 0, "idx": idx, "valid": valid, "frontier": fr}
 
     def sparse_attention(self, store, query, scaling, idx, valid):
         """Exact attention (fp32 softmax) of one query over the held tokens ``idx`` where ``valid``."""
