@@ -593,20 +593,22 @@ class LycheePolicy(LayerPolicy):
 
     # -- decode fast path (``k_c: null``, the default) ------------------------------------------------------
     def _decode_tables(self, ch: Chunker) -> None:
-        """After the index changed (build, lazy update): every node's scoring row in one table [B, H, P + L + M,
-        D + 2] — units, fine clusters, chunks; row = [centroid or chunk key, radius, 0 or -inf for an empty node]
-        — so that one matmul by [q_s, ||q||_s, 1] gives every node's UB (chunks: their own score q_s.v); each
-        chunk's unit and cluster (indices into that score row), the units' token counts, the chunk lengths."""
+        """After the index changed (build, lazy update): every node's scoring column in one table [B, H, D + 2,
+        P + L + M] — units, fine clusters, chunks; column = [centroid or chunk key, radius, 0 or -inf for an empty
+        node] — so that one product [q_s, ||q||_s, 1] @ table gives every node's UB (chunks: their own score q_s.v;
+        a row vector times the table: a matrix-vector product on the CPU is several times slower the other way
+        round); each chunk's unit and cluster (indices into that score row), the units' token counts, the chunk
+        lengths."""
         b, h, P, d = self.mu_g.shape
         L, M = self.mu_c.shape[2], self.M
-        tab = self.mu_g.new_zeros(b, h, P + L + M, d + 2)
-        tab[:, :, :P, :d] = self.mu_g
-        tab[:, :, P: P + L, :d] = self.mu_c
-        tab[:, :, P + L:, :d] = self.ck[:, :, :M]
-        tab[:, :, :P, d] = self.r_g
-        tab[:, :, P: P + L, d] = self.r_c
-        tab[:, :, :P, d + 1].masked_fill_(self.cnt_g <= 0, NEG)
-        tab[:, :, P: P + L, d + 1].masked_fill_(self.cnt_c <= 0, NEG)
+        tab = self.mu_g.new_zeros(b, h, d + 2, P + L + M)
+        tab[:, :, :d, :P] = self.mu_g.transpose(-1, -2)
+        tab[:, :, :d, P: P + L] = self.mu_c.transpose(-1, -2)
+        tab[:, :, :d, P + L:] = self.ck[:, :, :M].transpose(-1, -2)
+        tab[:, :, d, :P] = self.r_g
+        tab[:, :, d, P: P + L] = self.r_c
+        tab[:, :, d + 1, :P].masked_fill_(self.cnt_g <= 0, NEG)
+        tab[:, :, d + 1, P: P + L].masked_fill_(self.cnt_c <= 0, NEG)
         a = self.assign[:, :, :M]
         self._tab = tab
         self._chunk_unit = self.parent.gather(2, a)
@@ -629,22 +631,24 @@ class LycheePolicy(LayerPolicy):
             self._flat = (key, rows, start, int(base.numel() * cap) - 1)
         return self._flat[1], self._flat[2], self._flat[3]
 
-    def _buffers(self, query: torch.Tensor, hkv: int, c: int, t: int):
-        """The query column [B, H, D + 2, 1] (fp32; its last entry 1, the -inf column's weight) and the additive
-        mask [B, H, 1, >= t] (the query's dtype; only its chunk part [sink, sink + c) is ever written: the sinks
-        and the recent buffer stay 0), reused while their shapes hold."""
+    def _buffers(self, query: torch.Tensor, hkv: int, p: int, c: int, t: int):
+        """The query row [B, H, 1, D + 2] (fp32; its last entry 1, the -inf column's weight), the units'
+        comparison matrix [B, H, P, P] (fp32, written by the comparison itself) and the additive mask
+        [B, H, 1, >= t] (the query's dtype; only its chunk part [sink, sink + c) is ever written: the sinks and the
+        recent buffer stay 0), reused while their shapes hold."""
         b, _, _, d = query.shape
-        key = (b, hkv, d, c, query.dtype, query.device)
-        if self._buf is None or self._buf[0] != key or self._buf[2].shape[-1] < t:
-            qa = torch.zeros(b, hkv, d + 2, 1, dtype=torch.float32, device=query.device)
-            qa[:, :, d + 1] = 1.0
+        key = (b, hkv, d, p, c, query.dtype, query.device)
+        if self._buf is None or self._buf[0] != key or self._buf[3].shape[-1] < t:
+            qa = torch.zeros(b, hkv, 1, d + 2, dtype=torch.float32, device=query.device)
+            qa[..., d + 1] = 1.0
+            above = torch.zeros(b, hkv, p, p, dtype=torch.float32, device=query.device)
             width = max(t, self.method.sink + c + self.method.buffer + 2 * self.method.max_chunk)
             bias = torch.zeros(b, hkv, 1, width, dtype=query.dtype, device=query.device)
             consts = (torch.full((), NEG, dtype=query.dtype, device=query.device),
                       torch.zeros((), dtype=query.dtype, device=query.device),
                       torch.arange(self.method.max_chunk, device=query.device))
-            self._buf = (key, qa, bias, consts)
-        return self._buf[1], self._buf[2], self._buf[3]
+            self._buf = (key, qa, above, bias, consts)
+        return self._buf[1:]
 
     def _decode_attend(self, store, query, scaling):
         """One decode step's retrieval and attention in the fewest kernels, with the chunk set of ``retrieve``
@@ -665,20 +669,20 @@ class LycheePolicy(LayerPolicy):
         R = m.token_budget - S - (n - fr)
         P, L, M = self.mu_g.shape[2], self.mu_c.shape[2], self.M
         cmax = max(1, min(M, (m.token_budget - S - m.buffer) // m.min_chunk))
-        C = cmax * mc
+        C = min(cmax * mc, m.token_budget - S - m.buffer)  # the chunks' token slots, compacted (<= R tokens)
         T = S + C + (n - fr)
         rows, start, last_row = self._flat_tables(store, ch)
-        qa, bias, (neg, zero, within) = self._buffers(query, hkv, C, T)
+        qa, above, bias, (neg, zero, within) = self._buffers(query, hkv, P, C, T)
         t0 = cache.mark(dev)
         qg = query.view(b, hkv, hq // hkv, d)
-        torch.sum(qg, dim=2, dtype=torch.float32, out=qa[:, :, :d, 0])
+        torch.sum(qg, dim=2, dtype=torch.float32, out=qa[:, :, 0, :d])
         if m.ranking == "ub":
-            torch.sum(torch.linalg.vector_norm(qg, dim=-1, dtype=torch.float32), dim=2, out=qa[:, :, d, 0])
-        sc = torch.matmul(self._tab, qa).squeeze(-1)  # [B, H, P + L + M]
+            torch.sum(torch.linalg.vector_norm(qg, dim=-1, dtype=torch.float32), dim=2, out=qa[:, :, 0, d])
+        sc = torch.matmul(qa, self._tab).squeeze(-2)  # [B, H, P + L + M]
         su = sc[:, :, :P]
-        above = su.unsqueeze(-2) > su.unsqueeze(-1)  # [B, H, u, v]: unit v scores above unit u
+        torch.gt(su.unsqueeze(-2), su.unsqueeze(-1), out=above)  # [B, H, u, v]: unit v scores above unit u
         if m.k_g is None:
-            sel = torch.matmul(above.to(torch.float32), self._tok_col).squeeze(-1) < m.coarse_factor * R
+            sel = torch.matmul(above, self._tok_col).squeeze(-1) < m.coarse_factor * R
         else:
             sel = above.sum(-1) < m.k_g
         prim = torch.where(sel.gather(2, self._chunk_unit), sc.gather(2, self._chunk_cluster), neg)
@@ -693,8 +697,10 @@ class LycheePolicy(LayerPolicy):
         tok = start.gather(2, order).unsqueeze(-1) + within  # [B, H, cmax, max_chunk] storage rows
         if m.buffer < mc - m.min_chunk:  # a chunk's padding could run past the storage's last row: masked anyway
             tok.clamp_max_(last_row)
-        torch.where(within >= lens.unsqueeze(-1), neg, zero, out=bias[:, :, 0, S: S + C].view(b, hkv, cmax, mc))
-        idx = torch.cat([rows[:, :, :S], tok.view(b, hkv, C), rows[:, :, fr:n]], dim=2)
+        # the read tokens first, in order (a stable sort of the padding flags), the first C slots kept
+        pad, first = torch.sort((within >= lens.unsqueeze(-1)).view(b, hkv, -1), dim=-1, stable=True)
+        torch.where(pad[:, :, :C], neg, zero, out=bias[:, :, 0, S: S + C])
+        idx = torch.cat([rows[:, :, :S], tok.view(b, hkv, -1).gather(2, first[:, :, :C]), rows[:, :, fr:n]], dim=2)
         t1 = cache.mark(dev)
         gk, gv = store.gather_flat(idx.view(-1), T)
         out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), gk, gv, attn_mask=bias[..., :T],
