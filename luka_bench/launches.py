@@ -28,7 +28,10 @@ stock is the method's alone). Stock is plain transformers: the same model with `
 ``DynamicCache``, no luka_bench code. ``python -m luka_bench.launches`` prints, per method, the median over 24
 steady-state steps without an event and, for steps with events (entropy_ols flushes, lychee index updates, LuKA
 clustered's segmentation/compression), their extra launches per event (an event: one layer taking that step).
-``tests/test_launches.py`` holds the budgets."""
+``tests/test_launches.py`` holds the budgets.
+
+The count is of the portable path, the one CUDA runs: the decode steps are counted with the CPU-only fused
+kernels off (``LUKA_BENCH_NO_KERNEL=1``; on the CPU, lychee's chunk choice is one C++ op, ``cpu_kernel``)."""
 from __future__ import annotations
 
 import contextlib
@@ -178,6 +181,24 @@ def stock_launch_counts(model, prompt_len: int, steps: int, seed: int = 0) -> li
     return out
 
 
+@contextlib.contextmanager
+def portable_path():
+    """The block runs with the CPU-only fused kernels off (``LUKA_BENCH_NO_KERNEL=1``): the ops CUDA would run."""
+    import os
+
+    from luka_bench.methods import cpu_kernel
+
+    saved = os.environ.get(cpu_kernel.DISABLE_ENV)
+    os.environ[cpu_kernel.DISABLE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(cpu_kernel.DISABLE_ENV, None)
+        else:
+            os.environ[cpu_kernel.DISABLE_ENV] = saved
+
+
 @torch.no_grad()
 def decode_launch_counts(model, method, prompt_len: int, steps: int, seed: int = 0, tokenizer=None,
                          trace: bool = False, method_only: bool = False):
@@ -198,7 +219,7 @@ def decode_launch_counts(model, method, prompt_len: int, steps: int, seed: int =
         before = event_count(cache)
         for i in range(steps):
             cache.add_tokens(host_ids[prompt_len + i: prompt_len + i + 1])
-            with LaunchCounter(trace=trace, method_only=method_only) as c:
+            with portable_path(), LaunchCounter(trace=trace, method_only=method_only) as c:
                 model(input_ids=ids[:, prompt_len + i: prompt_len + i + 1], past_key_values=cache, use_cache=True,
                       logits_to_keep=1)
             now = event_count(cache)

@@ -475,3 +475,33 @@ def test_decode_fast_path_reads_what_the_general_path_reads(opts):
         assert torch.equal(fast_mask, pol.attended(store)), (opts, step)
         assert torch.allclose(fast, slow, atol=1e-5), (opts, step)
         assert abs(float(count.total) * count.scale + count.offset - float(fast_mask.sum()) / hkv) < 1e-9
+
+
+@pytest.mark.parametrize("opts", [{}, {"ranking": "qmu"}, {"k_g": 2}, {"pooling": "max", "coarse_factor": 1.0},
+                                  {"buffer": 4, "min_chunk": 4, "max_chunk": 12}])
+def test_cpu_kernel_choice_equals_the_torch_ops(opts, monkeypatch):
+    """On the CPU the chunk choice of a decode step is one C++ call (``cpu_kernel.lychee_select``); with
+    ``LUKA_BENCH_NO_KERNEL=1`` the same rule runs as torch ops (the path CUDA runs): the same chunks, lengths,
+    kept units and attention output at every step, through lazy updates."""
+    from luka_bench.methods import cpu_kernel
+    if cpu_kernel.attention_mass_op() is None:
+        pytest.skip("the fused CPU kernel could not be built here")
+    m = Lychee(token_budget=160, sink=4, chunking="fixed", **{"buffer": 16, **opts})
+    cache, store, pol, gen = synthetic_policy(m, 500, seed=9)
+    hq, d = pol.info.num_heads, pol.info.head_dim
+    hkv = store.keys.shape[1]
+    for step in range(30):
+        store.update(torch.randn(1, hkv, 4, d, generator=gen), torch.randn(1, hkv, 4, d, generator=gen))
+        pol._sync_index(store)
+        q = torch.randn(1, hq, 1, d, generator=gen)
+        monkeypatch.delenv(cpu_kernel.DISABLE_ENV, raising=False)
+        out_k = pol.attend(store, q, d ** -0.5)
+        fk = dict(pol._fast)
+        monkeypatch.setenv(cpu_kernel.DISABLE_ENV, "1")
+        out_t = pol.attend(store, q, d ** -0.5)
+        ft = pol._fast
+        for key in ("lens", "sel"):
+            assert torch.equal(fk[key], ft[key]), (opts, step, key)
+        read = ft["lens"] > 0  # the torch ops leave the next chunks after the ones read, the kernel zeros
+        assert torch.equal(fk["order"], torch.where(read, ft["order"], 0)) and bool(read.any()), (opts, step)
+        assert torch.allclose(out_k, out_t, atol=1e-6), (opts, step)

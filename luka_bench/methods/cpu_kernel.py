@@ -75,6 +75,14 @@ def attention_mass_op():
     return op
 
 
+def lychee_select_op():
+    """``torch.ops.luka_bench.lychee_select`` (built with ``attention_mass``, the same source), or None when the
+    kernel is disabled or could not be built: ``lychee`` then runs its selection as torch ops."""
+    if disabled() or attention_mass_op() is None:
+        return None
+    return torch.ops.luka_bench.lychee_select
+
+
 if __name__ == "__main__":
     if disabled():
         print(f"fused CPU attention kernel: disabled by {DISABLE_ENV}")

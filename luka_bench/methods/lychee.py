@@ -60,6 +60,7 @@ import torch.nn.functional as F
 
 from luka_bench.device import host_to_device
 from luka_bench.host_sync import host_side
+from luka_bench.methods import cpu_kernel
 from luka_bench.methods.base import (DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, exact_attention,
                                      group_sum)
 
@@ -672,35 +673,21 @@ class LycheePolicy(LayerPolicy):
         C = min(cmax * mc, m.token_budget - S - m.buffer)  # the chunks' token slots, compacted (<= R tokens)
         T = S + C + (n - fr)
         rows, start, last_row = self._flat_tables(store, ch)
-        qa, above, bias, (neg, zero, within) = self._buffers(query, hkv, P, C, T)
+        qa, _, bias, (neg, zero, within) = self._buffers(query, hkv, P, C, T)
         t0 = cache.mark(dev)
         qg = query.view(b, hkv, hq // hkv, d)
         torch.sum(qg, dim=2, dtype=torch.float32, out=qa[:, :, 0, :d])
         if m.ranking == "ub":
             torch.sum(torch.linalg.vector_norm(qg, dim=-1, dtype=torch.float32), dim=2, out=qa[:, :, 0, d])
         sc = torch.matmul(qa, self._tab).squeeze(-2)  # [B, H, P + L + M]
-        su = sc[:, :, :P]
-        torch.gt(su.unsqueeze(-2), su.unsqueeze(-1), out=above)  # [B, H, u, v]: unit v scores above unit u
-        if m.k_g is None:
-            sel = torch.matmul(above, self._tok_col).squeeze(-1) < m.coarse_factor * R
+        op = cpu_kernel.lychee_select_op() if sc.device.type == "cpu" else None
+        if op is not None:  # the same choice in one C++ call (ties between units: the lower index first)
+            chosen, pad, order, lens, sel = op(sc, self._chunk_unit, self._chunk_cluster, self.tok_g, self._slen,
+                                               start, P, L, float(m.coarse_factor * R), m.k_g or 0, R, cmax, C)
         else:
-            sel = above.sum(-1) < m.k_g
-        prim = torch.where(sel.gather(2, self._chunk_unit), sc.gather(2, self._chunk_cluster), neg)
-        o1 = torch.sort(sc[:, :, P + L:], dim=-1, descending=True, stable=True).indices
-        top, o2 = torch.sort(prim.gather(2, o1), dim=-1, descending=True, stable=True)
-        order = o1.gather(2, o2[:, :, :cmax])  # the chunks in reading order (at most cmax fit R)
-        lens = self._slen[order]
-        take = lens.cumsum(-1) <= R
-        if m.k_g is not None:  # kept units may hold fewer than R tokens: never read past them
-            take &= top[:, :, :cmax] > NEG
-        lens = lens * take
-        tok = start.gather(2, order).unsqueeze(-1) + within  # [B, H, cmax, max_chunk] storage rows
-        if m.buffer < mc - m.min_chunk:  # a chunk's padding could run past the storage's last row: masked anyway
-            tok.clamp_max_(last_row)
-        # the read tokens first, in order (a stable sort of the padding flags), the first C slots kept
-        pad, first = torch.sort((within >= lens.unsqueeze(-1)).view(b, hkv, -1), dim=-1, stable=True)
-        torch.where(pad[:, :, :C], neg, zero, out=bias[:, :, 0, S: S + C])
-        idx = torch.cat([rows[:, :, :S], tok.view(b, hkv, -1).gather(2, first[:, :, :C]), rows[:, :, fr:n]], dim=2)
+            order, lens, sel, pad, chosen = self._choose(sc, start, last_row, within, P, L, R, cmax, C)
+        torch.where(pad, neg, zero, out=bias[:, :, 0, S: S + C])
+        idx = torch.cat([rows[:, :, :S], chosen, rows[:, :, fr:n]], dim=2)
         t1 = cache.mark(dev)
         gk, gv = store.gather_flat(idx.view(-1), T)
         out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), gk, gv, attn_mask=bias[..., :T],
@@ -710,6 +697,35 @@ class LycheePolicy(LayerPolicy):
         self._last = None
         self._fast = {"order": order, "lens": lens, "sel": sel, "n": n, "frontier": fr, "S": S, "starts": ch.starts}
         return out.reshape(b, hq, 1, gv.shape[-1])
+
+    def _choose(self, sc, start, last_row, within, P: int, L: int, R: int, cmax: int, C: int):
+        """``_decode_attend``'s choice as torch ops (what CUDA runs; ``cpu_kernel``'s ``lychee_select`` on the
+        CPU): (chunks read in order [B, H, cmax], their lengths (0 after), units kept [B, H, P], padding flags of
+        the token slots [B, H, C], the slots' storage rows [B, H, C])."""
+        m = self.method
+        b, hkv = sc.shape[:2]
+        above = self._buf[2]
+        su = sc[:, :, :P]
+        torch.gt(su.unsqueeze(-2), su.unsqueeze(-1), out=above)  # [B, H, u, v]: unit v scores above unit u
+        if m.k_g is None:
+            sel = torch.matmul(above, self._tok_col).squeeze(-1) < m.coarse_factor * R
+        else:
+            sel = above.sum(-1) < m.k_g
+        prim = torch.where(sel.gather(2, self._chunk_unit), sc.gather(2, self._chunk_cluster), self._buf[4][0])
+        o1 = torch.sort(sc[:, :, P + L:], dim=-1, descending=True, stable=True).indices
+        top, o2 = torch.sort(prim.gather(2, o1), dim=-1, descending=True, stable=True)
+        order = o1.gather(2, o2[:, :, :cmax])  # the chunks in reading order (at most cmax fit R)
+        lens = self._slen[order]
+        take = lens.cumsum(-1) <= R
+        if m.k_g is not None:  # kept units may hold fewer than R tokens: never read past them
+            take &= top[:, :, :cmax] > NEG
+        lens = lens * take
+        tok = start.gather(2, order).unsqueeze(-1) + within  # [B, H, cmax, max_chunk] storage rows
+        if m.buffer < m.max_chunk - m.min_chunk:  # a chunk's padding could run past the storage's last row
+            tok.clamp_max_(last_row)
+        # the read tokens first, in order (a stable sort of the padding flags), the first C slots kept
+        pad, first = torch.sort((within >= lens.unsqueeze(-1)).view(b, hkv, -1), dim=-1, stable=True)
+        return order, lens, sel, pad[:, :, :C], tok.view(b, hkv, -1).gather(2, first[:, :, :C])
 
     def _materialise(self, f: dict) -> dict:
         """``last`` of a fast-path step, in ``retrieve``'s form."""

@@ -4,6 +4,12 @@
 //
 // Loaded by luka_bench/methods/cpu_kernel.py (torch.utils.cpp_extension, compiled on first use); the pure-torch
 // loop in base._blocked_attention computes the same quantities and is the reference the tests compare with.
+//
+// Also lychee_select: LycheeCluster's coarse-to-fine choice for one decode query on the CPU (units kept in rank
+// order, the kept units' chunks ordered by their cluster's UB and their own score, the prefix that fits the
+// budget, its tokens as rows of the flattened storage) in one call, where the same rule as torch ops
+// (lychee.LycheePolicy._decode_attend, the path CUDA runs and the tests' reference) costs ~20 small ops whose
+// dispatch dominates a step here.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -165,11 +171,98 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_mass(const at::Tensor& 
   return {out, mass.sum(0), ent};
 }
 
+// sc [B, H, P + L + M] fp32: every unit's, fine cluster's (UB) and chunk's (own) score; chunk_unit [B, H, M]
+// (unit of each chunk), chunk_cluster [B, H, M] (its cluster's index into sc), tok_g [B, H, P] (tokens per
+// unit), slen [M] (chunk lengths), start_rows [B, H, M] (row of each chunk's first token in the flattened
+// storage). Units: by score, descending (ties: lower index first), the live ones (score > -inf) kept while the
+// tokens kept so far are under unit_limit (k_g > 0: the first k_g). Chunks of kept units: by (cluster UB desc,
+// cluster index, own score desc, chunk index); read while their tokens fit R. Returns idx [B, H, C] (their
+// tokens' rows, then padding = the first chunk's first row), pad [B, H, C] (bool), order [B, H, cmax] (chunks
+// read, in order; 0 after), lens [B, H, cmax] (their lengths; 0 after), sel [B, H, P] (units kept).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lychee_select(
+    const at::Tensor& sc_in, const at::Tensor& unit_in, const at::Tensor& cluster_in, const at::Tensor& tok_in,
+    const at::Tensor& slen_in, const at::Tensor& start_in, int64_t P, int64_t L, double unit_limit, int64_t k_g,
+    int64_t R, int64_t cmax, int64_t C) {
+  TORCH_CHECK(sc_in.scalar_type() == at::kFloat && tok_in.scalar_type() == at::kFloat, "lychee_select: fp32 scores");
+  const at::Tensor sc = sc_in.contiguous(), unit = unit_in.contiguous(), cluster = cluster_in.contiguous();
+  const at::Tensor tok = tok_in.contiguous(), slen = slen_in.contiguous(), start = start_in.contiguous();
+  const int64_t B = sc.size(0), H = sc.size(1), N = sc.size(2), M = unit.size(2);
+  TORCH_CHECK(N == P + L + M, "lychee_select: scores for P + L + M nodes");
+  auto lopt = sc.options().dtype(at::kLong);
+  at::Tensor idx = at::empty({B, H, C}, lopt), order = at::zeros({B, H, cmax}, lopt);
+  at::Tensor lens = at::zeros({B, H, cmax}, lopt);
+  at::Tensor pad = at::empty({B, H, C}, sc.options().dtype(at::kBool));
+  at::Tensor sel = at::zeros({B, H, P}, sc.options().dtype(at::kBool));
+  const float* S = sc.data_ptr<float>();
+  const int64_t *U = unit.data_ptr<int64_t>(), *Cl = cluster.data_ptr<int64_t>(), *Ln = slen.data_ptr<int64_t>();
+  const int64_t* St = start.data_ptr<int64_t>();
+  const float* Tk = tok.data_ptr<float>();
+  int64_t *I = idx.data_ptr<int64_t>(), *O = order.data_ptr<int64_t>(), *Le = lens.data_ptr<int64_t>();
+  bool *Pd = pad.data_ptr<bool>(), *Se = sel.data_ptr<bool>();
+  const float ninf = -std::numeric_limits<float>::infinity();
+  std::vector<int64_t> units(P), cand;
+  cand.reserve(M);
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const float* s = S + bh * N;
+    const int64_t *u = U + bh * M, *cl = Cl + bh * M, *st = St + bh * M;
+    bool* se = Se + bh * P;
+    for (int64_t i = 0; i < P; ++i) units[i] = i;
+    std::stable_sort(units.begin(), units.end(), [&](int64_t a, int64_t b) { return s[a] > s[b]; });
+    double held = 0.0;
+    int64_t kept = 0;
+    for (int64_t r = 0; r < P; ++r) {
+      const int64_t g = units[r];
+      if (!(s[g] > ninf)) break;  // the dead units sort last
+      if (k_g > 0) {
+        if (kept >= k_g) break;
+      } else if (!(held < unit_limit)) {
+        break;
+      }
+      se[g] = true;
+      held += Tk[bh * P + g];
+      ++kept;
+    }
+    cand.clear();
+    for (int64_t j = 0; j < M; ++j)
+      if (se[u[j]]) cand.push_back(j);
+    const float* own = s + P + L;
+    std::sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) {
+      const float pa = s[cl[a]], pb = s[cl[b]];
+      if (pa != pb) return pa > pb;
+      if (cl[a] != cl[b]) return cl[a] < cl[b];
+      if (own[a] != own[b]) return own[a] > own[b];
+      return a < b;
+    });
+    int64_t used = 0, pos = 0, k = 0;
+    int64_t* out = I + bh * C;
+    for (int64_t j : cand) {
+      const int64_t len = Ln[j];
+      if (used + len > R || k >= cmax || pos + len > C) break;
+      for (int64_t w = 0; w < len; ++w) out[pos + w] = st[j] + w;
+      O[bh * cmax + k] = j;
+      Le[bh * cmax + k] = len;
+      used += len;
+      pos += len;
+      ++k;
+    }
+    const int64_t fill = M ? st[0] : 0;
+    for (int64_t p = 0; p < C; ++p) Pd[bh * C + p] = p >= pos;
+    for (int64_t p = pos; p < C; ++p) out[p] = fill;
+  }
+  return {idx, pad, order, lens, sel};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(luka_bench, lib) {
   lib.def("attention_mass(Tensor qs, Tensor k, Tensor v, int past, int block, bool entropy)"
           " -> (Tensor, Tensor, Tensor)");
+  lib.def("lychee_select(Tensor sc, Tensor chunk_unit, Tensor chunk_cluster, Tensor tok_g, Tensor slen,"
+          " Tensor start_rows, int P, int L, float unit_limit, int k_g, int R, int cmax, int C)"
+          " -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(luka_bench, CPU, lib) { lib.impl("attention_mass", &attention_mass); }
+TORCH_LIBRARY_IMPL(luka_bench, CPU, lib) {
+  lib.impl("attention_mass", &attention_mass);
+  lib.impl("lychee_select", &lychee_select);
+}
