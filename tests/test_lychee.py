@@ -480,7 +480,7 @@ def test_decode_fast_path_reads_what_the_general_path_reads(opts):
 @pytest.mark.parametrize("opts", [{}, {"ranking": "qmu"}, {"k_g": 2}, {"pooling": "max", "coarse_factor": 1.0},
                                   {"buffer": 4, "min_chunk": 4, "max_chunk": 12}])
 def test_cpu_kernel_choice_equals_the_torch_ops(opts, monkeypatch):
-    """On the CPU the chunk choice of a decode step is one C++ call (``cpu_kernel.lychee_select``); with
+    """On the CPU a decode step's scoring and chunk choice is one C++ call (``cpu_kernel.lychee_decode``); with
     ``LUKA_BENCH_NO_KERNEL=1`` the same rule runs as torch ops (the path CUDA runs): the same chunks, lengths,
     kept units and attention output at every step, through lazy updates."""
     from luka_bench.methods import cpu_kernel

@@ -75,12 +75,12 @@ def attention_mass_op():
     return op
 
 
-def lychee_select_op():
-    """``torch.ops.luka_bench.lychee_select`` (built with ``attention_mass``, the same source), or None when the
-    kernel is disabled or could not be built: ``lychee`` then runs its selection as torch ops."""
+def lychee_decode_op():
+    """``torch.ops.luka_bench.lychee_decode`` (built with ``attention_mass``, the same source), or None when the
+    kernel is disabled or could not be built: ``lychee`` then runs its choice as torch ops."""
     if disabled() or attention_mass_op() is None:
         return None
-    return torch.ops.luka_bench.lychee_select
+    return torch.ops.luka_bench.lychee_decode
 
 
 if __name__ == "__main__":

@@ -257,6 +257,7 @@ class LycheePolicy(LayerPolicy):
         # the decode fast path's tables (``_decode_tables``, redone when the index changes) and buffers
         self._tab = self._chunk_unit = self._chunk_cluster = self._tok_col = self._slen = None
         self._flat = self._buf = None
+        self._no_bias = torch.empty(0)
         self._fast: dict | None = None  # what the fast path's last step chose (``last`` materialises it)
 
     # -- shared chunker ------------------------------------------------------------------------------------
@@ -676,18 +677,23 @@ class LycheePolicy(LayerPolicy):
         qa, _, bias, (neg, zero, within) = self._buffers(query, hkv, P, C, T)
         t0 = cache.mark(dev)
         qg = query.view(b, hkv, hq // hkv, d)
-        torch.sum(qg, dim=2, dtype=torch.float32, out=qa[:, :, 0, :d])
-        if m.ranking == "ub":
-            torch.sum(torch.linalg.vector_norm(qg, dim=-1, dtype=torch.float32), dim=2, out=qa[:, :, 0, d])
-        sc = torch.matmul(qa, self._tab).squeeze(-2)  # [B, H, P + L + M]
-        op = cpu_kernel.lychee_select_op() if sc.device.type == "cpu" else None
+        op = cpu_kernel.lychee_decode_op() if dev.type == "cpu" else None
         if op is not None:  # the same choice in one C++ call (ties between units: the lower index first)
-            chosen, pad, order, lens, sel = op(sc, self._chunk_unit, self._chunk_cluster, self.tok_g, self._slen,
-                                               start, P, L, float(m.coarse_factor * R), m.k_g or 0, R, cmax, C)
+            fp32 = bias.dtype == torch.float32
+            idx, pad, order, lens, sel = op(
+                qg.float(), self._tab, self._chunk_unit, self._chunk_cluster, self.tok_g, self._slen, start, rows,
+                bias if fp32 else self._no_bias, P, L, m.ranking == "ub", float(m.coarse_factor * R), m.k_g or 0,
+                R, cmax, C, S, fr, n)
+            if not fp32:
+                torch.where(pad, neg, zero, out=bias[:, :, 0, S: S + C])
         else:
+            torch.sum(qg, dim=2, dtype=torch.float32, out=qa[:, :, 0, :d])
+            if m.ranking == "ub":
+                torch.sum(torch.linalg.vector_norm(qg, dim=-1, dtype=torch.float32), dim=2, out=qa[:, :, 0, d])
+            sc = torch.matmul(qa, self._tab).squeeze(-2)  # [B, H, P + L + M]
             order, lens, sel, pad, chosen = self._choose(sc, start, last_row, within, P, L, R, cmax, C)
-        torch.where(pad, neg, zero, out=bias[:, :, 0, S: S + C])
-        idx = torch.cat([rows[:, :, :S], chosen, rows[:, :, fr:n]], dim=2)
+            torch.where(pad, neg, zero, out=bias[:, :, 0, S: S + C])
+            idx = torch.cat([rows[:, :, :S], chosen, rows[:, :, fr:n]], dim=2)
         t1 = cache.mark(dev)
         gk, gv = store.gather_flat(idx.view(-1), T)
         out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), gk, gv, attn_mask=bias[..., :T],
@@ -699,7 +705,7 @@ class LycheePolicy(LayerPolicy):
         return out.reshape(b, hq, 1, gv.shape[-1])
 
     def _choose(self, sc, start, last_row, within, P: int, L: int, R: int, cmax: int, C: int):
-        """``_decode_attend``'s choice as torch ops (what CUDA runs; ``cpu_kernel``'s ``lychee_select`` on the
+        """``_decode_attend``'s choice as torch ops (what CUDA runs; ``cpu_kernel``'s ``lychee_decode`` on the
         CPU): (chunks read in order [B, H, cmax], their lengths (0 after), units kept [B, H, P], padding flags of
         the token slots [B, H, C], the slots' storage rows [B, H, C])."""
         m = self.method

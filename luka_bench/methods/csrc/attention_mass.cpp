@@ -5,9 +5,9 @@
 // Loaded by luka_bench/methods/cpu_kernel.py (torch.utils.cpp_extension, compiled on first use); the pure-torch
 // loop in base._blocked_attention computes the same quantities and is the reference the tests compare with.
 //
-// Also lychee_select: LycheeCluster's coarse-to-fine choice for one decode query on the CPU (units kept in rank
-// order, the kept units' chunks ordered by their cluster's UB and their own score, the prefix that fits the
-// budget, its tokens as rows of the flattened storage) in one call, where the same rule as torch ops
+// Also lychee_decode: LycheeCluster's coarse-to-fine choice for one decode query on the CPU (its scores, units
+// kept in rank order, the kept units' chunks ordered by their cluster's UB and their own score, the prefix that
+// fits the budget, its tokens as rows of the flattened storage) in one call, where the same rule as torch ops
 // (lychee.LycheePolicy._decode_attend, the path CUDA runs and the tests' reference) costs ~20 small ops whose
 // dispatch dominates a step here.
 #include <ATen/ATen.h>
@@ -171,43 +171,83 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_mass(const at::Tensor& 
   return {out, mass.sum(0), ent};
 }
 
-// sc [B, H, P + L + M] fp32: every unit's, fine cluster's (UB) and chunk's (own) score; chunk_unit [B, H, M]
-// (unit of each chunk), chunk_cluster [B, H, M] (its cluster's index into sc), tok_g [B, H, P] (tokens per
-// unit), slen [M] (chunk lengths), start_rows [B, H, M] (row of each chunk's first token in the flattened
-// storage). Units: by score, descending (ties: lower index first), the live ones (score > -inf) kept while the
-// tokens kept so far are under unit_limit (k_g > 0: the first k_g). Chunks of kept units: by (cluster UB desc,
-// cluster index, own score desc, chunk index); read while their tokens fit R. Returns idx [B, H, C] (their
-// tokens' rows, then padding = the first chunk's first row), pad [B, H, C] (bool), order [B, H, cmax] (chunks
-// read, in order; 0 after), lens [B, H, cmax] (their lengths; 0 after), sel [B, H, P] (units kept).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lychee_select(
-    const at::Tensor& sc_in, const at::Tensor& unit_in, const at::Tensor& cluster_in, const at::Tensor& tok_in,
-    const at::Tensor& slen_in, const at::Tensor& start_in, int64_t P, int64_t L, double unit_limit, int64_t k_g,
-    int64_t R, int64_t cmax, int64_t C) {
-  TORCH_CHECK(sc_in.scalar_type() == at::kFloat && tok_in.scalar_type() == at::kFloat, "lychee_select: fp32 scores");
-  const at::Tensor sc = sc_in.contiguous(), unit = unit_in.contiguous(), cluster = cluster_in.contiguous();
-  const at::Tensor tok = tok_in.contiguous(), slen = slen_in.contiguous(), start = start_in.contiguous();
-  const int64_t B = sc.size(0), H = sc.size(1), N = sc.size(2), M = unit.size(2);
-  TORCH_CHECK(N == P + L + M, "lychee_select: scores for P + L + M nodes");
-  auto lopt = sc.options().dtype(at::kLong);
-  at::Tensor idx = at::empty({B, H, C}, lopt), order = at::zeros({B, H, cmax}, lopt);
+// y += w * x over n floats (vectorised: the pointers do not alias)
+void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+}
+
+// One decode query's LycheeCluster choice (lychee.LycheePolicy._decode_attend on the CPU). q [B, H, g, D] fp32:
+// the query heads of each KV head; tab [B, H, D + 2, P + L + M] fp32: each unit's, fine cluster's and chunk's
+// column [centroid or key, radius, 0 or -inf]; the scores are [sum of q, sum of |q| (ub) or 0, 1] @ tab.
+// chunk_unit [B, H, M] (unit of each chunk), chunk_cluster [B, H, M] (its cluster's score index), tok_g [B, H, P]
+// (tokens per unit), slen [M] (chunk lengths), start_rows [B, H, M] and rows [B, H, cap] (storage rows of each
+// chunk's first token and of each slot, flattened storage). Units: by score, descending (ties: lower index
+// first), the live ones (score > -inf) kept while the tokens kept so far are under unit_limit (k_g > 0: the
+// first k_g). Chunks of kept units: by (cluster UB desc, cluster index, own score desc, chunk index), read while
+// their tokens fit R. Returns idx [B, H, S + C + (n - fr)] (rows of the sinks, of the read tokens then padding =
+// the first chunk's first row, of the recent tokens fr..n-1), pad [B, H, C] (bool), order [B, H, cmax] (chunks
+// read, in order; 0 after), lens [B, H, cmax] (their lengths; 0 after), sel [B, H, P] (units kept). If bias
+// [B, H, 1, W] (fp32) is given, its slots S..S+C get 0 / -inf for read / padding.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lychee_decode(
+    const at::Tensor& q_in, const at::Tensor& tab_in, const at::Tensor& unit_in, const at::Tensor& cluster_in,
+    const at::Tensor& tok_in, const at::Tensor& slen_in, const at::Tensor& start_in, const at::Tensor& rows_in,
+    const at::Tensor& bias, int64_t P, int64_t L, bool ub, double unit_limit, int64_t k_g, int64_t R,
+    int64_t cmax, int64_t C, int64_t S, int64_t fr, int64_t n) {
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && tab_in.scalar_type() == at::kFloat &&
+              tok_in.scalar_type() == at::kFloat, "lychee_decode: fp32 query, table and token counts");
+  const at::Tensor q = q_in.contiguous(), tab = tab_in.contiguous(), unit = unit_in.contiguous();
+  const at::Tensor cluster = cluster_in.contiguous(), tok = tok_in.contiguous(), slen = slen_in.contiguous();
+  const at::Tensor start = start_in.contiguous(), rows = rows_in.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  const int64_t N = tab.size(3), M = unit.size(2), cap = rows.size(2), T = S + C + (n - fr);
+  TORCH_CHECK(tab.size(2) == D + 2 && N == P + L + M, "lychee_decode: a [D + 2, P + L + M] table per head");
+  TORCH_CHECK(n <= cap && S <= fr, "lychee_decode: slots out of the storage");
+  const bool write_bias = bias.defined() && bias.numel() > 0;
+  if (write_bias)
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.stride(3) == 1 && bias.size(3) >= S + C,
+                "lychee_decode: an fp32 bias with unit stride");
+  auto lopt = q.options().dtype(at::kLong);
+  at::Tensor idx = at::empty({B, H, T}, lopt), order = at::zeros({B, H, cmax}, lopt);
   at::Tensor lens = at::zeros({B, H, cmax}, lopt);
-  at::Tensor pad = at::empty({B, H, C}, sc.options().dtype(at::kBool));
-  at::Tensor sel = at::zeros({B, H, P}, sc.options().dtype(at::kBool));
-  const float* S = sc.data_ptr<float>();
+  at::Tensor pad = at::empty({B, H, C}, q.options().dtype(at::kBool));
+  at::Tensor sel = at::zeros({B, H, P}, q.options().dtype(at::kBool));
+  const float *Q = q.data_ptr<float>(), *Tb = tab.data_ptr<float>(), *Tk = tok.data_ptr<float>();
   const int64_t *U = unit.data_ptr<int64_t>(), *Cl = cluster.data_ptr<int64_t>(), *Ln = slen.data_ptr<int64_t>();
-  const int64_t* St = start.data_ptr<int64_t>();
-  const float* Tk = tok.data_ptr<float>();
+  const int64_t *St = start.data_ptr<int64_t>(), *Rw = rows.data_ptr<int64_t>();
   int64_t *I = idx.data_ptr<int64_t>(), *O = order.data_ptr<int64_t>(), *Le = lens.data_ptr<int64_t>();
   bool *Pd = pad.data_ptr<bool>(), *Se = sel.data_ptr<bool>();
+  float* Bi = write_bias ? bias.data_ptr<float>() : nullptr;
   const float ninf = -std::numeric_limits<float>::infinity();
+  std::vector<float> qa(D + 2), sc(N);
   std::vector<int64_t> units(P), cand;
   cand.reserve(M);
   for (int64_t bh = 0; bh < B * H; ++bh) {
-    const float* s = S + bh * N;
-    const int64_t *u = U + bh * M, *cl = Cl + bh * M, *st = St + bh * M;
+    const int64_t b = bh / H, h = bh % H;
+    // the group's summed query, the sum of its norms, 1
+    std::fill(qa.begin(), qa.end(), 0.0f);
+    for (int64_t i = 0; i < G; ++i) {
+      const float* qi = Q + (bh * G + i) * D;
+      float nn = 0.0f;
+      for (int64_t e = 0; e < D; ++e) {
+        qa[e] += qi[e];
+        nn += qi[e] * qi[e];
+      }
+      if (ub) qa[D] += std::sqrt(nn);
+    }
+    qa[D + 1] = 1.0f;
+    // every node's score: a row vector times the table (contiguous over the nodes)
+    const float* tb = Tb + bh * (D + 2) * N;
+    std::fill(sc.begin(), sc.end(), 0.0f);
+    for (int64_t e = 0; e < D + 2; ++e) {
+      const float w = qa[e];
+      if (w == 0.0f && e != D + 1) continue;  // (the -inf column always counts: its weight is 1)
+      axpy(w, tb + e * N, sc.data(), N);
+    }
+    const float* s = sc.data();
+    const int64_t *u = U + bh * M, *cl = Cl + bh * M, *st = St + bh * M, *rw = Rw + bh * cap;
     bool* se = Se + bh * P;
     for (int64_t i = 0; i < P; ++i) units[i] = i;
-    std::stable_sort(units.begin(), units.end(), [&](int64_t a, int64_t b) { return s[a] > s[b]; });
+    std::stable_sort(units.begin(), units.end(), [&](int64_t a, int64_t c) { return s[a] > s[c]; });
     double held = 0.0;
     int64_t kept = 0;
     for (int64_t r = 0; r < P; ++r) {
@@ -226,28 +266,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lychee_se
     for (int64_t j = 0; j < M; ++j)
       if (se[u[j]]) cand.push_back(j);
     const float* own = s + P + L;
-    std::sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) {
-      const float pa = s[cl[a]], pb = s[cl[b]];
-      if (pa != pb) return pa > pb;
-      if (cl[a] != cl[b]) return cl[a] < cl[b];
-      if (own[a] != own[b]) return own[a] > own[b];
-      return a < b;
+    std::sort(cand.begin(), cand.end(), [&](int64_t a, int64_t c) {
+      const float pa = s[cl[a]], pc = s[cl[c]];
+      if (pa != pc) return pa > pc;
+      if (cl[a] != cl[c]) return cl[a] < cl[c];
+      if (own[a] != own[c]) return own[a] > own[c];
+      return a < c;
     });
+    int64_t* out = I + bh * T;
+    for (int64_t x = 0; x < S; ++x) out[x] = rw[x];
+    for (int64_t x = fr; x < n; ++x) out[S + C + (x - fr)] = rw[x];
     int64_t used = 0, pos = 0, k = 0;
-    int64_t* out = I + bh * C;
     for (int64_t j : cand) {
       const int64_t len = Ln[j];
       if (used + len > R || k >= cmax || pos + len > C) break;
-      for (int64_t w = 0; w < len; ++w) out[pos + w] = st[j] + w;
+      for (int64_t w = 0; w < len; ++w) out[S + pos + w] = st[j] + w;
       O[bh * cmax + k] = j;
       Le[bh * cmax + k] = len;
       used += len;
       pos += len;
       ++k;
     }
-    const int64_t fill = M ? st[0] : 0;
-    for (int64_t p = 0; p < C; ++p) Pd[bh * C + p] = p >= pos;
-    for (int64_t p = pos; p < C; ++p) out[p] = fill;
+    const int64_t fill = M ? st[0] : rw[0];
+    for (int64_t x = pos; x < C; ++x) out[S + x] = fill;
+    for (int64_t x = 0; x < C; ++x) Pd[bh * C + x] = x >= pos;
+    if (write_bias) {
+      float* bi = Bi + b * bias.stride(0) + h * bias.stride(1) + S;
+      for (int64_t x = 0; x < C; ++x) bi[x] = x < pos ? 0.0f : ninf;
+    }
   }
   return {idx, pad, order, lens, sel};
 }
@@ -257,12 +303,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lychee_se
 TORCH_LIBRARY(luka_bench, lib) {
   lib.def("attention_mass(Tensor qs, Tensor k, Tensor v, int past, int block, bool entropy)"
           " -> (Tensor, Tensor, Tensor)");
-  lib.def("lychee_select(Tensor sc, Tensor chunk_unit, Tensor chunk_cluster, Tensor tok_g, Tensor slen,"
-          " Tensor start_rows, int P, int L, float unit_limit, int k_g, int R, int cmax, int C)"
-          " -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  lib.def("lychee_decode(Tensor q, Tensor tab, Tensor chunk_unit, Tensor chunk_cluster, Tensor tok_g,"
+          " Tensor slen, Tensor start_rows, Tensor rows, Tensor(a!) bias, int P, int L, bool ub, float unit_limit,"
+          " int k_g, int R, int cmax, int C, int S, int fr, int n) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(luka_bench, CPU, lib) {
   lib.impl("attention_mass", &attention_mass);
-  lib.impl("lychee_select", &lychee_select);
+  lib.impl("lychee_decode", &lychee_decode);
 }
