@@ -452,21 +452,38 @@ def test_bad_settings_are_refused(bad):
         Lychee(**bad)
 
 
-@pytest.mark.parametrize("opts", [{}, {"ranking": "qmu"}, {"k_g": 2}, {"pooling": "max", "coarse_factor": 1.0},
-                                  {"buffer": 4, "min_chunk": 4, "max_chunk": 12}])
-def test_decode_fast_path_reads_what_the_general_path_reads(opts):
-    """``_decode_attend`` (one scoring matmul, the unit rule by counting the units above, two stable sorts) against
-    ``retrieve`` + ``sparse_attention`` (sorted units, CSR members, ``_fill``) on the same index, through 40 lazy
-    updates: the same held tokens read per head and the same attention output at every step. Also the count the
-    harness records (``attended_count``, a ``DeviceCount``) equals the mask's."""
+FAST_OPTS = [{}, {"ranking": "qmu"}, {"k_g": 2}, {"pooling": "max", "coarse_factor": 1.0},
+             {"buffer": 4, "min_chunk": 4, "max_chunk": 12}]
+
+
+def growing_index(opts: dict, seed: int, steps: int):
+    """A lone lychee layer over 500 random keys, then ``steps`` times: 4 more tokens (a chunk closes every 4th
+    time: lazy updates), the index synced, a random query. Yields (step, store, policy, query)."""
     m = Lychee(token_budget=160, sink=4, chunking="fixed", **{"buffer": 16, **opts})
-    cache, store, pol, gen = synthetic_policy(m, 500, seed=8)
+    cache, store, pol, gen = synthetic_policy(m, 500, seed=seed)
     hq, d = pol.info.num_heads, pol.info.head_dim
     hkv = store.keys.shape[1]
-    for step in range(40):
+    for step in range(steps):
         store.update(torch.randn(1, hkv, 4, d, generator=gen), torch.randn(1, hkv, 4, d, generator=gen))
         pol._sync_index(store)
-        q = torch.randn(1, hq, 1, d, generator=gen)
+        yield step, store, pol, torch.randn(1, hq, 1, d, generator=gen)
+
+
+@pytest.mark.parametrize("kernel", ["cpu_kernel", "torch_ops"])
+@pytest.mark.parametrize("opts", FAST_OPTS)
+def test_decode_fast_path_reads_what_the_general_path_reads(opts, kernel, monkeypatch):
+    """``_decode_attend`` (one scoring product, the kept units, the chunks by (cluster UB, own score), compacted
+    token rows, one SDPA) — as the CPU's C++ op and as torch ops (``LUKA_BENCH_NO_KERNEL=1``, the path CUDA runs) —
+    against ``retrieve`` + ``sparse_attention`` (sorted units, CSR members, ``_fill``) on the same index, through
+    40 lazy updates: the same held tokens read per head and the same attention output at every step. Also the
+    count the harness records (``attended_count``, a ``DeviceCount``) equals the mask's."""
+    from luka_bench.methods import cpu_kernel
+    if kernel == "torch_ops":
+        monkeypatch.setenv(cpu_kernel.DISABLE_ENV, "1")
+    elif cpu_kernel.attention_mass_op() is None:
+        pytest.skip("the fused CPU kernel could not be built here")
+    for step, store, pol, q in growing_index(opts, 8, 40):
+        d, hkv = q.shape[-1], store.keys.shape[1]
         fast = pol.attend(store, q, d ** -0.5)
         count = pol.attended_count(store)
         fast_mask = pol.attended(store).clone()
@@ -477,8 +494,7 @@ def test_decode_fast_path_reads_what_the_general_path_reads(opts):
         assert abs(float(count.total) * count.scale + count.offset - float(fast_mask.sum()) / hkv) < 1e-9
 
 
-@pytest.mark.parametrize("opts", [{}, {"ranking": "qmu"}, {"k_g": 2}, {"pooling": "max", "coarse_factor": 1.0},
-                                  {"buffer": 4, "min_chunk": 4, "max_chunk": 12}])
+@pytest.mark.parametrize("opts", FAST_OPTS)
 def test_cpu_kernel_choice_equals_the_torch_ops(opts, monkeypatch):
     """On the CPU a decode step's scoring and chunk choice is one C++ call (``cpu_kernel.lychee_decode``); with
     ``LUKA_BENCH_NO_KERNEL=1`` the same rule runs as torch ops (the path CUDA runs): the same chunks, lengths,
@@ -486,14 +502,8 @@ def test_cpu_kernel_choice_equals_the_torch_ops(opts, monkeypatch):
     from luka_bench.methods import cpu_kernel
     if cpu_kernel.attention_mass_op() is None:
         pytest.skip("the fused CPU kernel could not be built here")
-    m = Lychee(token_budget=160, sink=4, chunking="fixed", **{"buffer": 16, **opts})
-    cache, store, pol, gen = synthetic_policy(m, 500, seed=9)
-    hq, d = pol.info.num_heads, pol.info.head_dim
-    hkv = store.keys.shape[1]
-    for step in range(30):
-        store.update(torch.randn(1, hkv, 4, d, generator=gen), torch.randn(1, hkv, 4, d, generator=gen))
-        pol._sync_index(store)
-        q = torch.randn(1, hq, 1, d, generator=gen)
+    for step, store, pol, q in growing_index(opts, 9, 30):
+        d = q.shape[-1]
         monkeypatch.delenv(cpu_kernel.DISABLE_ENV, raising=False)
         out_k = pol.attend(store, q, d ** -0.5)
         fk = dict(pol._fast)
