@@ -35,8 +35,9 @@ BUDGET = {"full": 2, "snapkv": 2, "laser_kv": 2, "streaming_llm": 4, "oracle_top
 # A store that moves no token on a decode step writes no position per step (``KVStore.end_forward``: written as one
 # run when read), so full attention is 0.25 under stock.
 # lychee's count is per layer of the model, as every method's: with ``full_layers: 1`` of these 4 layers attending
-# exactly, its 3 retrieval layers add 26 each (19.25 * 4 / 3 + the store's 0.25); on a 32-layer model with the
-# paper's 2 full layers the per-layer figure would be ~24 (docs/speed.md).
+# exactly, its 3 retrieval layers add ~26.75 each ((20 * 4 + 0.25) / 3); on a 32-layer model with the paper's 2
+# full layers the per-layer figure would be ~25 (docs/speed.md). Counted on the portable path (CUDA's): on the CPU
+# the scoring and the choice are one C++ op (``launches.portable_path``).
 OVER: dict[str, str] = {}
 
 
