@@ -28,6 +28,10 @@ pytestmark = [pytest.mark.usefixtures("one_thread")]
 # middle) is not in the issue's list: it gets H2O's, which it meets whenever H2O does.
 BUDGET = {"full": 2, "snapkv": 2, "laser_kv": 2, "streaming_llm": 4, "oracle_topk": 8, "h2o": 12,
           "luka_lined": 12, "luka_clustered": 12, "luka_mixed": 12, "h2o_outer": 12, "entropy_ols": 14, "lychee": 20}
+# a step with an event (LuKA's segmentation/compression, entropy_ols's flush, lychee's chunk closing: index update
+# and its decode tables rebuilt) is counted apart, per event (one layer taking it) over a plain step's launches;
+# measured 14.0 (LuKA), 186.0 (entropy_ols), 83.7 (lychee): the budgets below guard those with a margin.
+EVENT_BUDGET = {"luka_clustered": 16, "luka_mixed": 16, "entropy_ols": 200, "lychee": 100}
 # over budget, not reduced yet: "<count> > <budget>: <the ops that remain>" (per layer, over stock). Every count
 # includes 0.25 per layer (1 per step on these 4 layers) for the step's position counter, advanced in place so
 # that a step carries no Python number (``MethodCache.position_tensor``; tests/test_graph_ready.py), and saves
@@ -72,6 +76,10 @@ def test_extra_launches_per_layer_within_budget(name, llama, stock):
     s = summary(rows, stock, LAYERS)
     assert 35 <= s["stock"] <= 45, s  # the reference itself (issue 36: ~40 per layer)
     assert s["extra"] <= BUDGET[name], f"{name}: {s['extra']:g} extra launches per layer > {BUDGET[name]}: {s}"
+    if name in EVENT_BUDGET:  # every method with events has them within these 24 steps
+        assert s["event_extra"] is not None and s["event_extra"] <= EVENT_BUDGET[name], s
+    else:
+        assert s["event_extra"] is None, s
 
 
 def test_the_counter_skips_views_and_metadata():
