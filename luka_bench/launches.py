@@ -181,24 +181,6 @@ def stock_launch_counts(model, prompt_len: int, steps: int, seed: int = 0) -> li
     return out
 
 
-@contextlib.contextmanager
-def portable_path():
-    """The block runs with the CPU-only fused kernels off (``LUKA_BENCH_NO_KERNEL=1``): the ops CUDA would run."""
-    import os
-
-    from luka_bench.methods import cpu_kernel
-
-    saved = os.environ.get(cpu_kernel.DISABLE_ENV)
-    os.environ[cpu_kernel.DISABLE_ENV] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(cpu_kernel.DISABLE_ENV, None)
-        else:
-            os.environ[cpu_kernel.DISABLE_ENV] = saved
-
-
 @torch.no_grad()
 def decode_launch_counts(model, method, prompt_len: int, steps: int, seed: int = 0, tokenizer=None,
                          trace: bool = False, method_only: bool = False):
@@ -206,7 +188,7 @@ def decode_launch_counts(model, method, prompt_len: int, steps: int, seed: int =
     (as ``host_sync.decode_sync_counts``). Returns per step (launches, events — layers that took a host-side
     decision or compressed —, Counter of launching ops, trace or None). ``method_only``: the trace holds the ops
     of luka_bench's own code only (``method_scope``); the counts are always the whole forward's."""
-    from luka_bench.methods import hf
+    from luka_bench.methods import cpu_kernel, hf
 
     ids = _ids(model, prompt_len, steps, seed)
     host_ids = ids[0].tolist()
@@ -219,7 +201,7 @@ def decode_launch_counts(model, method, prompt_len: int, steps: int, seed: int =
         before = event_count(cache)
         for i in range(steps):
             cache.add_tokens(host_ids[prompt_len + i: prompt_len + i + 1])
-            with portable_path(), LaunchCounter(trace=trace, method_only=method_only) as c:
+            with cpu_kernel.kernels_off(), LaunchCounter(trace=trace, method_only=method_only) as c:
                 model(input_ids=ids[:, prompt_len + i: prompt_len + i + 1], past_key_values=cache, use_cache=True,
                       logits_to_keep=1)
             now = event_count(cache)

@@ -69,29 +69,6 @@ def compose_method(name: str, sets: list[str], model: list[str] = ()):
                                 + ([f"method.{s}" for s in sets] if name == "luka_clustered" else []))
 
 
-class explicit_path:
-    """``with explicit_path(on):`` runs the block with ``LUKA_BENCH_NO_KERNEL=1`` when ``on``."""
-
-    def __init__(self, on: bool):
-        self.on = on
-
-    def __enter__(self):
-        from luka_bench.methods import cpu_kernel
-
-        self.saved = os.environ.get(cpu_kernel.DISABLE_ENV)
-        if self.on:
-            os.environ[cpu_kernel.DISABLE_ENV] = "1"
-
-    def __exit__(self, *exc):
-        from luka_bench.methods import cpu_kernel
-
-        if self.on:
-            if self.saved is None:
-                os.environ.pop(cpu_kernel.DISABLE_ENV, None)
-            else:
-                os.environ[cpu_kernel.DISABLE_ENV] = self.saved
-
-
 def _status(key: str) -> int:
     """Bytes of a /proc/self/status memory line (VmRSS, VmHWM); ru_maxrss where /proc is missing."""
     try:
@@ -253,7 +230,7 @@ def main() -> None:
         costs — kernel compilation, library handles, allocator growth — land in no timed step."""
         from luka_bench.engine import warm_up
 
-        with torch.no_grad(), explicit_path(name.endswith(EXPLICIT)):
+        with torch.no_grad(), cpu_kernel.kernels_off(name.endswith(EXPLICIT)):
             if name == "stock":
                 r = Stock(model)
                 with Stock.sdpa(model):
@@ -311,7 +288,7 @@ def main() -> None:
             before, dev_before = _status("VmRSS"), device_gb(False)
             reset_peak_rss()
             try:
-                with torch.no_grad(), explicit_path(name.endswith(EXPLICIT)):
+                with torch.no_grad(), cpu_kernel.kernels_off(name.endswith(EXPLICIT)):
                     sync()
                     t0 = time.perf_counter()
                     if name == "stock":
@@ -334,7 +311,7 @@ def main() -> None:
             return r, sec, _status("VmHWM"), before, device_gb(True), dev_before
 
         def decode(name, r, pos, count, out):
-            with torch.no_grad(), explicit_path(name.endswith(EXPLICIT)):
+            with torch.no_grad(), cpu_kernel.kernels_off(name.endswith(EXPLICIT)):
                 if name == "stock":
                     with Stock.sdpa(model):  # once per round, not inside the timed step
                         for t in ids[pos: pos + count]:

@@ -41,7 +41,7 @@ EVENT_BUDGET = {"luka_clustered": 16, "luka_mixed": 16, "entropy_ols": 200, "lyc
 # lychee's count is per layer of the model, as every method's: with ``full_layers: 1`` of these 4 layers attending
 # exactly, its 3 retrieval layers add ~26.75 each ((20 * 4 + 0.25) / 3); on a 32-layer model with the paper's 2
 # full layers the per-layer figure would be ~25 (docs/speed.md). Counted on the portable path (CUDA's): on the CPU
-# the scoring and the choice are one C++ op (``launches.portable_path``).
+# the scoring and the choice are one C++ op (``cpu_kernel.kernels_off``).
 OVER: dict[str, str] = {}
 
 

@@ -10,6 +10,7 @@ checkouts at different paths (worktrees, CI clones) share one build instead of r
 (a warning says so once). ``python -m luka_bench.methods.cpu_kernel`` builds it and prints where it stands."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -26,6 +27,22 @@ DISABLE_ENV = "LUKA_BENCH_NO_KERNEL"
 def disabled() -> bool:
     """Whether ``LUKA_BENCH_NO_KERNEL`` asks for the pure-torch path."""
     return os.environ.get(DISABLE_ENV, "").strip() not in ("", "0")
+
+
+@contextlib.contextmanager
+def kernels_off(on: bool = True):
+    """The block runs with ``LUKA_BENCH_NO_KERNEL=1`` (when ``on``): the pure-torch paths, the ops CUDA runs."""
+    saved = os.environ.get(DISABLE_ENV)
+    if on:
+        os.environ[DISABLE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if on:
+            if saved is None:
+                os.environ.pop(DISABLE_ENV, None)
+            else:
+                os.environ[DISABLE_ENV] = saved
 
 
 def _build_flags() -> tuple[str, list[str]]:

@@ -255,7 +255,7 @@ class LycheePolicy(LayerPolicy):
         self.u_width = self.c_width = self.ku = 0
         self._layout_due: bool | None = None  # the CSR layout is built when the general path first needs it
         # the decode fast path's tables (``_decode_tables``, redone when the index changes) and buffers
-        self._tab = self._chunk_unit = self._chunk_cluster = self._tok_col = self._slen = None
+        self._tab = self._chunk_unit = self._chunk_cluster = None
         self._flat = self._buf = None
         self._no_bias = torch.empty(0)
         self._fast: dict | None = None  # what the fast path's last step chose (``last`` materialises it)
@@ -272,8 +272,7 @@ class LycheePolicy(LayerPolicy):
             return 0
         t = [self.ck[:, :, : self.M], self.assign[:, :, : self.M], self.mu_c, self.r_c, self.cnt_c, self.tok_c,
              self.parent, self.mu_g, self.r_g, self.cnt_g, self.tok_g, self.u_members, self.u_start, self.u_count,
-             self.c_members, self.c_start, self.c_count, self._tab, self._chunk_unit, self._chunk_cluster,
-             self._tok_col, self._slen]
+             self.c_members, self.c_start, self.c_count, self._tab, self._chunk_unit, self._chunk_cluster]
         return sum(x.nbytes for x in t if x is not None)
 
     # -- hooks ---------------------------------------------------------------------------------------------
@@ -580,15 +579,7 @@ class LycheePolicy(LayerPolicy):
                                         uc.gather(2, top) > NEG)
         else:
             cid, cvalid = self._fill(cand, uc, qs, R, ch)
-        hi = m.max_chunk
-        within = torch.arange(hi, device=dev)
-        tok = ch.starts[cid].unsqueeze(-1) + within  # [B, H, cmax, hi]
-        tvalid = (within < ch.lens[cid].unsqueeze(-1)) & cvalid.unsqueeze(-1)
-        tok = torch.where(tvalid, tok, torch.full_like(tok, n - 1)).flatten(2)
-        idx = torch.cat([torch.arange(m.sink, device=dev).view(1, 1, -1).expand(b, hkv, -1), tok,
-                         torch.arange(fr, n, device=dev).view(1, 1, -1).expand(b, hkv, -1)], dim=2)
-        valid = torch.cat([torch.ones(b, hkv, m.sink, dtype=torch.bool, device=dev), tvalid.flatten(2),
-                           torch.ones(b, hkv, n - fr, dtype=torch.bool, device=dev)], dim=2)
+        idx, valid = self._token_set(ch.starts, cid, ch.lens[cid] * cvalid, fr, n)
         self.last = {"sel_g": sel_g, "cid": cid, "cvalid": cvalid, "idx": idx, "valid": valid, "frontier": fr,
                      "candidates": cand_ok.sum(-1)}
         return idx, valid
@@ -615,8 +606,6 @@ class LycheePolicy(LayerPolicy):
         self._tab = tab
         self._chunk_unit = self.parent.gather(2, a)
         self._chunk_cluster = a + P
-        self._tok_col = self.tok_g.unsqueeze(-1).contiguous()  # [B, H, P, 1]
-        self._slen = ch.lens
         self._flat = None  # the flat row tables follow M and the storage
 
     def _flat_tables(self, store, ch: Chunker):
@@ -674,14 +663,14 @@ class LycheePolicy(LayerPolicy):
         C = min(cmax * mc, m.token_budget - S - m.buffer)  # the chunks' token slots, compacted (<= R tokens)
         T = S + C + (n - fr)
         rows, start, last_row = self._flat_tables(store, ch)
-        qa, _, bias, (neg, zero, within) = self._buffers(query, hkv, P, C, T)
+        qa, above, bias, (neg, zero, within) = self._buffers(query, hkv, P, C, T)
         t0 = cache.mark(dev)
         qg = query.view(b, hkv, hq // hkv, d)
         op = cpu_kernel.lychee_decode_op() if dev.type == "cpu" else None
         if op is not None:  # the same choice in one C++ call (ties between units: the lower index first)
             fp32 = bias.dtype == torch.float32
             idx, pad, order, lens, sel = op(
-                qg.float(), self._tab, self._chunk_unit, self._chunk_cluster, self.tok_g, self._slen, start, rows,
+                qg.float(), self._tab, self._chunk_unit, self._chunk_cluster, self.tok_g, ch.lens, start, rows,
                 bias if fp32 else self._no_bias, P, L, m.ranking == "ub", float(m.coarse_factor * R), m.k_g or 0,
                 R, cmax, C, S, fr, n)
             if not fp32:
@@ -691,7 +680,8 @@ class LycheePolicy(LayerPolicy):
             if m.ranking == "ub":
                 torch.sum(torch.linalg.vector_norm(qg, dim=-1, dtype=torch.float32), dim=2, out=qa[:, :, 0, d])
             sc = torch.matmul(qa, self._tab).squeeze(-2)  # [B, H, P + L + M]
-            order, lens, sel, pad, chosen = self._choose(sc, start, last_row, within, P, L, R, cmax, C)
+            order, lens, sel, pad, chosen = self._choose(sc, ch.lens, start, last_row, above, neg, within, P, L,
+                                                         R, cmax, C)
             torch.where(pad, neg, zero, out=bias[:, :, 0, S: S + C])
             idx = torch.cat([rows[:, :, :S], chosen, rows[:, :, fr:n]], dim=2)
         t1 = cache.mark(dev)
@@ -701,27 +691,26 @@ class LycheePolicy(LayerPolicy):
         cache.add_span("retrieval", t0, t1)
         cache.add_span("attention", t1, cache.mark(dev))
         self._last = None
-        self._fast = {"order": order, "lens": lens, "sel": sel, "n": n, "frontier": fr, "S": S, "starts": ch.starts}
+        self._fast = {"order": order, "lens": lens, "sel": sel, "n": n, "frontier": fr, "starts": ch.starts}
         return out.reshape(b, hq, 1, gv.shape[-1])
 
-    def _choose(self, sc, start, last_row, within, P: int, L: int, R: int, cmax: int, C: int):
+    def _choose(self, sc, slen, start, last_row, above, neg, within, P: int, L: int, R: int, cmax: int, C: int):
         """``_decode_attend``'s choice as torch ops (what CUDA runs; ``cpu_kernel``'s ``lychee_decode`` on the
         CPU): (chunks read in order [B, H, cmax], their lengths (0 after), units kept [B, H, P], padding flags of
         the token slots [B, H, C], the slots' storage rows [B, H, C])."""
         m = self.method
         b, hkv = sc.shape[:2]
-        above = self._buf[2]
         su = sc[:, :, :P]
         torch.gt(su.unsqueeze(-2), su.unsqueeze(-1), out=above)  # [B, H, u, v]: unit v scores above unit u
         if m.k_g is None:
-            sel = torch.matmul(above, self._tok_col).squeeze(-1) < m.coarse_factor * R
+            sel = torch.matmul(above, self.tok_g.unsqueeze(-1)).squeeze(-1) < m.coarse_factor * R
         else:
             sel = above.sum(-1) < m.k_g
-        prim = torch.where(sel.gather(2, self._chunk_unit), sc.gather(2, self._chunk_cluster), self._buf[4][0])
+        prim = torch.where(sel.gather(2, self._chunk_unit), sc.gather(2, self._chunk_cluster), neg)
         o1 = torch.sort(sc[:, :, P + L:], dim=-1, descending=True, stable=True).indices
         top, o2 = torch.sort(prim.gather(2, o1), dim=-1, descending=True, stable=True)
         order = o1.gather(2, o2[:, :, :cmax])  # the chunks in reading order (at most cmax fit R)
-        lens = self._slen[order]
+        lens = slen[order]
         take = lens.cumsum(-1) <= R
         if m.k_g is not None:  # kept units may hold fewer than R tokens: never read past them
             take &= top[:, :, :cmax] > NEG
@@ -733,20 +722,27 @@ class LycheePolicy(LayerPolicy):
         pad, first = torch.sort((within >= lens.unsqueeze(-1)).view(b, hkv, -1), dim=-1, stable=True)
         return order, lens, sel, pad[:, :, :C], tok.view(b, hkv, -1).gather(2, first[:, :, :C])
 
-    def _materialise(self, f: dict) -> dict:
-        """``last`` of a fast-path step, in ``retrieve``'s form."""
-        m, order, lens, n, fr, S = self.method, f["order"], f["lens"], f["n"], f["frontier"], f["S"]
-        b, h, cmax = order.shape
-        dev = order.device
+    def _token_set(self, starts: torch.Tensor, cid: torch.Tensor, lens: torch.Tensor, fr: int, n: int):
+        """The held tokens a retrieval reads, as ``retrieve`` returns them: idx / valid [B, H, sink + cmax *
+        max_chunk + n - fr] — the sinks, the tokens of chunks ``cid`` [B, H, cmax] (the first ``lens`` of each,
+        0 for a chunk not read; padding points at the newest token, invalid), the recent tokens fr..n-1."""
+        m = self.method
+        b, h, _ = cid.shape
+        dev = cid.device
         within = torch.arange(m.max_chunk, device=dev)
         tvalid = within < lens.unsqueeze(-1)
-        tok = torch.where(tvalid, f["starts"][order].unsqueeze(-1) + within,
-                          torch.full_like(tvalid, n - 1, dtype=torch.long)).flatten(2)
-        idx = torch.cat([torch.arange(S, device=dev).view(1, 1, -1).expand(b, h, -1), tok,
+        tok = torch.where(tvalid, starts[cid].unsqueeze(-1) + within, torch.full_like(tvalid, n - 1, dtype=torch.long))
+        idx = torch.cat([torch.arange(m.sink, device=dev).view(1, 1, -1).expand(b, h, -1), tok.flatten(2),
                          torch.arange(fr, n, device=dev).view(1, 1, -1).expand(b, h, -1)], dim=2)
-        valid = torch.cat([torch.ones(b, h, S, dtype=torch.bool, device=dev), tvalid.flatten(2),
+        valid = torch.cat([torch.ones(b, h, m.sink, dtype=torch.bool, device=dev), tvalid.flatten(2),
                            torch.ones(b, h, n - fr, dtype=torch.bool, device=dev)], dim=2)
-        return {"sel_g": f["sel"], "cid": order, "cvalid": lens > 0, "idx": idx, "valid": valid, "frontier": fr}
+        return idx, valid
+
+    def _materialise(self, f: dict) -> dict:
+        """``last`` of a fast-path step, in ``retrieve``'s form."""
+        idx, valid = self._token_set(f["starts"], f["order"], f["lens"], f["frontier"], f["n"])
+        return {"sel_g": f["sel"], "cid": f["order"], "cvalid": f["lens"] > 0, "idx": idx, "valid": valid,
+                "frontier": f["frontier"]}
 
     def sparse_attention(self, store, query, scaling, idx, valid):
         """Exact attention (fp32 softmax) of one query over the held tokens ``idx`` where ``valid``."""
