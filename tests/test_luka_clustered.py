@@ -301,3 +301,43 @@ def test_decode_attended_count_equals_the_mask(kw, tiny_qwen3):
         assert fast == pytest.approx(mask)
     # the closed form is what is used where it applies (every rule but the threshold's padded top-K)
     assert all(x[2] is not None for x in seen) == (kw["refine"]["rule"] != "threshold")
+
+
+@pytest.mark.parametrize("kw", [dict(refine={"rule": "top_k", "k": 2}),
+                                dict(refine={"rule": "threshold", "threshold": 0.03}, sink=4)], ids=["topk", "sink"])
+def test_the_fixed_shape_decode_step_equals_the_step_over_the_held_tokens(kw, tiny_gqa3, monkeypatch):
+    """The graph-ready decode step (the new token written into the store and the cover at slots held on the device,
+    attention over the cover's fixed-width tail region with its free slots masked, the refined pages gathered
+    straight into the cover's scratch) gives the logits and accumulated importance of the step written at Python
+    slots, at every step, through compressions (the cover updated in place, then outgrown), a storage
+    reallocation and a clone."""
+    from luka_bench.methods.luka_clustered import LuKAPolicy
+
+    model = tiny_gqa3.model
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(6))
+
+    def run(static):
+        monkeypatch.setattr(LuKAPolicy, "static_decode", static)
+        monkeypatch.setattr(LuKAPolicy, "COVER_ROOM", 4)
+        steps, widths, grew = [], set(), set()
+        with attach(model, luka(**kw)) as a, torch.no_grad():
+            c = a.new_cache()
+            model(ids[:, :40], past_key_values=c)
+            for t in range(40, 200):
+                if t == 120:
+                    c = c.clone()
+                caps = [s.storage()[0].shape[2] for s in c.stores]
+                logits = model(ids[:, t: t + 1], past_key_values=c).logits[0, -1]
+                grew |= {i for i, s in enumerate(c.stores) if s.storage()[0].shape[2] != caps[i]}
+                assert all((s.static_slot is not None) == static for s in c.stores)
+                widths.add(c.stores[0].policy.cov_k.shape[2])
+                steps.append((logits, [s.aux(MASS).clone() for s in c.stores]))
+        monkeypatch.undo()
+        return steps, widths, grew
+
+    (fixed, widths, grew), (plain, _, _) = run(True), run(False)
+    assert grew and len(widths) > 1  # the storage grew and the cover was outgrown on the way
+    for (lf, mf), (lp, mp) in zip(fixed, plain):
+        torch.testing.assert_close(lf, lp, rtol=1e-5, atol=1e-6)
+        for a_, b_ in zip(mf, mp):
+            torch.testing.assert_close(a_, b_, rtol=1e-5, atol=1e-6)

@@ -109,6 +109,7 @@ class KVStore(CacheLayerMixin):
         self._aux_zero_from = 0
         self._heads: tuple | None = None  # head_index(), keyed by storage shape
         self.static_slot: torch.Tensor | None = None  # the last decode step's slot, as a device tensor [1]
+        self.static_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # that step's keys and values [B, Hkv, 1, D]
         self.n = 0
         self.seen = 0
         self.pos_shift = 0  # seen - the position the next token gets (StreamingLLM's positions=cache); 0: logical
@@ -196,17 +197,20 @@ class KVStore(CacheLayerMixin):
         else:
             self.settle_positions()
 
-    def aux(self, name: str, dtype: torch.dtype = torch.float32, zero_new: bool = True) -> torch.Tensor:
+    def aux(self, name: str, dtype: torch.dtype = torch.float32, zero_new: bool = True,
+            whole: bool = False) -> torch.Tensor:
         """A per-held-token tensor [B, Hkv, n] owned by the policy (e.g. accumulated attention mass). It is
         created zero-filled on first use and ``keep``/``keep_ends``/``evict_into`` move it with the keys. New
         tokens get 0 — unless it was created with ``zero_new=False``: then the policy writes every new token's
-        entry itself in the forward that appended it (one kernel fewer per step where it writes them anyway)."""
+        entry itself in the forward that appended it (one kernel fewer per step where it writes them anyway).
+        ``whole``: the whole capacity [B, Hkv, cap] (entries from n on are 0 and must stay 0: a policy that adds
+        over a fixed span, so that its steps have the same shapes, adds 0 there)."""
         if name not in self._aux:
             b, h, cap = self._k.shape[:3]
             self._aux[name] = torch.zeros(b, h, cap, dtype=dtype, device=self._k.device)
             if not zero_new:
                 self._aux_unzeroed.add(name)
-        return self._aux[name][:, :, : self.n]
+        return self._aux[name] if whole else self._aux[name][:, :, : self.n]
 
     @property
     def device(self) -> torch.device:
@@ -256,14 +260,17 @@ class KVStore(CacheLayerMixin):
         if self._k is None or need > self._k.shape[2]:
             cap = need if self._k is None else max(need, int(self._k.shape[2] * self.GROWTH) + 16)
             self._allocate(key_states, value_states, cap)
-        if L == 1 and self.policy.static_decode and not self._aux:
+        if L == 1 and self.policy.static_decode and self.n >= self._aux_zero_from:
             # a decode step written at a slot the device holds (the step's position less the tokens dropped before
-            # it): no Python number that changes from step to step in the ops (``static_slot``)
+            # it): no Python number that changes from step to step in the ops (``static_slot``); the step's own
+            # keys and values are kept for a policy that mirrors them (``static_kv``). Not after a removal left
+            # stale per-token state beyond n (its zero fill would slice at n)
             self.static_slot = self.cache.position_before(self.seen, self.seen - self.n, key_states.device).view(1)
+            self.static_kv = (key_states, value_states)
             self._k.index_copy_(2, self.static_slot, key_states)
             self._v.index_copy_(2, self.static_slot, value_states)
         else:
-            self.static_slot = None
+            self.static_slot = self.static_kv = None
             self._k[:, :, self.n : need] = key_states
             self._v[:, :, self.n : need] = value_states
         if L == 1:  # a decode step: its position is the cache's counter (no Python number), written when needed
@@ -400,6 +407,16 @@ class KVStore(CacheLayerMixin):
         """Keys and values of the held slots ``start:stop`` as one view [2, B, Hkv, stop - start, D] of the stacked
         storage (one copy moves both), or None where they are stored apart (their shapes or dtypes differ)."""
         return None if self._kv is None else self._kv[:, :, :, start:stop]
+
+    def pages(self, start: int, size: int) -> torch.Tensor | None:
+        """The stacked storage from slot ``start`` on as pages of ``size`` slots, keys and values together: a view
+        [2, B * Hkv, pages, size * D] (page p of a head: slots start + p * size ...), for a policy that gathers whole
+        pages in one kernel; None where keys and values are stored apart."""
+        if self._kv is None:
+            return None
+        _, b, h, cap, d = self._kv.shape
+        count = (cap - start) // size
+        return self._kv[:, :, :, start: start + count * size].view(2, b * h, count, size * d)
 
     def row_offsets(self) -> torch.Tensor:
         """[B, Hkv, 1]: the first row of each head in the storage flattened to rows [B * Hkv * cap, D]; the
@@ -549,6 +566,7 @@ class MethodCache(Cache):
         self._attended_pending: list[tuple] = []
         self._position: dict = {}  # device -> [value, 0-dim int64 tensor]: see position_tensor
         self._offsets: dict = {}  # (device, delta) -> (counter, value, counter - delta): see position_before
+        self._masks: dict = {}  # (name, width, rows, dtype, device) -> [mask, held]: see held_mask
         stores = [KVStore(method.policy_for_layer(info), self) for info in infos]
         super().__init__(layers=stores)
 
@@ -585,6 +603,27 @@ class MethodCache(Cache):
         if got is None or got[0] is not counter or got[1] != seen:
             got = self._offsets[key] = (counter, seen, torch.sub(counter, delta))
         return got[2]
+
+    def held_mask(self, name: str, width: int, held: int, slot: torch.Tensor | None, rows: int,
+                  dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An additive mask [rows, 1, width]: 0 on the first ``held`` slots, -inf on the rest — for a policy that
+        attends over a buffer of fixed width whose slots fill one per decode step (the free ones masked, so that
+        consecutive steps have the same shapes). Shared by every layer that asks for the same ``name`` and width in
+        a step (their buffers are laid out alike): the step's new slot (``slot``, the device tensor [1] of the slot
+        ``held - 1``) is opened by one ``index_fill_`` per step for all the layers, not one per layer; any other
+        change of ``held`` remakes it (an event step)."""
+        key = (name, width, rows, dtype, device)
+        got = self._masks.get(key)
+        if got is not None and got[1] == held - 1 and slot is not None:
+            got[0].index_fill_(2, slot, 0.0)
+            got[1] = held
+        elif got is None or got[1] != held:
+            if len(self._masks) >= 8:  # layouts of earlier events
+                self._masks.clear()
+            mask = torch.zeros(rows, 1, width, dtype=dtype, device=device)
+            mask[..., held:] = float("-inf")
+            got = self._masks[key] = [mask, held]
+        return got[0]
 
     def position_holds(self, counter: torch.Tensor, seen: int) -> bool:
         """Whether ``counter`` (a ``position_tensor``) still holds ``seen``."""

@@ -60,6 +60,10 @@ class Refine:
 
 class LuKAPolicy(LayerPolicy):
     times_itself = True  # attention / refinement / segment_compress, timed inside
+    # a decode step is written at a slot the device holds (``KVStore.static_slot``) and mirrored into the cover
+    # at one (``_cover``): between compressions, steps are graph-ready
+    static_decode = True
+    COVER_ROOM = 64  # spare cover entries made at a reallocation (at least; a quarter of the need when more)
 
     def __init__(self, method: "LuKAClustered", info):
         super().__init__(method, info)
@@ -76,7 +80,8 @@ class LuKAPolicy(LayerPolicy):
         self.cov_k: torch.Tensor | None = None
         self.cov_v: torch.Tensor | None = None
         self.cov_kv: torch.Tensor | None = None  # both, stacked [2, ...], where they can be (``_alloc_cover``)
-        self.cov_n = 0        # valid entries in the cover buffer
+        self.cov_n = 0        # valid entries in the cover buffer (sink, pages, the raw tail)
+        self.cov_w = 0        # its width: sink, pages and the tail region (valid entries and free slots)
         self.cov_pages = -1   # pages the buffer was built with
         self.cov_raw = 0      # raw tokens mirrored into it (its tail ends at raw index cov_raw)
         self.use_fast_path = True
@@ -84,8 +89,6 @@ class LuKAPolicy(LayerPolicy):
         # (frontier, n, [(raw ids [B, Hkv, ...], valid [B, Hkv, ...])], summaries read per KV head)
         self._att: tuple | None = None
         self._att_count: float | None = None  # the decode path's attended count, when known without a mask
-        self._rows: torch.Tensor | None = None  # _page_rows, for the storage whose row_offsets is _rows_for
-        self._rows_for: torch.Tensor | None = None
         self._zero_t: torch.Tensor | None = None  # _zero
         self._ones_t: torch.Tensor | None = None  # _ones
         self._lbuf: torch.Tensor | None = None  # _logit_buffer
@@ -183,24 +186,27 @@ class LuKAPolicy(LayerPolicy):
             return torch.nn.functional.one_hot(pick, w.shape[-1]).to(w.dtype)
         return torch.softmax(w / m.tau, dim=-1)  # attention_weighted, zero_value
 
-    def _append(self, lvl: int, k: torch.Tensor, v: torch.Tensor, imp: torch.Tensor) -> None:
-        cur = self.P[lvl]
-        new = k.shape[2]
+    def _append(self, lvl: int, pi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+                value: bool) -> None:
+        """New level-``lvl`` nodes from groups ``k``/``v`` [B, H, new, S, D] with compressor weights ``pi`` and
+        importance ``w`` [B, H, new, S]: each summary written straight into its slot of the level's buffers (no
+        copy of a computed summary), the buffers grown by half when short."""
+        cur, new = self.P[lvl], k.shape[2]
         buf = self.sk[lvl]
         if buf is None or cur + new > buf.shape[2]:
             cap = max(cur + new, int((0 if buf is None else buf.shape[2]) * 1.5) + 8)
-            b, h, _, d = k.shape
-            nk = k.new_empty(b, h, cap, d)
+            b, h = k.shape[:2]
+            nk = k.new_empty(b, h, cap, k.shape[-1])
             nv = v.new_empty(b, h, cap, v.shape[-1])
-            ni = imp.new_zeros(b, h, cap)
+            ni = w.new_zeros(b, h, cap)
             if buf is not None:
                 nk[:, :, :cur] = buf[:, :, :cur]
                 nv[:, :, :cur] = self.sv[lvl][:, :, :cur]
                 ni[:, :, :cur] = self.imp[lvl][:, :, :cur]
             self.sk[lvl], self.sv[lvl], self.imp[lvl] = nk, nv, ni
-        self.sk[lvl][:, :, cur: cur + new] = k
-        self.sv[lvl][:, :, cur: cur + new] = v
-        self.imp[lvl][:, :, cur: cur + new] = imp
+        self._combine(pi, k, self.sk[lvl][:, :, cur: cur + new])
+        self._combine(pi, v, self.sv[lvl][:, :, cur: cur + new], value=value)
+        torch.sum(w, -1, out=self.imp[lvl][:, :, cur: cur + new])
         self.P[lvl] = cur + new
 
     def compress(self, store) -> None:
@@ -218,7 +224,7 @@ class LuKAPolicy(LayerPolicy):
         w = store.aux(MASS)[:, :, start:end].reshape(b, h, new, S) if self._needs_mass() else \
             torch.zeros(b, h, new, S, device=k.device)
         pi = self._weights(w)
-        self._append(1, self._combine(pi, k), self._combine(pi, v, value=True), w.sum(-1))
+        self._append(1, pi, k, v, w, value=True)
         for lvl in range(2, m.levels + 1):
             groups = self.P[lvl - 1] // S - self.P[lvl]
             if groups <= 0:
@@ -229,12 +235,19 @@ class LuKAPolicy(LayerPolicy):
             w = self.imp[lvl - 1][:, :, lo:hi].reshape(b, h, groups, S)
             pi = self._weights(w)
             # a level-2 value must summarise its pages' raw values; for zero_value they are all zero anyway
-            self._append(lvl, self._combine(pi, k), self._combine(pi, v), w.sum(-1))
+            self._append(lvl, pi, k, v, w, value=False)
+        if m.levels == 1 and self.use_fast_path:
+            # the decode path's cover and its mask remade now, in the event step, not in the next (steady) step
+            W = self._cover(store)
+            store.cache.held_mask("luka_cover", W, self.cov_n, None, b * h, store.keys.dtype, store.device)
 
-    def _combine(self, pi: torch.Tensor, x: torch.Tensor, value: bool = False) -> torch.Tensor:
+    def _combine(self, pi: torch.Tensor, x: torch.Tensor, out: torch.Tensor, value: bool = False) -> None:
+        """out [..., D] = the ``pi``-weighted sum of ``x`` [..., S, D] over the group (zero values for
+        ``zero_value``)."""
         if value and self.method.compressor == "zero_value":
-            return x.new_zeros(x.shape[:-2] + x.shape[-1:])
-        return (pi.unsqueeze(-1).to(x.dtype) * x).sum(-2)
+            out.zero_()
+        else:
+            torch.sum(pi.unsqueeze(-1).to(x.dtype) * x, dim=-2, out=out)
 
     # -- attention over the cover with refinement ----------------------------------------------------------
     def _select(self, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -265,73 +278,98 @@ class LuKAPolicy(LayerPolicy):
         g = self.info.num_heads // self.info.num_kv_heads
         return min(C, math.ceil(g / r.threshold - 1e-9)) if r.threshold > 0 else C
 
-    def _cover(self, store) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cover buffer [sink | level-1 summaries | raw tail] in sync with the store (see __init__)."""
+    def _cover(self, store) -> int:
+        """Bring the cover buffer in sync with the store (see __init__); returns its width W = sink + pages + the
+        tail region. Laid out [sink | P page summaries | tail region | scratch for the refined pages' tokens]; the
+        tail region holds the raw tokens frontier..n-1 and free slots up to a width fixed between compressions
+        (the tail, a page and ``compress_every`` steps: what accumulates until the next compression), masked in
+        the step (``MethodCache.held_mask``). A decode step's token is written at a slot the device holds (the
+        cache's position counter less a per-compression offset, one kernel per step for all layers): consecutive
+        steps between compressions have the same ops on the same shapes (the graph-ready steady state)."""
         m = self.method
         s0, P, fr, n = m.sink, self.P[1], self.frontier, store.n
-        K, V = store.keys, store.values
-        if self.cov_pages != P or self.cov_k is None:
-            size = s0 + P + (n - fr)
-            self._alloc_cover(K, V, size + max(64, size // 4))
-            for dst, src_k, src_v in ((slice(0, s0), K[:, :, :s0], V[:, :, :s0]),
-                                      (slice(s0, s0 + P), self.sk[1][:, :, :P], self.sv[1][:, :, :P]),
-                                      (slice(s0 + P, size), K[:, :, fr:n], V[:, :, fr:n])):
-                self.cov_k[:, :, dst] = src_k
-                self.cov_v[:, :, dst] = src_v
-            self.cov_n, self.cov_pages, self.cov_raw = size, P, n
-        elif self.cov_raw < n:
-            add = n - self.cov_raw
-            self._grow(self.cov_n + add)
-            new = store.stacked(self.cov_raw, n)
-            if new is not None and self.cov_kv is not None:  # keys and values in one copy
-                self.cov_kv[:, :, :, self.cov_n: self.cov_n + add] = new
+        base = s0 + P - fr  # cover slot of raw token i: i + base
+        if self.cov_pages != P or self.cov_k is None or n - fr > self.cov_w - s0 - P:
+            K, V = store.keys, store.values
+            old, T = self.cov_pages, self.cov_w - s0 - self.cov_pages
+            if self.cov_k is not None and 0 <= old <= P and n - fr <= T and \
+                    s0 + P + T + self._max_children() <= self.cov_k.shape[2]:
+                first = old  # pages were added (a compression): only they and the tail are written, in place
             else:
-                self.cov_k[:, :, self.cov_n: self.cov_n + add] = K[:, :, self.cov_raw: n]
-                self.cov_v[:, :, self.cov_n: self.cov_n + add] = V[:, :, self.cov_raw: n]
-            self.cov_n += add
-            self.cov_raw = n
-        return self.cov_k[:, :, : self.cov_n], self.cov_v[:, :, : self.cov_n]
+                T = max(m.tail + m.page_size + m.compress_every, n - fr + m.compress_every)
+                need = s0 + P + T + self._max_children()
+                self._alloc_cover(K, V, need + max(self.COVER_ROOM, need // 4))  # room for later pages
+                first = 0
+                if s0:
+                    self.cov_k[:, :, :s0] = K[:, :, :s0]
+                    self.cov_v[:, :, :s0] = V[:, :, :s0]
+            if P > first:
+                self.cov_k[:, :, s0 + first: s0 + P] = self.sk[1][:, :, first:P]
+                self.cov_v[:, :, s0 + first: s0 + P] = self.sv[1][:, :, first:P]
+            new = store.stacked(fr, n)
+            if new is not None and self.cov_kv is not None:  # keys and values in one copy
+                self.cov_kv[:, :, :, s0 + P: n + base] = new
+            else:
+                self.cov_k[:, :, s0 + P: n + base] = K[:, :, fr:n]
+                self.cov_v[:, :, s0 + P: n + base] = V[:, :, fr:n]
+            self.cov_w, self.cov_pages = s0 + P + T, P
+        elif self.cov_raw == n - 1 and store.static_kv is not None:  # a decode step, at its slot
+            slot = store.cache.position_before(store.seen - 1, -base, store.device).view(1)
+            k, v = store.static_kv
+            self.cov_k.index_copy_(2, slot, k)
+            self.cov_v.index_copy_(2, slot, v)
+        elif self.cov_raw < n:
+            new = store.stacked(self.cov_raw, n)
+            lo, hi = self.cov_raw + base, n + base
+            if new is not None and self.cov_kv is not None:  # keys and values in one copy
+                self.cov_kv[:, :, :, lo:hi] = new
+            else:
+                self.cov_k[:, :, lo:hi] = store.keys[:, :, self.cov_raw: n]
+                self.cov_v[:, :, lo:hi] = store.values[:, :, self.cov_raw: n]
+        self.cov_n, self.cov_raw = n + base, n
+        return self.cov_w
 
     def _alloc_cover(self, like_k: torch.Tensor, like_v: torch.Tensor, cap: int) -> None:
-        """Empty cover buffers of ``cap`` entries: keys and values stacked in one tensor [2, B, Hkv, cap, D] where
-        their shapes and dtypes agree (a raw token mirrored into the cover is then one copy, not two)."""
+        """Zeroed cover buffers of ``cap`` entries (a free slot is read, masked: never uninitialised bits, whose
+        NaN would survive the mask): keys and values stacked in one tensor [2, B, Hkv, cap, D] where their shapes
+        and dtypes agree (the refined pages' tokens are then gathered into it in one kernel)."""
         b, h, _, d = like_k.shape
         if like_k.shape[-1] == like_v.shape[-1] and like_k.dtype == like_v.dtype:
-            self.cov_kv = like_k.new_empty(2, b, h, cap, d)
+            self.cov_kv = like_k.new_zeros(2, b, h, cap, d)
             self.cov_k, self.cov_v = self.cov_kv[0], self.cov_kv[1]
         else:
             self.cov_kv = None
-            self.cov_k, self.cov_v = like_k.new_empty(b, h, cap, d), like_v.new_empty(b, h, cap, like_v.shape[-1])
+            self.cov_k, self.cov_v = like_k.new_zeros(b, h, cap, d), like_v.new_zeros(b, h, cap, like_v.shape[-1])
 
-    def _grow(self, need: int) -> None:
-        """Make the cover buffers hold at least ``need`` entries (contents kept; beyond ``cov_n`` is scratch)."""
-        if need > self.cov_k.shape[2]:
-            old_k, old_v = self.cov_k, self.cov_v
-            self._alloc_cover(old_k, old_v, int(need * 1.25) + 64)
-            self.cov_k[:, :, : self.cov_n] = old_k[:, :, : self.cov_n]
-            self.cov_v[:, :, : self.cov_n] = old_v[:, :, : self.cov_n]
-
-    def _page_rows(self, store, S: int, s0: int) -> torch.Tensor:
-        """[B, Hkv, 1, S]: the rows of page 0's tokens in the store's flattened storage (``KVStore.row_offsets``
-        + s0 + arange(S)); page p's are these + p * S. Remade when the storage is."""
-        off = store.row_offsets()
-        if self._rows_for is not off:
-            self._rows = off.unsqueeze(-1) + torch.arange(s0, s0 + S, device=off.device)
-            self._rows_for = off
-        return self._rows
+    def _children(self, store, idx: torch.Tensor, W: int, S: int, s0: int) -> None:
+        """The raw tokens of the refined pages ``idx`` [B * Hkv, K] into the cover's scratch (W .. W + K * S): one
+        gather over the stacked storage seen as pages [2, B * Hkv, pages, S * D] where both are stacked, else the
+        pages' rows gathered and copied."""
+        b, h = self.cov_k.shape[:2]
+        k_sel = idx.shape[-1]
+        src = store.pages(s0, S)
+        if src is not None and self.cov_kv is not None:
+            dst = self.cov_kv[:, :, :, W: W + k_sel * S].view(2, b * h, k_sel, -1)
+            torch.gather(src, 2, idx.view(1, b * h, k_sel, 1).expand(2, -1, -1, src.shape[-1]), out=dst)
+            return
+        rows = store.row_offsets().unsqueeze(-1) + torch.arange(s0, s0 + S, device=idx.device)
+        kk, vv = store.gather_flat(torch.add(rows, idx.view(b, h, k_sel, 1), alpha=S).view(-1), k_sel * S)
+        self.cov_k[:, :, W: W + k_sel * S] = kk
+        self.cov_v[:, :, W: W + k_sel * S] = vv
 
     def decode_step(self, store, query, scaling):
         """The per-token path (one query, one summary level): the same computation as ``clustered``, in the
         fewest tensor operations — a decode step at 2K is made of ~25 small ops, each costing more in dispatch
-        than in arithmetic, so every op counts: logits over the whole cover in one scaled matmul; the page masses
-        for the rule from one softmax; the chosen pages' raw rows computed in one op and gathered by one
-        index_select per K and V (``KVStore.gather_flat``); the refined parents masked in place; one softmax
-        over cover + children; the children's values copied into the cover buffer's scratch so that one matmul
-        gives the output. Every matmul is a 3-D ``bmm`` over (batch x KV head), the group's query heads as rows
-        (a 4-D ``matmul`` costs about twice as much at these sizes). Importance is accumulated only where it
-        will be read: the raw tokens not yet in a page (sinks are never summarised, paged tokens never again;
-        page importance is read only by level-2 nodes, which this path does not serve); the attended set is
-        resolved only when asked. ``tests/test_luka_clustered.py`` checks it against ``clustered``."""
+        than in arithmetic, so every op counts: logits over the whole cover buffer (``_cover``: its free tail
+        slots masked by an additive mask that the scaled matmul adds itself) in one op; the page masses for the
+        rule from one softmax; the chosen pages' raw tokens gathered straight into the cover's scratch in one op
+        (``_children``); the refined parents masked in place; one softmax over cover + children; one matmul for
+        the output. Every matmul is a 3-D ``bmm`` over (batch x KV head), the group's query heads as rows (a 4-D
+        ``matmul`` costs about twice as much at these sizes). Between compressions every step has the same ops on
+        the same shapes with no Python number that changes (graph-ready). Importance is accumulated only where it
+        will be read: the raw tokens not yet in a page (sinks are never summarised, paged tokens never again; page
+        importance is read only by level-2 nodes, which this path does not serve); the attended set is resolved
+        only when asked. ``tests/test_luka_clustered.py`` checks it against ``clustered``."""
         m = self.method
         S, s0, P, fr = m.page_size, m.sink, self.P[1], self.frontier
         cache = store.cache
@@ -340,13 +378,16 @@ class LuKAPolicy(LayerPolicy):
         hkv, n = self.info.num_kv_heads, store.n
         g, bh = hq // hkv, b * hkv
         q = query.reshape(bh, g, d)  # a view for the usual layouts
-        ck, cv = self._cover(store)
-        C = ck.shape[2]
+        static = self.cov_raw == n - 1 and store.static_kv is not None and self.cov_pages == P
+        W = self._cover(store)
+        slot = cache.position_before(store.seen - 1, fr - s0 - P, query.device).view(1) if static else None
+        mask = cache.held_mask("luka_cover", W, self.cov_n, slot, bh, query.dtype, query.device)  # [B*Hkv, 1, W]
+        ck, cv = self.cov_k, self.cov_v
         # fp32: the cover's logits and the refined children's are written side by side into one buffer, so the
         # softmax over both needs no concatenation (other dtypes: computed, cast to fp32 and concatenated)
-        lb = self._logit_buffer(bh, g, C + self._max_children(), query) if query.dtype == torch.float32 else None
-        logit = torch.baddbmm(self._zero(query), q, ck.view(bh, C, d).transpose(1, 2), beta=0.0,
-                              alpha=scaling, **({} if lb is None else {"out": lb[:, :, :C]})).float()  # [B*Hkv, g, C]
+        lb = self._logit_buffer(bh, g, W + self._max_children(), query) if query.dtype == torch.float32 else None
+        logit = torch.baddbmm(mask, q, ck[:, :, :W].view(bh, W, d).transpose(1, 2), alpha=scaling,
+                              **({} if lb is None else {"out": lb[:, :, :W]})).float()  # [B*Hkv, g, W]
         if m.summary_bias != "none":
             logit[..., s0: s0 + P] += m.bias(1)
         t1 = cache.mark(query.device)
@@ -356,16 +397,16 @@ class LuKAPolicy(LayerPolicy):
         if sel is not None:
             idx, valid = sel  # [B*Hkv, K] page ids; valid: threshold rule's padding, else None
             k_sel = idx.shape[-1]
-            kk, vv = store.gather_flat(torch.add(self._page_rows(store, S, s0), idx.view(b, hkv, k_sel, 1),
-                                                 alpha=S).view(-1), k_sel * S)
+            KS = k_sel * S
+            self._children(store, idx, W, S, s0)  # keys and values into the cover's scratch
             in_buf = lb is not None and m.refine.mass == "exact" and valid is None  # no out-of-place edits below
-            cl = torch.baddbmm(self._zero(query), q, kk.view(bh, k_sel * S, d).transpose(1, 2), beta=0.0, alpha=scaling,
-                               **({"out": lb[:, :, C: C + k_sel * S]} if in_buf else {})).float()  # [B*Hkv, g, K*S]
+            cl = torch.baddbmm(self._zero(query), q, ck[:, :, W: W + KS].view(bh, KS, d).transpose(1, 2), beta=0.0,
+                               alpha=scaling, **({"out": lb[:, :, W: W + KS]} if in_buf else {})).float()
             pidx = (idx + s0 if s0 else idx).unsqueeze(1).expand(-1, g, -1)
             if m.refine.mass == "parent":
                 parent = logit.gather(-1, pidx)  # [B*Hkv, g, K]
                 cl4 = cl.view(bh, g, k_sel, S)
-                cl = (cl4 + (parent - torch.logsumexp(cl4, -1)).unsqueeze(-1)).view(bh, g, k_sel * S)
+                cl = (cl4 + (parent - torch.logsumexp(cl4, -1)).unsqueeze(-1)).view(bh, g, KS)
             if valid is not None:  # pages below the threshold in a padded top-K stay unrefined
                 vmask = valid.unsqueeze(1).expand(-1, g, -1)
                 cl = cl.view(bh, g, k_sel, S).masked_fill(~vmask.unsqueeze(-1), NEG).view(bh, g, -1)
@@ -376,24 +417,24 @@ class LuKAPolicy(LayerPolicy):
             pages, valid = idx.view(b, hkv, k_sel), None if valid is None else valid.view(b, hkv, k_sel)
             self._att = (fr, n, lambda: self._decode_raw(pages, valid, S, s0), P - k_sel if valid is None else valid)
             if valid is None:
-                self._att_count = float(s0 + n - fr + k_sel * S)
+                self._att_count = float(s0 + n - fr + KS)
             t2 = cache.mark(query.device)
-            p = torch.softmax(lb[:, :, : C + k_sel * S] if in_buf else torch.cat([logit, cl], -1), -1)
-            # the children's values in the buffer's scratch right after the cover: one output matmul
-            self._grow(C + k_sel * S)
-            self.cov_v[:, :, C: C + k_sel * S] = vv
-            out = torch.bmm(p.to(cv.dtype), self.cov_v[:, :, : C + k_sel * S].view(bh, C + k_sel * S, -1))
+            p = torch.softmax(lb[:, :, : W + KS] if in_buf else torch.cat([logit, cl], -1), -1)
+            out = torch.bmm(p.to(cv.dtype), cv[:, :, : W + KS].view(bh, W + KS, -1))
         else:
             self._att = (fr, n, [], P)
             self._att_count = float(s0 + n - fr)
             t2 = cache.mark(query.device)
             p = torch.softmax(logit, -1)
-            out = torch.bmm(p.to(cv.dtype), cv.view(bh, C, -1))
+            out = torch.bmm(p.to(cv.dtype), cv[:, :, :W].view(bh, W, -1))
         self._last_p, self._last_total = p, None
-        if self._needs_mass() and C > s0 + P:
+        if self._needs_mass():
             # the raw tail's importance += its mass summed over the group's query heads: one batched GEMV that adds
-            # into the accumulator (ones [1, g] @ p), instead of a sum and an add
-            store.aux(MASS)[:, :, fr:n].view(bh, 1, n - fr).baddbmm_(self._ones(bh, g, p), p[:, :, s0 + P: C])
+            # into the accumulator (ones [1, g] @ p), instead of a sum and an add; over the whole tail region (its
+            # free slots add 0) within the store's capacity
+            acc = store.aux(MASS, whole=True)
+            T = min(W - s0 - P, acc.shape[2] - fr)
+            acc[:, :, fr: fr + T].view(bh, 1, T).baddbmm_(self._ones(bh, g, p), p[:, :, s0 + P: s0 + P + T])
         t3 = cache.mark(query.device)
         cache.add_span("attention", t0, t1)
         cache.add_span("attention", t2, t3)

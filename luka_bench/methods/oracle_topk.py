@@ -81,11 +81,6 @@ class OracleTopKPolicy(LayerPolicy):
         super().__init__(method, info)
         self.top: torch.Tensor | None = None  # the last decode step's read indices (None: it read everything)
         self.n_read = 0  # tokens held at that step (the mask's length)
-        # the free-slot mask as an additive logit bias over the storage [B * Hkv, 1, cap] (0 held, -inf free), for
-        # the storage tensor it was made for, valid for its first `_bias_n` slots; one slot opened per step
-        self._bias: torch.Tensor | None = None
-        self._bias_for: torch.Tensor | None = None
-        self._bias_n = 0
 
     def attend(self, store, query, scaling):
         m = self.method
@@ -103,7 +98,7 @@ class OracleTopKPolicy(LayerPolicy):
     def _static_select(self, store, query, scaling):
         """``oracle_topk_select`` over the store's whole capacity (``KVStore.storage``): the free slots masked by
         an additive bias that the logits GEMM adds itself (``baddbmm`` with beta 1) and that one op per step opens
-        at the new token's slot, and again on the scores so that top-k never reads a free slot. Same tokens read
+        at the new token's slot (for all layers), and again on the scores so that top-k never reads a free slot. Same tokens read
         and the same output as over the held tokens alone (tested), on shapes that stay fixed from step to step
         until the storage grows: the graph-ready steady state, for two kernels more per layer."""
         m = self.method
@@ -121,17 +116,11 @@ class OracleTopKPolicy(LayerPolicy):
         return sdpa(query, ksel, vsel, scaling), top
 
     def _free_slots(self, store, dtype) -> torch.Tensor:
+        """The free-slot mask over the storage [B * Hkv, 1, cap], shared by the layers (one ``index_fill_`` per step
+        opens the new slot for all of them: ``MethodCache.held_mask``)."""
         K = store.storage()[0]
-        n, cap = store.n, K.shape[2]
-        if self._bias is not None and self._bias_for is K and self._bias.dtype == dtype and self._bias_n == n - 1:
-            self._bias.index_fill_(2, store.static_slot, 0.0)  # this step's slot is held now
-        elif not (self._bias is not None and self._bias_for is K and self._bias.dtype == dtype and self._bias_n == n):
-            held = torch.arange(cap, device=K.device) < n  # (re)made: a new storage, or a jump
-            self._bias = torch.zeros(cap, dtype=dtype, device=K.device).masked_fill(~held, float("-inf")).expand(
-                K.shape[0] * K.shape[1], 1, cap).contiguous()
-            self._bias_for = K
-        self._bias_n = n
-        return self._bias
+        return store.cache.held_mask("oracle_storage", K.shape[2], store.n, store.static_slot, K.shape[0] * K.shape[1],
+                                     dtype, K.device)
 
     @property
     def read(self) -> torch.Tensor | None:
