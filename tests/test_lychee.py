@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from luka_bench.methods.base import LayerInfo, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import LayerInfo, LayerPolicy, MethodConfigError, StaticExactPolicy
 from luka_bench.methods.full import Full
 from luka_bench.methods.hf import MethodCache, attach
 from luka_bench.methods.lychee import (Chunker, Lychee, LycheePolicy, boundary_levels, split_chunks, token_levels,
@@ -407,7 +407,7 @@ def test_budget_or_topk_covering_everything_equals_full(arch, request):
     assert all(s.policy.last is not None and s.policy.M >= 8 for s in c.stores)
     # and with the token budget really binding, attention reads at most token_budget tokens per KV head
     got, c = run_logits(lm, Lychee(token_budget=100, sink=4, buffer=16, full_layers=1), ids, 165)
-    assert type(c.stores[0].policy) is LayerPolicy  # first layer full
+    assert type(c.stores[0].policy) is StaticExactPolicy  # first layer full
     for s in c.stores[1:]:
         assert int(s.policy.attended(s).sum(-1).max()) <= 100
     st = c.attended_stats()
@@ -515,3 +515,42 @@ def test_cpu_kernel_choice_equals_the_torch_ops(opts, monkeypatch):
         read = ft["lens"] > 0  # the torch ops leave the next chunks after the ones read, the kernel zeros
         assert torch.equal(fk["order"], torch.where(read, ft["order"], 0)) and bool(read.any()), (opts, step)
         assert torch.allclose(out_k, out_t, atol=1e-6), (opts, step)
+
+
+@pytest.mark.parametrize("opts", [{}, {"k_g": 2, "coarse_factor": 1.5}], ids=["default", "k_g"])
+def test_the_fixed_shape_decode_step_equals_the_step_over_the_held_tokens(opts, tiny_gqa3, monkeypatch):
+    """The graph-ready torch path (the step's token written at a slot held on the device, the recent tokens read
+    from a fixed-width region with its free slots masked, the budget left to the chunks a device tensor, the exact
+    first layer over the masked storage) gives the logits and reads the tokens of the same path written at Python
+    slots, at every step, through chunk closings, a storage reallocation and a clone."""
+    from luka_bench.methods import cpu_kernel
+
+    model = tiny_gqa3.model
+    ids = torch.randint(0, 256, (1, 260), generator=torch.Generator().manual_seed(7))
+    method = dict(token_budget=96, sink=4, buffer=16, min_chunk=8, max_chunk=16, chunking="fixed", full_layers=1,
+                  **opts)
+
+    def run(static):
+        monkeypatch.setattr(LycheePolicy, "static_decode", static)
+        monkeypatch.setattr(StaticExactPolicy, "static_decode", static)
+        steps, grew, closings = [], set(), set()
+        with attach(model, Lychee(**method)) as a, torch.no_grad(), cpu_kernel.kernels_off():
+            c = a.new_cache()
+            model(ids[:, :120], past_key_values=c)
+            for t in range(120, 260):
+                if t == 200:
+                    c = c.clone()
+                caps = [s.storage()[0].shape[2] for s in c.stores]
+                logits = model(ids[:, t: t + 1], past_key_values=c).logits[0, -1]
+                grew |= {i for i, s in enumerate(c.stores) if s.storage()[0].shape[2] != caps[i]}
+                closings.add(c.stores[1].policy.M)
+                assert all((s.static_slot is not None) == static for s in c.stores)
+                steps.append((logits, c.stores[1].policy.attended(c.stores[1])))
+        monkeypatch.undo()
+        return steps, grew, closings
+
+    (fixed, grew, closings), (plain, _, _) = run(True), run(False)
+    assert grew and len(closings) > 5
+    for (lf, af), (lp, ap) in zip(fixed, plain):
+        torch.testing.assert_close(lf, lp, rtol=1e-5, atol=1e-6)
+        assert torch.equal(af, ap)

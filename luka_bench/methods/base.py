@@ -194,6 +194,27 @@ class LayerPolicy:
         return self.method.capacity(store.seen, store.reference_length)
 
 
+class StaticExactPolicy(LayerPolicy):
+    """Exact attention whose decode step reads the store's whole capacity with the free slots masked (one mask per
+    cache, opened by one ``index_fill_`` per step for all layers: ``MethodCache.held_mask``): graph-ready, at the
+    price of reading up to ``KVStore.GROWTH`` x the held tokens' keys and values. For the exact layers of a method
+    whose other layers are graph-ready (LycheeCluster's ``full_layers``); a layer with a sliding window, a query
+    chunk and a step written at a Python slot take ``exact_attention``."""
+
+    static_decode = True
+
+    def attend(self, store: "KVStore", query: torch.Tensor, scaling: float) -> torch.Tensor:
+        if query.shape[2] != 1 or store.static_slot is None or self.info.sliding_window is not None:
+            return exact_attention(store, query, scaling, self.info.sliding_window)
+        K, V = store.storage()
+        b, hq, _, d = query.shape
+        hkv, cap = K.shape[1], K.shape[2]
+        mask = store.cache.held_mask("storage", cap, store.n, store.static_slot, b * hkv, query.dtype, query.device)
+        out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), K, V,
+                                             attn_mask=mask.view(b, hkv, 1, cap), scale=scaling)
+        return out.view(b, hq, 1, V.shape[-1])
+
+
 class SlidingWindowPolicy(LayerPolicy):
     """Exact attention within a sliding window (Gemma3's local layers), and physically only the window: after
     every forward the layer keeps its last ``window - 1`` tokens, as transformers' own sliding layer does."""

@@ -565,7 +565,7 @@ class MethodCache(Cache):
         self._attended: tuple[list[float], list[float], list[float]] = ([], [], [])
         self._attended_pending: list[tuple] = []
         self._position: dict = {}  # device -> [value, 0-dim int64 tensor]: see position_tensor
-        self._offsets: dict = {}  # (device, delta) -> (counter, value, counter - delta): see position_before
+        self._offsets: dict = {}  # (key, device) -> (counter, value, tensor): see per_step
         self._masks: dict = {}  # (name, width, rows, dtype, device) -> [mask, held]: see held_mask
         stores = [KVStore(method.policy_for_layer(info), self) for info in infos]
         super().__init__(layers=stores)
@@ -595,13 +595,22 @@ class MethodCache(Cache):
         """``position_tensor(seen) - delta``, a 0-dim device tensor computed once per step for all layers (e.g. the
         first position of a recent window that ends at the step's token): no Python number that changes from step
         to step in the ops, one kernel per step instead of one per layer."""
-        counter = self.position_tensor(seen, device)
         if delta == 0:
-            return counter
-        key = (device, delta)
+            return self.position_tensor(seen, device)
+        return self.per_step(("minus", delta), seen, device, lambda counter: torch.sub(counter, delta))
+
+    def per_step(self, key, seen: int, device: torch.device, make) -> torch.Tensor:
+        """``make(position_tensor(seen))``, a device tensor computed once per step for all the layers that ask for
+        it with the same ``key`` (hashable, holding the constants ``make`` uses): e.g. a budget left after the
+        held tokens — no Python number that changes from step to step in the ops, one kernel per step, not one
+        per layer."""
+        counter = self.position_tensor(seen, device)
+        key = (key, device)
         got = self._offsets.get(key)
         if got is None or got[0] is not counter or got[1] != seen:
-            got = self._offsets[key] = (counter, seen, torch.sub(counter, delta))
+            if got is None and len(self._offsets) >= 16:  # keys of earlier events (a new delta per compression)
+                self._offsets = {k: v for k, v in self._offsets.items() if v[1] == seen}
+            got = self._offsets[key] = (counter, seen, make(counter))
         return got[2]
 
     def held_mask(self, name: str, width: int, held: int, slot: torch.Tensor | None, rows: int,

@@ -61,8 +61,8 @@ import torch.nn.functional as F
 from luka_bench.device import host_to_device
 from luka_bench.host_sync import host_side
 from luka_bench.methods import cpu_kernel
-from luka_bench.methods.base import (DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, exact_attention,
-                                     group_sum)
+from luka_bench.methods.base import (DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError,
+                                     StaticExactPolicy, exact_attention, group_sum)
 
 NEG = float("-inf")
 NONE_LEVEL = 5
@@ -239,6 +239,9 @@ def node_stats(x: torch.Tensor, a: torch.Tensor, k: int, weight: torch.Tensor | 
 
 class LycheePolicy(LayerPolicy):
     times_itself = True  # index_build / retrieval / update / attention, timed inside
+    # a decode step is written at a slot the device holds (``KVStore.static_slot``): with the torch path's fixed
+    # layout (``_static_layout``), steps between chunk closings are graph-ready
+    static_decode = True
 
     def __init__(self, method: "Lychee", info: LayerInfo):
         super().__init__(method, info)
@@ -259,6 +262,9 @@ class LycheePolicy(LayerPolicy):
         self._flat = self._buf = None
         self._no_bias = torch.empty(0)
         self._fast: dict | None = None  # what the fast path's last step chose (``last`` materialises it)
+        self._lay: tuple | None = None  # the torch path's row ids, laid out per chunk closing (_static_layout)
+        self._open: int | None = None  # recent slots open (0) in the mask's recent part (None: all 0, up to n)
+        self._cf_t: torch.Tensor | None = None
 
     # -- shared chunker ------------------------------------------------------------------------------------
     def chunker(self, store) -> Chunker:
@@ -586,22 +592,24 @@ class LycheePolicy(LayerPolicy):
 
     # -- decode fast path (``k_c: null``, the default) ------------------------------------------------------
     def _decode_tables(self, ch: Chunker) -> None:
-        """After the index changed (build, lazy update): every node's scoring column in one table [B, H, D + 2,
-        P + L + M] — units, fine clusters, chunks; column = [centroid or chunk key, radius, 0 or -inf for an empty
-        node] — so that one product [q_s, ||q||_s, 1] @ table gives every node's UB (chunks: their own score q_s.v;
-        a row vector times the table: a matrix-vector product on the CPU is several times slower the other way
-        round); each chunk's unit and cluster (indices into that score row), the units' token counts, the chunk
-        lengths."""
+        """After the index changed (build, lazy update): every node's scoring column in one table [B, H, D + g + 1,
+        P + L + M] — units, fine clusters, chunks; column = [centroid or chunk key, its radius once per query head
+        of the group (g rows), 0 or -inf for an empty node] — so that one product [q_s, ||q_1|| .. ||q_g||, 1] @
+        table gives every node's UB q_s.mu + sum_i ||q_i|| r (chunks: their own score q_s.v; the norms written by
+        one op straight into the query row, their sum done by the product; a row vector times the table: a
+        matrix-vector product on the CPU is several times slower the other way round); each chunk's unit and
+        cluster (indices into that score row), the units' token counts, the chunk lengths."""
         b, h, P, d = self.mu_g.shape
         L, M = self.mu_c.shape[2], self.M
-        tab = self.mu_g.new_zeros(b, h, d + 2, P + L + M)
+        g = self.info.num_heads // self.info.num_kv_heads
+        tab = self.mu_g.new_zeros(b, h, d + g + 1, P + L + M)
         tab[:, :, :d, :P] = self.mu_g.transpose(-1, -2)
         tab[:, :, :d, P: P + L] = self.mu_c.transpose(-1, -2)
         tab[:, :, :d, P + L:] = self.ck[:, :, :M].transpose(-1, -2)
-        tab[:, :, d, :P] = self.r_g
-        tab[:, :, d, P: P + L] = self.r_c
-        tab[:, :, d + 1, :P].masked_fill_(self.cnt_g <= 0, NEG)
-        tab[:, :, d + 1, P: P + L].masked_fill_(self.cnt_c <= 0, NEG)
+        tab[:, :, d: d + g, :P] = self.r_g.unsqueeze(2)
+        tab[:, :, d: d + g, P: P + L] = self.r_c.unsqueeze(2)
+        tab[:, :, d + g, :P].masked_fill_(self.cnt_g <= 0, NEG)
+        tab[:, :, d + g, P: P + L].masked_fill_(self.cnt_c <= 0, NEG)
         a = self.assign[:, :, :M]
         self._tab = tab
         self._chunk_unit = self.parent.gather(2, a)
@@ -610,28 +618,31 @@ class LycheePolicy(LayerPolicy):
 
     def _flat_tables(self, store, ch: Chunker):
         """Row ids in the flattened storage (``KVStore.gather_flat``), made once per storage shape and index
-        size: ``rows`` [B, H, cap] (row of each slot: the sinks and the recent buffer are slices of it) and
-        ``start`` [B, H, M] (row of each chunk's first token)."""
-        k = store.keys
-        key = (store.storage()[0].shape, self.M, k.device)
+        size: ``rows`` [B, H, cap] (row of each slot: the sinks and the recent buffer are slices of it), ``start``
+        [B, H, M] (row of each chunk's first token) and ``start_len`` [B, H, M, 2] (that row and the chunk's
+        length: one gather reads both)."""
+        k = store.storage()[0]
+        key = (k.shape, self.M, k.device)
         if self._flat is None or self._flat[0] != key:
             cap = key[0][2]
             base = store.row_offsets()
             rows = base + torch.arange(cap, device=k.device)
             start = base + ch.starts[: self.M]
-            self._flat = (key, rows, start, int(base.numel() * cap) - 1)
-        return self._flat[1], self._flat[2], self._flat[3]
+            start_len = torch.stack([start, ch.lens[: self.M].expand_as(start)], -1)
+            self._flat = (key, rows, start, int(base.numel() * cap) - 1, start_len)
+        return self._flat[1:]
 
     def _buffers(self, query: torch.Tensor, hkv: int, p: int, c: int, t: int):
-        """The query row [B, H, 1, D + 2] (fp32; its last entry 1, the -inf column's weight), the units'
-        comparison matrix [B, H, P, P] (fp32, written by the comparison itself) and the additive mask
-        [B, H, 1, >= t] (the query's dtype; only its chunk part [sink, sink + c) is ever written: the sinks and the
-        recent buffer stay 0), reused while their shapes hold."""
-        b, _, _, d = query.shape
+        """The query row [B, H, 1, D + g + 1] (fp32: the group's summed query, its g query heads' norms — the
+        radius rows' weights, written by the norm itself — and 1, the -inf row's weight), the units' comparison
+        matrix [B, H, P, P] (fp32, written by the comparison itself) and the additive mask [B, H, 1, >= t] (the
+        query's dtype; its chunk part [sink, sink + c) written by every step, the recent part by
+        ``_static_layout``), reused while their shapes hold."""
+        b, hq, _, d = query.shape
         key = (b, hkv, d, p, c, query.dtype, query.device)
         if self._buf is None or self._buf[0] != key or self._buf[3].shape[-1] < t:
-            qa = torch.zeros(b, hkv, 1, d + 2, dtype=torch.float32, device=query.device)
-            qa[..., d + 1] = 1.0
+            qa = torch.zeros(b, hkv, 1, d + hq // hkv + 1, dtype=torch.float32, device=query.device)
+            qa[..., -1] = 1.0
             above = torch.zeros(b, hkv, p, p, dtype=torch.float32, device=query.device)
             width = max(t, self.method.sink + c + self.method.buffer + 2 * self.method.max_chunk)
             bias = torch.zeros(b, hkv, 1, width, dtype=query.dtype, device=query.device)
@@ -648,26 +659,36 @@ class LycheePolicy(LayerPolicy):
         k_g units score above it) — the rank-order rule without a sort; every chunk gets its cluster's UB where
         its unit is kept (-inf elsewhere), and two stable sorts order the chunks by (cluster UB, own score), which
         is ``_fill``'s order (whole clusters in rank order, each one's chunks by q_s.v); the prefix whose tokens
-        fit R is read. The chunks' token rows are written straight into the flattened storage's row ids, the
-        sinks and the recent buffer are slices of a row table, and one SDPA attends over the gathered rows with
-        an additive mask for the chunk slots past each chunk's end. Exact ties between two units' scores keep both
-        or neither (``retrieve`` keeps the lower-numbered first); otherwise the same tokens as ``retrieve``."""
+        fit R is read. The chunks' token rows are written straight into the flattened storage's row ids, and one
+        SDPA attends over the gathered rows with an additive mask for the chunk slots past each chunk's end.
+        Exact ties between two units' scores keep both or neither (``retrieve`` keeps the lower-numbered first);
+        otherwise the same tokens as ``retrieve``.
+
+        The torch ops (what CUDA runs) are graph-ready between chunk closings (``_static_layout``): the recent
+        tokens are read from a region of fixed width with its free slots masked, the budget R left to the chunks
+        is a device tensor computed once per step for all layers, and the chunk slots' rows are written into a
+        row-id buffer laid out at the closing. On the CPU the choice is one C++ op (``cpu_kernel``)."""
         m, cache, dev = self.method, store.cache, query.device
         ch = self.chunker(store)
         b, hq, _, d = query.shape
-        hkv = store.keys.shape[1]
+        hkv = self.info.num_kv_heads
         n, fr, S, mc = store.n, ch.frontier, m.sink, m.max_chunk
-        R = m.token_budget - S - (n - fr)
         P, L, M = self.mu_g.shape[2], self.mu_c.shape[2], self.M
         cmax = max(1, min(M, (m.token_budget - S - m.buffer) // m.min_chunk))
         C = min(cmax * mc, m.token_budget - S - m.buffer)  # the chunks' token slots, compacted (<= R tokens)
-        T = S + C + (n - fr)
-        rows, start, last_row = self._flat_tables(store, ch)
-        qa, above, bias, (neg, zero, within) = self._buffers(query, hkv, P, C, T)
+        rows, start, last_row, start_len = self._flat_tables(store, ch)
+        cap = rows.shape[-1]
+        width = max(n - fr, min(m.buffer + mc, cap - fr))  # the recent region: n - fr tokens, free slots after
+        qa, above, bias, (neg, zero, within) = self._buffers(query, hkv, P, C, S + C + width)
         t0 = cache.mark(dev)
         qg = query.view(b, hkv, hq // hkv, d)
         op = cpu_kernel.lychee_decode_op() if dev.type == "cpu" else None
         if op is not None:  # the same choice in one C++ call (ties between units: the lower index first)
+            R = m.token_budget - S - (n - fr)
+            T = S + C + (n - fr)
+            if self._open is not None:  # the torch path masked free recent slots: this path reads them all held
+                bias[..., S + C:] = 0.0
+                self._open = None
             fp32 = bias.dtype == torch.float32
             idx, pad, order, lens, sel = op(
                 qg.float(), self._tab, self._chunk_unit, self._chunk_cluster, self.tok_g, ch.lens, start, rows,
@@ -676,14 +697,21 @@ class LycheePolicy(LayerPolicy):
             if not fp32:
                 torch.where(pad, neg, zero, out=bias[:, :, 0, S: S + C])
         else:
+            T = S + C + width
+            idx = self._static_layout(store, ch, rows, bias, S, C, fr, n, width)
+            # R (tokens left to the chunks) = budget - sinks - (n - fr): from the position counter, once per step
+            R = cache.per_step(("lychee_R", m.token_budget - S + fr - 1), store.seen - 1, dev,
+                               lambda pos: torch.rsub(pos, m.token_budget - S + fr - 1))
+            cf = self._cf(dev)
+            cfR = None if m.k_g is not None else cache.per_step(
+                ("lychee_cfR", m.token_budget - S + fr - 1), store.seen - 1, dev, lambda _: torch.mul(R, cf))
             torch.sum(qg, dim=2, dtype=torch.float32, out=qa[:, :, 0, :d])
-            if m.ranking == "ub":
-                torch.sum(torch.linalg.vector_norm(qg, dim=-1, dtype=torch.float32), dim=2, out=qa[:, :, 0, d])
+            if m.ranking == "ub":  # each query head's norm weighs its own radius row: sum_i ||q_i|| r in the product
+                torch.linalg.vector_norm(qg, dim=-1, dtype=torch.float32, out=qa[:, :, 0, d: d + hq // hkv])
             sc = torch.matmul(qa, self._tab).squeeze(-2)  # [B, H, P + L + M]
-            order, lens, sel, pad, chosen = self._choose(sc, ch.lens, start, last_row, above, neg, within, P, L,
-                                                         R, cmax, C)
+            order, lens, sel, pad = self._choose(sc, start_len, last_row, above, neg, within, P, L, R, cfR, cmax, C,
+                                                 out=idx[:, :, S: S + C])
             torch.where(pad, neg, zero, out=bias[:, :, 0, S: S + C])
-            idx = torch.cat([rows[:, :, :S], chosen, rows[:, :, fr:n]], dim=2)
         t1 = cache.mark(dev)
         gk, gv = store.gather_flat(idx.view(-1), T)
         out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), gk, gv, attn_mask=bias[..., :T],
@@ -694,33 +722,68 @@ class LycheePolicy(LayerPolicy):
         self._fast = {"order": order, "lens": lens, "sel": sel, "n": n, "frontier": fr, "starts": ch.starts}
         return out.reshape(b, hq, 1, gv.shape[-1])
 
-    def _choose(self, sc, slen, start, last_row, above, neg, within, P: int, L: int, R: int, cmax: int, C: int):
+    def _cf(self, dev: torch.device) -> torch.Tensor:
+        """``coarse_factor`` as a 0-dim float64 tensor (made once): R x it is rounded as the Python product is."""
+        if self._cf_t is None or self._cf_t.device != dev:
+            self._cf_t = torch.tensor(float(self.method.coarse_factor), dtype=torch.float64, device=dev)
+        return self._cf_t
+
+    def _static_layout(self, store, ch: Chunker, rows, bias, S: int, C: int, fr: int, n: int, width: int):
+        """The torch path's row ids [B, H, S + C + width]: the sinks' rows, C chunk slots (written by each step),
+        the rows of the recent region fr .. fr + width (its slots from n on are free: zero or stale storage rows,
+        finite); laid out once per chunk closing (and storage reallocation), with the recent part of the additive
+        mask: 0 on the held tokens, -inf on the free slots. A decode step opens its token's slot in the mask (one
+        ``index_fill_`` at a slot from the position counter): consecutive steps dispatch the same ops on the same
+        shapes."""
+        key = (rows.shape, rows.data_ptr(), self.M, fr, C, width, bias.data_ptr())
+        lay = self._lay
+        if lay is None or lay[0] != key:
+            b, h = rows.shape[:2]
+            idx = torch.empty(b, h, S + C + width, dtype=torch.long, device=rows.device)
+            idx[:, :, :S] = rows[:, :, :S]
+            idx[:, :, S + C:] = rows[:, :, fr: fr + width]
+            lay = self._lay = (key, idx)
+            self._open = None
+        if self._open == n - fr - 1 and store.static_slot is not None:
+            slot = store.cache.position_before(store.seen - 1, fr - S - C, rows.device).view(1)
+            bias.index_fill_(3, slot, 0.0)
+        elif self._open != n - fr:
+            bias[..., S + C: S + C + n - fr] = 0.0
+            bias[..., S + C + n - fr: S + C + width] = NEG
+        self._open = n - fr
+        return lay[1]
+
+    def _choose(self, sc, start_len, last_row, above, neg, within, P: int, L: int, R, cfR, cmax: int, C: int,
+                out: torch.Tensor):
         """``_decode_attend``'s choice as torch ops (what CUDA runs; ``cpu_kernel``'s ``lychee_decode`` on the
         CPU): (chunks read in order [B, H, cmax], their lengths (0 after), units kept [B, H, P], padding flags of
-        the token slots [B, H, C], the slots' storage rows [B, H, C])."""
+        the token slots [B, H, C]); the slots' storage rows [B, H, C] are written into ``out``. ``R`` / ``cfR``:
+        the tokens left to the chunks and ``coarse_factor`` x them, 0-dim device tensors (graph-ready)."""
         m = self.method
         b, hkv = sc.shape[:2]
         su = sc[:, :, :P]
         torch.gt(su.unsqueeze(-2), su.unsqueeze(-1), out=above)  # [B, H, u, v]: unit v scores above unit u
         if m.k_g is None:
-            sel = torch.matmul(above, self.tok_g.unsqueeze(-1)).squeeze(-1) < m.coarse_factor * R
+            sel = torch.matmul(above, self.tok_g.unsqueeze(-1)).squeeze(-1) < cfR
         else:
             sel = above.sum(-1) < m.k_g
         prim = torch.where(sel.gather(2, self._chunk_unit), sc.gather(2, self._chunk_cluster), neg)
         o1 = torch.sort(sc[:, :, P + L:], dim=-1, descending=True, stable=True).indices
         top, o2 = torch.sort(prim.gather(2, o1), dim=-1, descending=True, stable=True)
         order = o1.gather(2, o2[:, :, :cmax])  # the chunks in reading order (at most cmax fit R)
-        lens = slen[order]
+        sl = start_len.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, 2))  # their first rows and lengths
+        lens = sl[..., 1]
         take = lens.cumsum(-1) <= R
         if m.k_g is not None:  # kept units may hold fewer than R tokens: never read past them
             take &= top[:, :, :cmax] > NEG
         lens = lens * take
-        tok = start.gather(2, order).unsqueeze(-1) + within  # [B, H, cmax, max_chunk] storage rows
+        tok = sl[..., 0].unsqueeze(-1) + within  # [B, H, cmax, max_chunk] storage rows
         if m.buffer < m.max_chunk - m.min_chunk:  # a chunk's padding could run past the storage's last row
             tok.clamp_max_(last_row)
         # the read tokens first, in order (a stable sort of the padding flags), the first C slots kept
         pad, first = torch.sort((within >= lens.unsqueeze(-1)).view(b, hkv, -1), dim=-1, stable=True)
-        return order, lens, sel, pad[:, :, :C], tok.view(b, hkv, -1).gather(2, first[:, :, :C])
+        torch.gather(tok.view(b, hkv, -1), 2, first[:, :, :C], out=out)
+        return order, lens, sel, pad[:, :, :C]
 
     def _token_set(self, starts: torch.Tensor, cid: torch.Tensor, lens: torch.Tensor, fr: int, n: int):
         """The held tokens a retrieval reads, as ``retrieve`` returns them: idx / valid [B, H, sink + cmax *
@@ -834,7 +897,7 @@ class Lychee(KVMethod):
 
     def policy_for_layer(self, info: LayerInfo) -> LayerPolicy:
         if info.layer_idx < self.full_layers:
-            return LayerPolicy(self, info)
+            return StaticExactPolicy(self, info)  # exact, graph-ready as the retrieval layers
         return super().policy_for_layer(info)
 
     def describe(self) -> str:

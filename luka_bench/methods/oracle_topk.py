@@ -119,7 +119,7 @@ class OracleTopKPolicy(LayerPolicy):
         """The free-slot mask over the storage [B * Hkv, 1, cap], shared by the layers (one ``index_fill_`` per step
         opens the new slot for all of them: ``MethodCache.held_mask``)."""
         K = store.storage()[0]
-        return store.cache.held_mask("oracle_storage", K.shape[2], store.n, store.static_slot, K.shape[0] * K.shape[1],
+        return store.cache.held_mask("storage", K.shape[2], store.n, store.static_slot, K.shape[0] * K.shape[1],
                                      dtype, K.device)
 
     @property

@@ -177,8 +177,9 @@ void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
 }
 
 // One decode query's LycheeCluster choice (lychee.LycheePolicy._decode_attend on the CPU). q [B, H, g, D] fp32:
-// the query heads of each KV head; tab [B, H, D + 2, P + L + M] fp32: each unit's, fine cluster's and chunk's
-// column [centroid or key, radius, 0 or -inf]; the scores are [sum of q, sum of |q| (ub) or 0, 1] @ tab.
+// the query heads of each KV head; tab [B, H, D + g + 1, P + L + M] fp32: each unit's, fine cluster's and chunk's
+// column [centroid or key, its radius g times, 0 or -inf]; the scores are [sum of q, |q_1| .. |q_g| (ub) or 0, 1]
+// @ tab.
 // chunk_unit [B, H, M] (unit of each chunk), chunk_cluster [B, H, M] (its cluster's score index), tok_g [B, H, P]
 // (tokens per unit), slen [M] (chunk lengths), start_rows [B, H, M] and rows [B, H, cap] (storage rows of each
 // chunk's first token and of each slot, flattened storage). Units: by score, descending (ties: lower index
@@ -200,7 +201,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lychee_de
   const at::Tensor start = start_in.contiguous(), rows = rows_in.contiguous();
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
   const int64_t N = tab.size(3), M = unit.size(2), cap = rows.size(2), T = S + C + (n - fr);
-  TORCH_CHECK(tab.size(2) == D + 2 && N == P + L + M, "lychee_decode: a [D + 2, P + L + M] table per head");
+  const int64_t E = D + G + 1;  // table rows: the key part, one radius row per query head of the group, the -inf row
+  TORCH_CHECK(tab.size(2) == E && N == P + L + M, "lychee_decode: a [D + G + 1, P + L + M] table per head");
   TORCH_CHECK(n <= cap && S <= fr, "lychee_decode: slots out of the storage");
   const bool write_bias = bias.defined() && bias.numel() > 0;
   if (write_bias)
@@ -218,12 +220,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lychee_de
   bool *Pd = pad.data_ptr<bool>(), *Se = sel.data_ptr<bool>();
   float* Bi = write_bias ? bias.data_ptr<float>() : nullptr;
   const float ninf = -std::numeric_limits<float>::infinity();
-  std::vector<float> qa(D + 2), sc(N);
+  std::vector<float> qa(E), sc(N);
   std::vector<int64_t> units(P), cand;
   cand.reserve(M);
   for (int64_t bh = 0; bh < B * H; ++bh) {
     const int64_t b = bh / H, h = bh % H;
-    // the group's summed query, the sum of its norms, 1
+    // the group's summed query, each query head's norm, 1
     std::fill(qa.begin(), qa.end(), 0.0f);
     for (int64_t i = 0; i < G; ++i) {
       const float* qi = Q + (bh * G + i) * D;
@@ -232,15 +234,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lychee_de
         qa[e] += qi[e];
         nn += qi[e] * qi[e];
       }
-      if (ub) qa[D] += std::sqrt(nn);
+      if (ub) qa[D + i] = std::sqrt(nn);
     }
-    qa[D + 1] = 1.0f;
+    qa[E - 1] = 1.0f;
     // every node's score: a row vector times the table (contiguous over the nodes)
-    const float* tb = Tb + bh * (D + 2) * N;
+    const float* tb = Tb + bh * E * N;
     std::fill(sc.begin(), sc.end(), 0.0f);
-    for (int64_t e = 0; e < D + 2; ++e) {
+    for (int64_t e = 0; e < E; ++e) {
       const float w = qa[e];
-      if (w == 0.0f && e != D + 1) continue;  // (the -inf column always counts: its weight is 1)
+      if (w == 0.0f && e != E - 1) continue;  // (the -inf row always counts: its weight is 1)
       axpy(w, tb + e * N, sc.data(), N);
     }
     const float* s = sc.data();
