@@ -241,9 +241,14 @@ def test_luka_mixed_assignment_scales_with_depth():
     dict(refine={"rule": "top_frac", "fraction": 0.4}, compressor="mean"),
     dict(refine={"rule": "none"}, compressor="zero_value"),
 ], ids=["topk", "parent_sink", "threshold_bias", "topfrac_mean", "none_zero"])
-def test_decode_fast_path_equals_general_path(kw, tiny_qwen3):
+@pytest.mark.parametrize("kernels", ["cpu", "portable"])
+def test_decode_fast_path_equals_general_path(kw, kernels, tiny_qwen3, monkeypatch):
     """The per-token fast path computes exactly what the general top-down path computes (logits and the
-    accumulated importance that later summaries are built from)."""
+    accumulated importance that later summaries are built from) — with the CPU's variant of the refined pages'
+    gather and with the portable one (``LUKA_BENCH_NO_KERNEL=1``: what CUDA runs)."""
+    from luka_bench.methods import cpu_kernel
+    if kernels == "portable":
+        monkeypatch.setenv(cpu_kernel.DISABLE_ENV, "1")
     model = tiny_qwen3.model
     fast, cf = run(model, luka(**kw))
     general_method = luka(**kw)
@@ -305,18 +310,22 @@ def test_decode_attended_count_equals_the_mask(kw, tiny_qwen3):
 
 @pytest.mark.parametrize("kw", [dict(refine={"rule": "top_k", "k": 2}),
                                 dict(refine={"rule": "threshold", "threshold": 0.03}, sink=4)], ids=["topk", "sink"])
-def test_the_fixed_shape_decode_step_equals_the_step_over_the_held_tokens(kw, tiny_gqa3, monkeypatch):
+@pytest.mark.parametrize("kernels", ["cpu", "portable"])
+def test_the_fixed_shape_decode_step_equals_the_step_over_the_held_tokens(kw, kernels, tiny_gqa3, monkeypatch):
     """The graph-ready decode step (the new token written into the store and the cover at slots held on the device,
     attention over the cover's fixed-width tail region with its free slots masked, the refined pages gathered
     straight into the cover's scratch) gives the logits and accumulated importance of the step written at Python
     slots, at every step, through compressions (the cover updated in place, then outgrown), a storage
     reallocation and a clone."""
+    from luka_bench.methods import cpu_kernel
     from luka_bench.methods.luka_clustered import LuKAPolicy
 
     model = tiny_gqa3.model
     ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(6))
 
     def run(static):
+        if kernels == "portable":
+            monkeypatch.setenv(cpu_kernel.DISABLE_ENV, "1")
         monkeypatch.setattr(LuKAPolicy, "static_decode", static)
         monkeypatch.setattr(LuKAPolicy, "COVER_ROOM", 4)
         steps, widths, grew = [], set(), set()

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from luka_bench.methods.base import LayerInfo, LayerPolicy, MethodConfigError, StaticExactPolicy
+from luka_bench.methods.base import LayerInfo, MethodConfigError, StaticExactPolicy
 from luka_bench.methods.full import Full
 from luka_bench.methods.hf import MethodCache, attach
 from luka_bench.methods.lychee import (Chunker, Lychee, LycheePolicy, boundary_levels, split_chunks, token_levels,
@@ -531,10 +531,11 @@ def test_the_fixed_shape_decode_step_equals_the_step_over_the_held_tokens(opts, 
                   **opts)
 
     def run(static):
+        monkeypatch.setenv(cpu_kernel.DISABLE_ENV, "1")  # the torch path throughout (StaticExactPolicy included)
         monkeypatch.setattr(LycheePolicy, "static_decode", static)
         monkeypatch.setattr(StaticExactPolicy, "static_decode", static)
         steps, grew, closings = [], set(), set()
-        with attach(model, Lychee(**method)) as a, torch.no_grad(), cpu_kernel.kernels_off():
+        with attach(model, Lychee(**method)) as a, torch.no_grad():
             c = a.new_cache()
             model(ids[:, :120], past_key_values=c)
             for t in range(120, 260):

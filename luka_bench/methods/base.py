@@ -199,12 +199,14 @@ class StaticExactPolicy(LayerPolicy):
     cache, opened by one ``index_fill_`` per step for all layers: ``MethodCache.held_mask``): graph-ready, at the
     price of reading up to ``KVStore.GROWTH`` x the held tokens' keys and values. For the exact layers of a method
     whose other layers are graph-ready (LycheeCluster's ``full_layers``); a layer with a sliding window, a query
-    chunk and a step written at a Python slot take ``exact_attention``."""
+    chunk, a step written at a Python slot and the CPU with its kernels on (``cpu_kernel.cpu_fast``: there SDPA over
+    the masked storage took 1.3x SDPA over the held tokens at 8K) take ``exact_attention``."""
 
     static_decode = True
 
     def attend(self, store: "KVStore", query: torch.Tensor, scaling: float) -> torch.Tensor:
-        if query.shape[2] != 1 or store.static_slot is None or self.info.sliding_window is not None:
+        if query.shape[2] != 1 or store.static_slot is None or self.info.sliding_window is not None or \
+                cpu_kernel.cpu_fast(query.device):  # CPU SDPA with a mask over the storage: slower, and no graph
             return exact_attention(store, query, scaling, self.info.sliding_window)
         K, V = store.storage()
         b, hq, _, d = query.shape

@@ -391,11 +391,18 @@ class KVStore(CacheLayerMixin):
         """``gather`` for row ids already in the flattened storage (index + ``row_offsets()``, flattened; [B *
         Hkv * m]), for a policy that builds them in fewer ops on its per-step path. Keys and values in one
         ``index_select`` where they are stored stacked."""
-        if self._kv is not None:
-            b, h, cap, d = self._k.shape
-            rows = self._kv.view(2, b * h * cap, d).index_select(1, flat).view(2, b, h, m, d)
+        rows = self.gather_stacked(flat, m)
+        if rows is not None:
             return rows[0], rows[1]
         return _rows(self._k, flat, m), _rows(self._v, flat, m)
+
+    def gather_stacked(self, flat: torch.Tensor, m: int) -> torch.Tensor | None:
+        """``gather_flat``'s keys and values as one tensor [2, B, Hkv, m, D] (one copy moves both), or None where
+        they are stored apart."""
+        if self._kv is None:
+            return None
+        b, h, cap, d = self._k.shape
+        return self._kv.view(2, b * h * cap, d).index_select(1, flat).view(2, b, h, m, d)
 
     def storage(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values over the whole allocated capacity [B, Hkv, cap, D] (slots from ``n`` on are free: zero
