@@ -75,9 +75,9 @@ class LuKAPolicy(LayerPolicy):
         self.steps = 0
         self._last_p: torch.Tensor | None = None  # the fast path's resolved masses (last_masses, for tests)
         self._last_total: torch.Tensor | None = None
-        # Decode fast path (one query, one level): the cover's keys/values [sink | page summaries | raw tail] in
-        # one buffer, rebuilt when pages are made and appended to as tokens arrive, so a step is one matmul over
-        # the cover instead of one per part.
+        # Decode fast path (one query, one level): the cover's keys/values [sink | page summaries | tail region |
+        # scratch] in one buffer (``_cover``), updated when pages are made and written as tokens arrive, so a step
+        # is one matmul over the cover instead of one per part.
         self.cov_k: torch.Tensor | None = None
         self.cov_v: torch.Tensor | None = None
         self.cov_kv: torch.Tensor | None = None  # both, stacked [2, ...], where they can be (``_alloc_cover``)
@@ -316,7 +316,8 @@ class LuKAPolicy(LayerPolicy):
                 self.cov_v[:, :, s0 + P: n + base] = V[:, :, fr:n]
             self.cov_w, self.cov_pages = s0 + P + T, P
         elif self.cov_raw == n - 1 and store.static_kv is not None:  # a decode step, at its slot
-            slot = store.cache.position_before(store.seen - 1, -base, store.device).view(1)
+            # the cover slot of raw token n - 1: the step's position less the tokens dropped before it, plus base
+            slot = store.cache.position_before(store.seen - 1, store.seen - n - base, store.device).view(1)
             k, v = store.static_kv
             self.cov_k.index_copy_(2, slot, k)
             self.cov_v.index_copy_(2, slot, v)
@@ -390,7 +391,8 @@ class LuKAPolicy(LayerPolicy):
         q = query.reshape(bh, g, d)  # a view for the usual layouts
         static = self.cov_raw == n - 1 and store.static_kv is not None and self.cov_pages == P
         W = self._cover(store)
-        slot = cache.position_before(store.seen - 1, fr - s0 - P, query.device).view(1) if static else None
+        slot = cache.position_before(store.seen - 1, store.seen - n + fr - s0 - P, query.device).view(1) \
+            if static else None  # the cover slot of the step's token (as in ``_cover``)
         mask = cache.held_mask("luka_cover", W, self.cov_n, slot, bh, query.dtype, query.device)  # [B*Hkv, 1, W]
         ck, cv = self.cov_k, self.cov_v
         # fp32: the cover's logits and the refined children's are written side by side into one buffer, so the

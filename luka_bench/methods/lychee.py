@@ -700,11 +700,12 @@ class LycheePolicy(LayerPolicy):
             T = S + C + width
             idx = self._static_layout(store, ch, rows, bias, S, C, fr, n, width)
             # R (tokens left to the chunks) = budget - sinks - (n - fr): from the position counter, once per step
-            R = cache.per_step(("lychee_R", m.token_budget - S + fr - 1), store.seen - 1, dev,
-                               lambda pos: torch.rsub(pos, m.token_budget - S + fr - 1))
+            # (n = the step's position + 1 - the tokens dropped before it)
+            top = m.token_budget - S + fr - 1 + store.seen - n
+            R = cache.per_step(("lychee_R", top), store.seen - 1, dev, lambda pos: torch.rsub(pos, top))
             cf = self._cf(dev)
             cfR = None if m.k_g is not None else cache.per_step(
-                ("lychee_cfR", m.token_budget - S + fr - 1), store.seen - 1, dev, lambda _: torch.mul(R, cf))
+                ("lychee_cfR", top), store.seen - 1, dev, lambda _: torch.mul(R, cf))
             torch.sum(qg, dim=2, dtype=torch.float32, out=qa[:, :, 0, :d])
             if m.ranking == "ub":  # each query head's norm weighs its own radius row: sum_i ||q_i|| r in the product
                 torch.linalg.vector_norm(qg, dim=-1, dtype=torch.float32, out=qa[:, :, 0, d: d + hq // hkv])
@@ -745,7 +746,7 @@ class LycheePolicy(LayerPolicy):
             lay = self._lay = (key, idx)
             self._open = None
         if self._open == n - fr - 1 and store.static_slot is not None:
-            slot = store.cache.position_before(store.seen - 1, fr - S - C, rows.device).view(1)
+            slot = store.cache.position_before(store.seen - 1, store.seen - n + fr - S - C, rows.device).view(1)
             bias.index_fill_(3, slot, 0.0)
         elif self._open != n - fr:
             bias[..., S + C: S + C + n - fr] = 0.0
