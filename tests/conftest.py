@@ -191,3 +191,37 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def fixed_and_python_slots(monkeypatch, model, method_factory, classes, ids, prefill: int, clone_at: int, record,
+                           env: dict | None = None, patches: tuple = ()):
+    """Teacher-forced decode of ``ids`` after a ``prefill``-token prefill, twice: with the graph-ready decode steps
+    (``static_decode`` on the policy ``classes``: the step written at a slot held on the device) and with them off
+    (written at Python slots); the cache is cloned before step ``clone_at``. Returns, per run, ([(logits,
+    record(cache)) per step], layers whose storage grew on the way). ``env``: variables set for both runs;
+    ``patches``: (object, attribute, value) set for both runs."""
+    from luka_bench.methods.hf import attach
+
+    def run(static):
+        for k, v in (env or {}).items():
+            monkeypatch.setenv(k, v)
+        for cls in classes:
+            monkeypatch.setattr(cls, "static_decode", static)
+        for obj, name, value in patches:
+            monkeypatch.setattr(obj, name, value)
+        steps, grew = [], set()
+        with attach(model, method_factory()) as a, torch.no_grad():
+            c = a.new_cache()
+            model(ids[:, :prefill], past_key_values=c)
+            for t in range(prefill, ids.shape[1]):
+                if t == clone_at:
+                    c = c.clone()
+                caps = [s.storage()[0].shape[2] for s in c.stores]
+                logits = model(ids[:, t: t + 1], past_key_values=c).logits[0, -1]
+                grew |= {i for i, s in enumerate(c.stores) if s.storage()[0].shape[2] != caps[i]}
+                assert all((s.static_slot is not None) == static for s in c.stores)
+                steps.append((logits, record(c)))
+        monkeypatch.undo()
+        return steps, grew
+
+    return run(True), run(False)

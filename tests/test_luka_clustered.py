@@ -10,7 +10,7 @@ from luka_bench.methods.full import Full
 from luka_bench.methods.hf import attach, layer_infos
 from luka_bench.methods.luka_clustered import MASS, LuKAClustered
 
-from conftest import compose, tiny
+from conftest import compose, fixed_and_python_slots, tiny
 from test_methods_core import method_logits
 
 IDS = torch.randint(0, 256, (1, 140), generator=torch.Generator().manual_seed(21))
@@ -320,33 +320,15 @@ def test_the_fixed_shape_decode_step_equals_the_step_over_the_held_tokens(kw, ke
     from luka_bench.methods import cpu_kernel
     from luka_bench.methods.luka_clustered import LuKAPolicy
 
-    model = tiny_gqa3.model
     ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(6))
-
-    def run(static):
-        if kernels == "portable":
-            monkeypatch.setenv(cpu_kernel.DISABLE_ENV, "1")
-        monkeypatch.setattr(LuKAPolicy, "static_decode", static)
-        monkeypatch.setattr(LuKAPolicy, "COVER_ROOM", 4)
-        steps, widths, grew = [], set(), set()
-        with attach(model, luka(**kw)) as a, torch.no_grad():
-            c = a.new_cache()
-            model(ids[:, :40], past_key_values=c)
-            for t in range(40, 200):
-                if t == 120:
-                    c = c.clone()
-                caps = [s.storage()[0].shape[2] for s in c.stores]
-                logits = model(ids[:, t: t + 1], past_key_values=c).logits[0, -1]
-                grew |= {i for i, s in enumerate(c.stores) if s.storage()[0].shape[2] != caps[i]}
-                assert all((s.static_slot is not None) == static for s in c.stores)
-                widths.add(c.stores[0].policy.cov_k.shape[2])
-                steps.append((logits, [s.aux(MASS).clone() for s in c.stores]))
-        monkeypatch.undo()
-        return steps, widths, grew
-
-    (fixed, widths, grew), (plain, _, _) = run(True), run(False)
+    env = {cpu_kernel.DISABLE_ENV: "1"} if kernels == "portable" else {}
+    (fixed, grew), (plain, _) = fixed_and_python_slots(
+        monkeypatch, tiny_gqa3.model, lambda: luka(**kw), [LuKAPolicy], ids, 40, 120,
+        lambda c: ([s.aux(MASS).clone() for s in c.stores], c.stores[0].policy.cov_k.shape[2]), env,
+        patches=[(LuKAPolicy, "COVER_ROOM", 4)])  # the cover outgrown within the run
+    widths = {w for _, (_, w) in fixed}
     assert grew and len(widths) > 1  # the storage grew and the cover was outgrown on the way
-    for (lf, mf), (lp, mp) in zip(fixed, plain):
+    for (lf, (mf, _)), (lp, (mp, _)) in zip(fixed, plain):
         torch.testing.assert_close(lf, lp, rtol=1e-5, atol=1e-6)
         for a_, b_ in zip(mf, mp):
             torch.testing.assert_close(a_, b_, rtol=1e-5, atol=1e-6)

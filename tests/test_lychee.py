@@ -15,6 +15,7 @@ from luka_bench.methods.lychee import (Chunker, Lychee, LycheePolicy, boundary_l
                                        vocab_levels)
 from luka_bench.models import byte_tokenizer
 from luka_bench.engine import forward, prefill
+from conftest import fixed_and_python_slots
 
 TEXT = ("The cat sat on the mat. It was happy, and calm; very calm!\n\nThen {x: [1, 2]} > 3 and more text "
         "follows here without much structure at all for a while so that chunks are forced somewhere. ") * 6
@@ -525,33 +526,14 @@ def test_the_fixed_shape_decode_step_equals_the_step_over_the_held_tokens(opts, 
     slots, at every step, through chunk closings, a storage reallocation and a clone."""
     from luka_bench.methods import cpu_kernel
 
-    model = tiny_gqa3.model
     ids = torch.randint(0, 256, (1, 260), generator=torch.Generator().manual_seed(7))
     method = dict(token_budget=96, sink=4, buffer=16, min_chunk=8, max_chunk=16, chunking="fixed", full_layers=1,
                   **opts)
-
-    def run(static):
-        monkeypatch.setenv(cpu_kernel.DISABLE_ENV, "1")  # the torch path throughout (StaticExactPolicy included)
-        monkeypatch.setattr(LycheePolicy, "static_decode", static)
-        monkeypatch.setattr(StaticExactPolicy, "static_decode", static)
-        steps, grew, closings = [], set(), set()
-        with attach(model, Lychee(**method)) as a, torch.no_grad():
-            c = a.new_cache()
-            model(ids[:, :120], past_key_values=c)
-            for t in range(120, 260):
-                if t == 200:
-                    c = c.clone()
-                caps = [s.storage()[0].shape[2] for s in c.stores]
-                logits = model(ids[:, t: t + 1], past_key_values=c).logits[0, -1]
-                grew |= {i for i, s in enumerate(c.stores) if s.storage()[0].shape[2] != caps[i]}
-                closings.add(c.stores[1].policy.M)
-                assert all((s.static_slot is not None) == static for s in c.stores)
-                steps.append((logits, c.stores[1].policy.attended(c.stores[1])))
-        monkeypatch.undo()
-        return steps, grew, closings
-
-    (fixed, grew, closings), (plain, _, _) = run(True), run(False)
-    assert grew and len(closings) > 5
-    for (lf, af), (lp, ap) in zip(fixed, plain):
+    (fixed, grew), (plain, _) = fixed_and_python_slots(
+        monkeypatch, tiny_gqa3.model, lambda: Lychee(**method), [LycheePolicy, StaticExactPolicy], ids, 120, 200,
+        lambda c: (c.stores[1].policy.attended(c.stores[1]), c.stores[1].policy.M),
+        env={cpu_kernel.DISABLE_ENV: "1"})  # the torch path throughout (StaticExactPolicy included)
+    assert grew and len({m for _, (_, m) in fixed}) > 5  # chunk closings on the way
+    for (lf, (af, _)), (lp, (ap, _)) in zip(fixed, plain):
         torch.testing.assert_close(lf, lp, rtol=1e-5, atol=1e-6)
         assert torch.equal(af, ap)

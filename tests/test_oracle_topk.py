@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny
+from conftest import fixed_and_python_slots, tiny
 from luka_bench.methods.base import LayerPolicy, MethodConfigError
 from luka_bench.methods.full import Full
 from luka_bench.methods.hf import attach
@@ -135,27 +135,10 @@ def test_the_fixed_shape_decode_step_reads_and_outputs_what_the_held_tokens_give
     alone, at every step, through a storage reallocation and in a clone."""
     from luka_bench.methods.oracle_topk import OracleTopKPolicy
 
-    model = tiny_gqa3.model
     ids = torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(5))
-
-    def run(static):
-        monkeypatch.setattr(OracleTopKPolicy, "static_decode", static)
-        steps, grew = [], set()
-        with attach(model, OracleTopK(token_budget=24)) as a, torch.no_grad():
-            c = a.new_cache()
-            model(ids[:, :40], past_key_values=c)
-            for t in range(40, 160):
-                if t == 100:
-                    c = c.clone()
-                caps = [s.storage()[0].shape[2] for s in c.stores]
-                logits = model(ids[:, t: t + 1], past_key_values=c).logits[0, -1]
-                grew |= {i for i, s in enumerate(c.stores) if s.storage()[0].shape[2] != caps[i]}
-                assert all((s.static_slot is not None) == static for s in c.stores)
-                steps.append((logits, [s.policy.top.sort(-1).values for s in c.stores]))
-        monkeypatch.undo()
-        return steps, grew
-
-    (fixed, grew), (plain, _) = run(True), run(False)
+    (fixed, grew), (plain, _) = fixed_and_python_slots(
+        monkeypatch, tiny_gqa3.model, lambda: OracleTopK(token_budget=24), [OracleTopKPolicy], ids, 40, 100,
+        lambda c: [s.policy.top.sort(-1).values for s in c.stores])
     assert grew  # the storage grew on the way
     for (lf, tf), (lp, tp) in zip(fixed, plain):
         torch.testing.assert_close(lf, lp, rtol=1e-5, atol=1e-6)
