@@ -26,8 +26,10 @@ from luka_bench.host_sync import SyncCounter, sync_method_config
 from luka_bench.launches import LaunchCounter, event_count, method_scope
 from luka_bench.models import TinyRandomModel
 
+from conftest import DEVICE
+
 PROMPT, STEPS = 300, 12
-pytestmark = [pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.device, pytest.mark.usefixtures("one_thread")]  # also on LUKA_TEST_DEVICE=cuda
 
 CASES = [
     pytest.param("streaming_llm", id="streaming_llm"),
@@ -42,7 +44,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def llama():
-    return TinyRandomModel(name="tiny_llama", arch="llama", num_hidden_layers=2, device="cpu",
+    return TinyRandomModel(name="tiny_llama", arch="llama", num_hidden_layers=2, device=DEVICE,
                            dtype="float32").load()
 
 
@@ -60,15 +62,16 @@ def _steps(model, method, tokenizer):
     """Per decode step: (luka_bench's traced ops, host syncs, tokens held per layer before, after, events)."""
     from luka_bench.methods import cpu_kernel, hf
 
-    ids = torch.randint(0, 200, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(0))
+    host = torch.randint(0, 200, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(0))
+    ids = host.to(model.device)
     out = []
     with hf.attach(model, method, tokenizer) as att, method_scope(), cpu_kernel.kernels_off():
         cache = att.new_cache(reference_length=PROMPT)
-        cache.add_tokens(ids[0, :PROMPT].tolist())
+        cache.add_tokens(host[0, :PROMPT].tolist())
         model(input_ids=ids[:, :PROMPT], past_key_values=cache, use_cache=True, logits_to_keep=1)
         for i in range(PROMPT, PROMPT + STEPS):
             x = ids[:, i: i + 1]
-            cache.add_tokens([int(ids[0, i])])
+            cache.add_tokens([int(host[0, i])])
             held, before = cache.held_tokens(), event_count(cache)
             with SyncCounter() as syncs, LaunchCounter(trace=True, method_only=True) as c:
                 model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -101,19 +104,20 @@ def test_the_position_counter_is_advanced_in_place_and_refilled_after_a_jump(lla
     method = instantiate(sync_method_config("h2o"), _convert_="all")
     from luka_bench.methods import hf
 
-    ids = torch.randint(0, 200, (1, 40), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 200, (1, 40), generator=torch.Generator().manual_seed(1)).to(llama.model.device)
+    dev = llama.model.device
     with hf.attach(llama.model, method, llama.tokenizer) as att:
         cache = att.new_cache()
         llama.model(input_ids=ids[:, :30], past_key_values=cache, use_cache=True)
         for t in range(30, 33):
             llama.model(input_ids=ids[:, t: t + 1], past_key_values=cache, use_cache=True)
-        counter = cache.position_tensor(32, torch.device("cpu"))
+        counter = cache.position_tensor(32, dev)
         assert counter.item() == 32
         other = cache.clone()
         llama.model(input_ids=ids[:, 33:34], past_key_values=cache, use_cache=True)
-        assert cache.position_tensor(33, torch.device("cpu")).item() == 33
-        assert other.position_tensor(32, torch.device("cpu")).item() == 32  # the clone's is its own
-        assert cache.position_tensor(7, torch.device("cpu")).item() == 7  # a jump refills
+        assert cache.position_tensor(33, dev).item() == 33
+        assert other.position_tensor(32, dev).item() == 32  # the clone's is its own
+        assert cache.position_tensor(7, dev).item() == 7  # a jump refills
         for s in cache.stores:  # the held positions are the logical ones, each once
             pos = s.positions[0, 0]
             assert int(pos.max()) == 33 and len(set(pos.tolist())) == s.n
