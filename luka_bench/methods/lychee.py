@@ -279,6 +279,8 @@ class LycheePolicy(LayerPolicy):
         t = [self.ck[:, :, : self.M], self.assign[:, :, : self.M], self.mu_c, self.r_c, self.cnt_c, self.tok_c,
              self.parent, self.mu_g, self.r_g, self.cnt_g, self.tok_g, self.u_members, self.u_start, self.u_count,
              self.c_members, self.c_start, self.c_count, self._tab, self._chunk_unit, self._chunk_cluster]
+        t += list(self._flat[1:3]) + [self._flat[4]] if self._flat is not None else []  # the decode path's row ids
+        t += [self._lay[1]] if self._lay is not None else []
         return sum(x.nbytes for x in t if x is not None)
 
     # -- hooks ---------------------------------------------------------------------------------------------
