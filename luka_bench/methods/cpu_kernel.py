@@ -34,8 +34,8 @@ def cpu_fast(device: torch.device) -> bool:
     kernels on): the portable ops are written for CUDA — fewest launches, fixed shapes for a graph — and a few
     of them are slower on the CPU than a variant with more ops (a gather over an expanded index: ~2.7x the row
     copy at LuKA's page sizes; SDPA with a mask over the whole storage: ~1.3x SDPA over the held tokens at 8K;
-    ``torch.utils.benchmark``, two threads). ``LUKA_BENCH_NO_KERNEL=1`` runs the portable ops everywhere (what the launch counter
-    and the graph-ready test check)."""
+    ``torch.utils.benchmark``, two threads). ``LUKA_BENCH_NO_KERNEL=1`` runs the portable ops everywhere (what the
+    launch counter and the graph-ready test check)."""
     return device.type == "cpu" and not disabled()
 
 

@@ -110,6 +110,7 @@ class KVStore(CacheLayerMixin):
         self._heads: tuple | None = None  # head_index(), keyed by storage shape
         self.static_slot: torch.Tensor | None = None  # the last decode step's slot, as a device tensor [1]
         self.static_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # that step's keys and values [B, Hkv, 1, D]
+        self._slot_at: tuple[int, int] = (0, 0)  # (seen, n) before that step: ``static_slot_at``
         self.n = 0
         self.seen = 0
         self.pos_shift = 0  # seen - the position the next token gets (StreamingLLM's positions=cache); 0: logical
@@ -267,6 +268,7 @@ class KVStore(CacheLayerMixin):
             # stale per-token state beyond n (its zero fill would slice at n)
             self.static_slot = self.cache.position_before(self.seen, self.seen - self.n, key_states.device).view(1)
             self.static_kv = (key_states, value_states)
+            self._slot_at = (self.seen, self.n)
             self._k.index_copy_(2, self.static_slot, key_states)
             self._v.index_copy_(2, self.static_slot, value_states)
         else:
@@ -403,6 +405,13 @@ class KVStore(CacheLayerMixin):
             return None
         b, h, cap, d = self._k.shape
         return self._kv.view(2, b * h * cap, d).index_select(1, flat).view(2, b, h, m, d)
+
+    def static_slot_at(self, offset: int) -> torch.Tensor:
+        """``static_slot + offset`` [1] (the last decode step's slot moved by ``offset``: where a policy mirrors the
+        step's token into a buffer of its own), a device tensor made once per step for all the layers asking with
+        the same offset (``MethodCache.position_before``)."""
+        seen, n = self._slot_at
+        return self.cache.position_before(seen, seen - n - offset, self.device).view(1)
 
     def storage(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values over the whole allocated capacity [B, Hkv, cap, D] (slots from ``n`` on are free: zero

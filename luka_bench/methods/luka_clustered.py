@@ -240,7 +240,7 @@ class LuKAPolicy(LayerPolicy):
             self._append(lvl, pi, k, v, w, value=False)
         if m.levels == 1 and self.use_fast_path:
             # the decode path's cover and its mask remade now, in the event step, not in the next (steady) step
-            W = self._cover(store)
+            W = self._cover(store)[0]
             store.cache.held_mask("luka_cover", W, self.cov_n, None, b * h, store.keys.dtype, store.device)
 
     def _combine(self, pi: torch.Tensor, x: torch.Tensor, out: torch.Tensor, value: bool = False) -> None:
@@ -280,19 +280,21 @@ class LuKAPolicy(LayerPolicy):
         g = self.info.num_heads // self.info.num_kv_heads
         return min(C, math.ceil(g / r.threshold - 1e-9)) if r.threshold > 0 else C
 
-    def _cover(self, store) -> int:
+    def _cover(self, store) -> tuple[int, torch.Tensor | None]:
         """Bring the cover buffer in sync with the store (see __init__); returns its width W = sink + pages + the
-        tail region. Laid out [sink | P page summaries | tail region | scratch for the refined pages' tokens]; the
-        tail region holds the raw tokens frontier..n-1 and free slots up to a width fixed between compressions
-        (the tail, a page and ``compress_every`` steps: what accumulates until the next compression), masked in
-        the step (``MethodCache.held_mask``). A decode step's token is written at a slot the device holds (the
-        cache's position counter less a per-compression offset, one kernel per step for all layers): consecutive
-        steps between compressions have the same ops on the same shapes (the graph-ready steady state)."""
+        tail region, and the device-held slot the step's token was written at (None: written at Python slots).
+        Laid out [sink | P page summaries | tail region | scratch for the refined pages' tokens]; the tail region
+        holds the raw tokens frontier..n-1 and free slots up to a width fixed between compressions (the tail, a
+        page and ``compress_every`` steps: what accumulates until the next compression), masked in the step
+        (``MethodCache.held_mask``). A decode step's token is written at a slot the device holds (the store's slot
+        plus a per-compression offset, one kernel per step for all layers: ``KVStore.static_slot_at``):
+        consecutive steps between compressions have the same ops on the same shapes (the graph-ready steady
+        state)."""
         m = self.method
         s0, P, fr, n = m.sink, self.P[1], self.frontier, store.n
         base = s0 + P - fr  # cover slot of raw token i: i + base
+        slot = None
         if self.cov_pages != P or self.cov_k is None or n - fr > self.cov_w - s0 - P:
-            K, V = store.keys, store.values
             old, T = self.cov_pages, self.cov_w - s0 - self.cov_pages
             if self.cov_k is not None and 0 <= old <= P and n - fr <= T and \
                     s0 + P + T + self._max_children() <= self.cov_k.shape[2]:
@@ -300,37 +302,35 @@ class LuKAPolicy(LayerPolicy):
             else:
                 T = max(m.tail + m.page_size + m.compress_every, n - fr + m.compress_every)
                 need = s0 + P + T + self._max_children()
-                self._alloc_cover(K, V, need + max(self.COVER_ROOM, need // 4))  # room for later pages
+                self._alloc_cover(store.keys, store.values, need + max(self.COVER_ROOM, need // 4))  # room for later
                 first = 0
-                if s0:
-                    self.cov_k[:, :, :s0] = K[:, :, :s0]
-                    self.cov_v[:, :, :s0] = V[:, :, :s0]
+                self._copy_raw(store, 0, s0, 0)
             if P > first:
                 self.cov_k[:, :, s0 + first: s0 + P] = self.sk[1][:, :, first:P]
                 self.cov_v[:, :, s0 + first: s0 + P] = self.sv[1][:, :, first:P]
-            new = store.stacked(fr, n)
-            if new is not None and self.cov_kv is not None:  # keys and values in one copy
-                self.cov_kv[:, :, :, s0 + P: n + base] = new
-            else:
-                self.cov_k[:, :, s0 + P: n + base] = K[:, :, fr:n]
-                self.cov_v[:, :, s0 + P: n + base] = V[:, :, fr:n]
+            self._copy_raw(store, fr, n, s0 + P)
             self.cov_w, self.cov_pages = s0 + P + T, P
         elif self.cov_raw == n - 1 and store.static_kv is not None:  # a decode step, at its slot
-            # the cover slot of raw token n - 1: the step's position less the tokens dropped before it, plus base
-            slot = store.cache.position_before(store.seen - 1, store.seen - n - base, store.device).view(1)
+            slot = store.static_slot_at(base)
             k, v = store.static_kv
             self.cov_k.index_copy_(2, slot, k)
             self.cov_v.index_copy_(2, slot, v)
-        elif self.cov_raw < n:
-            new = store.stacked(self.cov_raw, n)
-            lo, hi = self.cov_raw + base, n + base
-            if new is not None and self.cov_kv is not None:  # keys and values in one copy
-                self.cov_kv[:, :, :, lo:hi] = new
-            else:
-                self.cov_k[:, :, lo:hi] = store.keys[:, :, self.cov_raw: n]
-                self.cov_v[:, :, lo:hi] = store.values[:, :, self.cov_raw: n]
+        else:
+            self._copy_raw(store, self.cov_raw, n, self.cov_raw + base)
         self.cov_n, self.cov_raw = n + base, n
-        return self.cov_w
+        return self.cov_w, slot
+
+    def _copy_raw(self, store, start: int, stop: int, dst: int) -> None:
+        """The store's raw tokens start..stop-1 into the cover at dst.. (keys and values in one copy where both are
+        stacked)."""
+        if stop <= start:
+            return
+        new = store.stacked(start, stop)
+        if new is not None and self.cov_kv is not None:
+            self.cov_kv[:, :, :, dst: dst + stop - start] = new
+        else:
+            self.cov_k[:, :, dst: dst + stop - start] = store.keys[:, :, start:stop]
+            self.cov_v[:, :, dst: dst + stop - start] = store.values[:, :, start:stop]
 
     def _alloc_cover(self, like_k: torch.Tensor, like_v: torch.Tensor, cap: int) -> None:
         """Zeroed cover buffers of ``cap`` entries (a free slot is read, masked: never uninitialised bits, whose
@@ -389,10 +389,7 @@ class LuKAPolicy(LayerPolicy):
         hkv, n = self.info.num_kv_heads, store.n
         g, bh = hq // hkv, b * hkv
         q = query.reshape(bh, g, d)  # a view for the usual layouts
-        static = self.cov_raw == n - 1 and store.static_kv is not None and self.cov_pages == P
-        W = self._cover(store)
-        slot = cache.position_before(store.seen - 1, store.seen - n + fr - s0 - P, query.device).view(1) \
-            if static else None  # the cover slot of the step's token (as in ``_cover``)
+        W, slot = self._cover(store)
         mask = cache.held_mask("luka_cover", W, self.cov_n, slot, bh, query.dtype, query.device)  # [B*Hkv, 1, W]
         ck, cv = self.cov_k, self.cov_v
         # fp32: the cover's logits and the refined children's are written side by side into one buffer, so the

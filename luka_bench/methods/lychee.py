@@ -748,8 +748,7 @@ class LycheePolicy(LayerPolicy):
             lay = self._lay = (key, idx)
             self._open = None
         if self._open == n - fr - 1 and store.static_slot is not None:
-            slot = store.cache.position_before(store.seen - 1, store.seen - n + fr - S - C, rows.device).view(1)
-            bias.index_fill_(3, slot, 0.0)
+            bias.index_fill_(3, store.static_slot_at(S + C - fr), 0.0)  # mask slot of raw token i: i + S + C - fr
         elif self._open != n - fr:
             bias[..., S + C: S + C + n - fr] = 0.0
             bias[..., S + C + n - fr: S + C + width] = NEG
