@@ -9,13 +9,19 @@ them runs unchanged on both and the tests can reach them with mocks of ``torch.c
 - ``host_to_device(values, device, dtype)``: host data (a list of numbers) on the device without a host
   synchronisation (pinned staging + ``non_blocking``; a plain ``torch.tensor(list, device=cuda)`` waits for the
   copy, a sync on every call);
-- ``synchronize(device)``: wait for the device (CUDA), nothing elsewhere.
+- ``synchronize(device)``: wait for the device (CUDA), nothing elsewhere;
+- ``rss_bytes(key)`` / ``reset_peak_rss()`` / ``release_memory()``: the process's resident set (``VmRSS``) and its
+  high-water mark (``VmHWM``), the mark's reset (Linux >= 4.0), and freeing what Python and the allocator hold —
+  the CPU's peak memory, which has no allocator counter.
 
 This module imports no other module of the package (the engine's ``warm_up`` uses it).
 """
 from __future__ import annotations
 
 import contextlib
+import gc
+import resource
+from pathlib import Path
 
 import torch
 
@@ -87,3 +93,37 @@ def synchronize(device) -> None:
     the CPU."""
     if _cuda(device):
         torch.cuda.synchronize(torch.device(device))
+
+
+def rss_bytes(key: str = "VmRSS") -> int:
+    """Bytes of a /proc/self/status memory line: ``VmRSS`` (resident now) or ``VmHWM`` (its high-water mark since the
+    process started or ``reset_peak_rss``); the lifetime peak (``ru_maxrss``) where /proc is missing."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's RSS high-water mark to the RSS now (Linux >= 4.0: "5" into /proc/self/clear_refs); False
+    where it cannot."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def release_memory() -> None:
+    """Free what Python no longer references and hand the allocator's free pages back to the OS (glibc), so that a
+    peak measured next starts from what is really held."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

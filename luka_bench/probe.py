@@ -56,7 +56,8 @@ from pathlib import Path
 
 import torch
 
-from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, exact_attention, sdpa
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy
+from luka_bench.methods.attention import exact_attention, sdpa
 
 METRICS = ("rel_err", "recall", "mass", "tokens", "bytes", "held", "needle_recall", "needle_mass",
            "needle_mass_read")

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import resource
@@ -53,6 +52,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 from luka_bench import config as _conf  # noqa: E402
+from luka_bench.device import release_memory, reset_peak_rss  # noqa: E402
+from luka_bench.device import rss_bytes as _status  # noqa: E402
 REFS = ("stock", "full")
 MASS_READERS = ("h2o", "luka_lined", "luka_clustered", "luka_mixed", "entropy_ols")  # prefill needs the masses
 EXPLICIT = "+explicit"  # suffix of a --kernel-ab run with LUKA_BENCH_NO_KERNEL=1
@@ -67,38 +68,6 @@ def compose_method(name: str, sets: list[str], model: list[str] = ()):
     overrides such as ``model=shape_llama31_8b``, ``model.dtype=bfloat16``)."""
     return _conf.compose_method([f"method={name}", *model]
                                 + ([f"method.{s}" for s in sets] if name == "luka_clustered" else []))
-
-
-def _status(key: str) -> int:
-    """Bytes of a /proc/self/status memory line (VmRSS, VmHWM); ru_maxrss where /proc is missing."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def release_memory() -> None:
-    """Free what the last method left (its cache) and hand the allocator's free pages back to the OS (glibc),
-    so the next method's peak RSS does not start from the last one's high-water mark."""
-    gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-def reset_peak_rss() -> bool:
-    """Reset the process's RSS high-water mark (Linux >= 4.0); False where it cannot."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 class Stock:

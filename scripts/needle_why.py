@@ -133,7 +133,7 @@ class Why:
 def snapkv_digits(cap, digits: list[int], needle: list[int], budget: float = 0.125) -> list[dict]:
     """SnapKV's selection at ``budget`` per layer from the captured queries, for several observation/pooling rules:
     the share of digit tokens (and needle tokens) kept, over layers and KV heads."""
-    from luka_bench.methods.base import top_indices
+    from luka_bench.methods.attention import top_indices
     from luka_bench.methods.snapkv import pool_scores, window_scores
 
     n = cap.context

@@ -30,8 +30,8 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, attention_with_extra, attention_with_mass, \
-    exact_attention, top_indices
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy
+from luka_bench.methods.attention import attention_with_extra, attention_with_mass, exact_attention, top_indices
 from luka_bench.methods.entropy_ols import EntropyOLS
 from luka_bench.methods.hf import MethodCache, attach
 

@@ -2,7 +2,7 @@
 order, so a sum's low bits change from run to run — and with them a k-means assignment, a centroid's rank or a
 top-k among near-ties. Where such sums feed a selection (LycheeCluster's chunk keys, k-means centroids and lazy
 updates; LuKA's accumulated token and page masses when a query chunk's queries refine the same pages) they are
-computed off the CPU without float atomics (``base.group_sum``, ``base.scatter_add_rows``,
+computed off the CPU without float atomics (``attention.group_sum``, ``attention.scatter_add_rows``,
 ``LycheePolicy._chunk_sums``); these tests force that path on the CPU (``dense=True``) and check it equals the
 CPU's scatter and dispatches no scatter_add. Ties themselves have a stated rule: LuKA's refinement and lychee's
 rankings take the earlier node (stable descending sorts, not ``topk``), k-means the lower-numbered centroid
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from luka_bench.methods import base
+from luka_bench.methods import attention
 from luka_bench.methods.base import LayerInfo
 from luka_bench.methods.luka_clustered import LuKAClustered, LuKAPolicy
 from luka_bench.methods.lychee import Lychee, LycheePolicy, spherical_kmeans
@@ -37,17 +37,17 @@ def test_group_sum_without_atomics_equals_scatter_add():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 50, 8, generator=gen).to(DEVICE)
     a = torch.randint(0, 7, (2, 3, 50), generator=gen).to(DEVICE)
-    ref = base.group_sum(x, a, 7, dense=False)
+    ref = attention.group_sum(x, a, 7, dense=False)
     with _Ops() as ops:
-        got = base.group_sum(x, a, 7, dense=True)
+        got = attention.group_sum(x, a, 7, dense=True)
     assert not {"scatter_add", "scatter_add_", "index_add", "index_add_"} & ops.names, ops.names
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
-    old = base.DENSE_ELEMENTS
+    old = attention.DENSE_ELEMENTS
     try:  # in blocks of groups when the one-hot would be large: the same sums
-        base.DENSE_ELEMENTS = 2 * 3 * 50 * 2
-        torch.testing.assert_close(base.group_sum(x, a, 7, dense=True), ref, rtol=1e-6, atol=1e-6)
+        attention.DENSE_ELEMENTS = 2 * 3 * 50 * 2
+        torch.testing.assert_close(attention.group_sum(x, a, 7, dense=True), ref, rtol=1e-6, atol=1e-6)
     finally:
-        base.DENSE_ELEMENTS = old
+        attention.DENSE_ELEMENTS = old
 
 
 def test_scatter_add_rows_without_atomics_equals_scatter_add():
@@ -57,10 +57,10 @@ def test_scatter_add_rows_without_atomics_equals_scatter_add():
     ids = torch.stack([torch.randperm(40, generator=gen)[:12] for _ in range(2 * 2 * 5)]).view(2, 2, 5, 12).to(DEVICE)
     src = torch.rand(2, 2, 5, 12, generator=gen).to(DEVICE)
     ref = torch.zeros(2, 2, 40, device=DEVICE)
-    base.scatter_add_rows(ref, ids, src, dense=False)
+    attention.scatter_add_rows(ref, ids, src, dense=False)
     got = torch.zeros(2, 2, 40, device=DEVICE)
     with _Ops() as ops:
-        base.scatter_add_rows(got, ids, src, dense=True)
+        attention.scatter_add_rows(got, ids, src, dense=True)
     assert "scatter_add_" not in ops.names and "scatter_add" not in ops.names, ops.names
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
 
@@ -84,7 +84,7 @@ def test_spherical_kmeans_same_bits_on_every_run(monkeypatch):
     x = torch.nn.functional.normalize(torch.randn(1, 2, 64, 16, generator=gen), dim=-1).to(DEVICE)
     runs = [spherical_kmeans(x, 9, 10) for _ in range(3)]
     assert all(torch.equal(r[0], runs[0][0]) and torch.equal(r[1], runs[0][1]) for r in runs)
-    real = base.group_sum
+    real = attention.group_sum
     monkeypatch.setattr("luka_bench.methods.lychee.group_sum", lambda x, a, k: real(x, a, k, dense=True))
     dense = [spherical_kmeans(x, 9, 10) for _ in range(3)]
     assert all(torch.equal(r[0], dense[0][0]) and torch.equal(r[1], dense[0][1]) for r in dense)

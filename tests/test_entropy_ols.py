@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from luka_bench.methods.base import MethodConfigError, attention_with_extra, attention_with_mass
+from luka_bench.methods.base import MethodConfigError
+from luka_bench.methods.attention import attention_with_extra, attention_with_mass
 from luka_bench.methods.entropy_ols import (EntropyOLS, bin_attention, fit_bias, fit_linear_map, fit_ols_entries,
                                             fit_values, kmeans)
 from luka_bench.methods.hf import attach
@@ -249,17 +250,17 @@ def test_no_state_leaks_between_prompts(tiny_llama):
 def test_prefill_entropy_from_the_blocked_pass_equals_the_explicit_softmax(hq, hkv, monkeypatch):
     """A CPU prefill with no extra entries takes the blocked single pass (entropy from P @ K: H_i = m_i + log l_i
     - s q_i . sum_j p_ij k_j): the same output, masses and normalised entropies as the explicit softmax."""
-    from luka_bench.methods import base
+    from luka_bench.methods import attention
 
     torch.manual_seed(hq)
     n, d = 300, 16
     k, v, q = torch.randn(1, hkv, n, d) * 2, torch.randn(1, hkv, n, d), torch.randn(1, hq, n, d) * 2
     calls = []
-    real = base._blocked_attention
-    monkeypatch.setattr(base, "_blocked_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = attention._blocked_attention
+    monkeypatch.setattr(attention, "_blocked_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     fast = attention_with_extra(Held(k, v), q, 0.25)
     assert len(calls) == 1  # the blocked path ran
-    monkeypatch.setattr(base, "BLOCKED_MIN_QUERIES", 10 ** 9)
+    monkeypatch.setattr(attention, "BLOCKED_MIN_QUERIES", 10 ** 9)
     slow = attention_with_extra(Held(k, v), q, 0.25)
     assert len(calls) == 1
     for a, b_ in zip(fast, slow):

@@ -8,7 +8,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from luka_bench.methods.base import MethodConfigError, top_indices
+from luka_bench.methods.base import MethodConfigError
+from luka_bench.methods.attention import top_indices
 from luka_bench.methods.full import Full
 from luka_bench.methods.h2o import H2O, MASS, H2OPolicy
 from luka_bench.methods.hf import attach, layer_infos

@@ -20,7 +20,7 @@ import torch
 from hydra.utils import instantiate
 
 from luka_bench.host_sync import sync_method_config
-from luka_bench.methods import base
+from luka_bench.methods import attention
 from luka_bench.methods.full import Full
 from luka_bench.methods.hf import attach
 from luka_bench.methods.luka_clustered import LuKAClustered
@@ -169,8 +169,8 @@ def test_attention_masses_and_entropies_are_fp32(lq, dtype):
     q = torch.randn(1, 6, lq, 32, generator=gen).to(DEVICE, dtype)
     k = torch.randn(1, 2, 120, 32, generator=gen).to(DEVICE, dtype)
     v = torch.randn(1, 2, 120, 32, generator=gen).to(DEVICE, dtype)
-    out, mass = base.attention_with_mass(_Store(k, v), q, 32 ** -0.5)
-    _, mass2, _, ent, _ = base.attention_with_extra(_Store(k, v), q, 32 ** -0.5)
+    out, mass = attention.attention_with_mass(_Store(k, v), q, 32 ** -0.5)
+    _, mass2, _, ent, _ = attention.attention_with_extra(_Store(k, v), q, 32 ** -0.5)
     assert out.dtype == dtype and mass.dtype == mass2.dtype == ent.dtype == torch.float32
     # fp32 masses: every query's weights sum to 1 to fp32 precision, not to the dtype's (bf16: 1 +- 4e-3)
     assert abs(mass.sum().item() - 6 * lq) < 1e-5 * 6 * lq

@@ -267,7 +267,7 @@ def test_cli_full_gives_the_hf_models_samples_on_a_tiny_model(tiny_folder, task_
                        "--tasks", "luka_fixture", "--include_path", str(TASKS), "--limit", "2", "--log_samples",
                        "--output_path", str(tmp_path / "out"), "--device", "cpu"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "luka_bench: method=full (budget=1.0)" in out.stdout and "kv_ratio 1.000" in out.stdout
+    assert "luka_bench: method=full (budget=1.0, full_layers=0)" in out.stdout and "kv_ratio 1.000" in out.stdout
     results, samples = cli_samples(tmp_path / "out")
     assert results["config"]["luka_bench"]["n"] == 2 + 2 * 4
     hf = evaluate("hf", f"pretrained={tiny_folder},dtype=float32", ["luka_fixture_gen", "luka_fixture_mc"],

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from luka_bench.methods.base import LayerInfo, MethodConfigError, StaticExactPolicy
+from luka_bench.methods.base import LayerInfo, MethodConfigError
+from luka_bench.methods.policies import StaticExactPolicy
 from luka_bench.methods.full import Full
 from luka_bench.methods.hf import MethodCache, attach
 from luka_bench.methods.lychee import (Chunker, Lychee, LycheePolicy, boundary_levels, split_chunks, token_levels,

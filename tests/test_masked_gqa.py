@@ -1,8 +1,8 @@
 """Masked grouped-query attention (issue 37, item 2): a prefill chunk after a prefix, LASER-KV's blocks and Gemma3's
-sliding windows call ``base.sdpa`` with a mask and fewer KV heads than query heads. PyTorch runs such a call with
+sliding windows call ``attention.sdpa`` with a mask and fewer KV heads than query heads. PyTorch runs such a call with
 ``enable_gqa=True`` in its math backend on CUDA, which builds the whole [B, Hq, Lq, N] score matrix. These tests
 check that the path taken never does: on the CPU the op dispatched is the fused flash kernel; where SDPA has no
-fused masked-GQA kernel (``base.fused_masked_gqa`` False: CUDA, mocked here) the keys and values are repeated per
+fused masked-GQA kernel (``attention.fused_masked_gqa`` False: CUDA, mocked here) the keys and values are repeated per
 query head and the call is plain masked multi-head SDPA (on CUDA: the memory-efficient kernel); and the peak memory
 of a long chunk grows with chunk x N, not with chunk x N x heads — measured as the process's resident high-water
 mark, which the math backend's scores do move (checked in the same test, so the measurement can fail)."""
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from luka_bench.methods import base
+from luka_bench.methods import attention
 
 
 class _Ops(TorchDispatchMode):
@@ -71,10 +71,10 @@ def test_masked_gqa_chunk_takes_a_fused_kernel_not_math(dtype, window):
     ``exact_attention``): one fused flash op, none of the math backend's (bmm, softmax over [Hq, Lq, N])."""
     q, k, v = _chunk(dtype=dtype)
     store = _Store(k, v)
-    mask = base.chunk_mask(store, q.shape[2], window)
+    mask = attention.chunk_mask(store, q.shape[2], window)
     assert mask is not None
     with _Ops() as ops:
-        out = base.exact_attention(store, q, 0.125, window)
+        out = attention.exact_attention(store, q, 0.125, window)
     assert "_scaled_dot_product_flash_attention_for_cpu" in ops.names(), ops.names()
     assert not MATH_OPS & set(ops.names()), ops.names()
     tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}[dtype]
@@ -85,12 +85,12 @@ def test_masked_gqa_without_a_fused_kernel_expands_kv(monkeypatch):
     """Where SDPA has no fused masked-GQA kernel (CUDA; mocked with ``fused_masked_gqa`` False) a long masked chunk
     runs as multi-head SDPA over keys/values repeated per query head — exact — and no op ever holds [Hq, Lq, N];
     a short one (a masked decode step, whose scores are smaller than the copy) keeps the un-repeated call."""
-    monkeypatch.setattr(base, "fused_masked_gqa", lambda device: False)
+    monkeypatch.setattr(attention, "fused_masked_gqa", lambda device: False)
     q, k, v = _chunk()
     store = _Store(k, v)
-    mask = base.chunk_mask(store, q.shape[2], None)
+    mask = attention.chunk_mask(store, q.shape[2], None)
     with _Ops() as ops:
-        out = base.sdpa(q, k, v, 0.125, mask)
+        out = attention.sdpa(q, k, v, 0.125, mask)
     flash = [shapes for name, shapes in ops.calls if name == "_scaled_dot_product_flash_attention_for_cpu"]
     assert len(flash) == 1 and flash[0][1][1] == q.shape[1], flash  # keys with Hq heads: no enable_gqa
     hq, lq, n = q.shape[1], q.shape[2], k.shape[2]
@@ -99,7 +99,7 @@ def test_masked_gqa_without_a_fused_kernel_expands_kv(monkeypatch):
     torch.testing.assert_close(out.double(), _reference(q, k, v, mask, 0.125), rtol=1e-5, atol=1e-5)
     q1 = q[:, :, -4:]
     with _Ops() as ops:
-        base.sdpa(q1, k, v, 0.125, mask[-4:])
+        attention.sdpa(q1, k, v, 0.125, mask[-4:])
     flash = [shapes for name, shapes in ops.calls if name == "_scaled_dot_product_flash_attention_for_cpu"]
     assert flash and flash[0][1][1] == k.shape[1]  # un-repeated keys (enable_gqa)
 
@@ -138,9 +138,9 @@ def test_long_chunk_peak_memory_grows_with_the_chunk_not_with_the_heads(monkeypa
     for lq in (256, 512):
         q, k, v = _chunk(hq=hq, hkv=hkv, lq=lq, past=n - lq, d=d)
         store = _Store(k, v)
-        peaks[lq] = _peak_bytes(lambda: base.exact_attention(store, q, 0.125))
+        peaks[lq] = _peak_bytes(lambda: attention.exact_attention(store, q, 0.125))
         assert peaks[lq] < 16 * lq * n + 4 * 2**20, (lq, peaks[lq])
-        mask = base.chunk_mask(store, lq, None)
+        mask = attention.chunk_mask(store, lq, None)
 
         def math():
             with sdpa_kernel(SDPBackend.MATH):
@@ -149,11 +149,11 @@ def test_long_chunk_peak_memory_grows_with_the_chunk_not_with_the_heads(monkeypa
         assert _peak_bytes(math) >= hq * lq * n * 4  # the defect this guards against, visible to the measurement
     print(f"masked GQA chunk peak RSS (Hq={hq}, Hkv={hkv}, N={n}): {peaks} bytes; math scores "
           f"{ {lq: hq * lq * n * 4 for lq in peaks} }")
-    monkeypatch.setattr(base, "fused_masked_gqa", lambda device: False)
+    monkeypatch.setattr(attention, "fused_masked_gqa", lambda device: False)
     lq = 512
     q, k, v = _chunk(hq=hq, hkv=hkv, lq=lq, past=n - lq, d=d)
     store = _Store(k, v)
-    expanded = _peak_bytes(lambda: base.exact_attention(store, q, 0.125))
+    expanded = _peak_bytes(lambda: attention.exact_attention(store, q, 0.125))
     assert expanded < 16 * lq * n + 2 * hq * n * d * 4 + 4 * 2**20 < hq * lq * n * 4, expanded
 
 
@@ -173,14 +173,14 @@ def test_cuda_masked_gqa_chunk_peak_memory(window):
     torch.cuda.synchronize()
     base_bytes = torch.cuda.memory_allocated()
     devices.reset_peak(q.device)
-    out = base.exact_attention(store, q, d ** -0.5, window)
+    out = attention.exact_attention(store, q, d ** -0.5, window)
     torch.cuda.synchronize()
     peak = devices.peak_allocated(q.device) - base_bytes
     copy = 2 * hq * n * d * 2
     print(f"CUDA masked GQA chunk ({window=}): peak {peak / 2**20:.0f} MiB above the inputs; K/V copy "
           f"{copy / 2**20:.0f} MiB; math scores {hq * lq * n * 2 / 2**20:.0f} MiB")
     assert peak < copy + 16 * lq * n + 64 * 2**20
-    mask = base.chunk_mask(store, lq, window)
+    mask = attention.chunk_mask(store, lq, window)
     with sdpa_kernel(SDPBackend.MATH):
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d ** -0.5, enable_gqa=True)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)

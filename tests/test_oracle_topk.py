@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import fixed_and_python_slots, tiny
-from luka_bench.methods.base import LayerPolicy, MethodConfigError
+from luka_bench.methods.base import MethodConfigError
+from luka_bench.methods.policies import StaticExactPolicy
 from luka_bench.methods.full import Full
 from luka_bench.methods.hf import attach
 from luka_bench.methods.oracle_topk import OracleTopK, oracle_topk_attention
@@ -97,7 +98,7 @@ def test_budget_covering_everything_equals_full_through_the_runner(tiny_gqa3):
     assert got.attended["attended_ratio"] == 1.0
     # a binding budget reads exactly token_budget tokens per layer and KV head, and changes the answer's path
     small, c = answer(lm, OracleTopK(token_budget=8, sink=1, recent=2, full_layers=1), ctx, q)
-    assert type(c.stores[0].policy) is LayerPolicy
+    assert type(c.stores[0].policy) is StaticExactPolicy  # every method's full_layers: exact, graph-ready
     for s in c.stores[1:]:
         m = s.policy.attended(s)
         assert (m.sum(-1) == 8).all() and m[..., :1].all() and m[..., -2:].all()

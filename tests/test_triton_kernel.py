@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from luka_bench.methods import base, triton_kernel
+from luka_bench.methods import attention, triton_kernel
 
 from conftest import DEVICE
 
@@ -90,10 +90,10 @@ def test_cuda_prefill_takes_the_kernel_and_equals_the_explicit_path(monkeypatch)
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(1, 6, 300, 64, generator=gen).to("cuda")
     k, v = torch.randn(1, 2, 300, 64, generator=gen).to("cuda"), torch.randn(1, 2, 300, 64, generator=gen).to("cuda")
-    out, mass, _, ent, _ = base.attention_with_extra(_Store(k, v), q, 0.125)
+    out, mass, _, ent, _ = attention.attention_with_extra(_Store(k, v), q, 0.125)
     assert len(calls) == 1
     monkeypatch.setenv("LUKA_BENCH_NO_KERNEL", "1")
-    ref_out, ref_mass, _, ref_ent, _ = base.attention_with_extra(_Store(k, v), q, 0.125)
+    ref_out, ref_mass, _, ref_ent, _ = attention.attention_with_extra(_Store(k, v), q, 0.125)
     assert len(calls) == 1
     torch.testing.assert_close(mass, ref_mass, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)

@@ -2,7 +2,7 @@
 
 A *method* (``KVMethod``) is a typed, validated config (a dataclass built by Hydra from ``conf/method/*.yaml``)
 and a factory of per-layer *policies* (``LayerPolicy``). A policy holds the method's state for one layer of one
-prompt; a fresh set is made for every prompt (``luka_bench.methods.hf.MethodCache``), so nothing can leak
+prompt; a fresh set is made for every prompt (``luka_bench.methods.cache.MethodCache``), so nothing can leak
 between examples. The policy sees its layer's storage (``KVStore``: the physically held keys, values and the
 logical position of every held token) and acts at these points:
 
@@ -74,23 +74,100 @@ Conventions (all methods):
 - Logical length (``KVStore.seen``: RoPE positions, ``cache_position``) and physical length (``KVStore.n``:
   tensors held) are kept apart. Keys are cached after RoPE, so evicting a token never changes another's position.
 
-This module depends on torch only; everything that touches transformers internals is in ``hf.py``.
+Where the parts live (imports run one way, from the bottom up; no module imports one above it, not even for
+types): ``attention.py`` (the numerics: SDPA, masks, attention with masses, kernel dispatch) <- this module (the
+interface: ``LayerInfo``, ``LayerPolicy``, ``KVMethod``, the errors, and the ``Store`` / ``PromptCache`` protocols
+that name what a policy may use of the store and the cache above it) <- ``store.py`` (``KVStore``) <- ``policies.py``
+(the stock policies: sliding windows, exact layers; which policy runs on a layer) <- ``cache.py`` (``MethodCache``:
+a prompt's stores, lifecycle, state, token ids, clone) <- the method files <- ``hf.py`` (the transformers glue).
+This module depends on torch only.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from dataclasses import dataclass, fields
+from typing import Any, Callable, ClassVar, ContextManager, NamedTuple, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from luka_bench.errors import OneLineError
 
-from . import cpu_kernel
+from .attention import HeldKV, exact_attention
 
-if TYPE_CHECKING:  # pragma: no cover
-    from luka_bench.methods.hf import KVStore, MethodCache
+
+class PromptCache(Protocol):
+    """What a policy or a method-level hook may use of the prompt's cache (``luka_bench.methods.cache.MethodCache``):
+    its phase, its layers' stores, the per-prompt state, the question and the token ids, the scratch forward, the
+    timers, and the per-step device values that keep a decode step's ops free of step-dependent Python numbers."""
+
+    phase: str  # "prefill" | "decode" | "scratch"
+    reference_length: int
+    question_ids: list[int] | None
+    token_ids: list[int]
+    state: dict
+    model: Any
+
+    @property
+    def stores(self) -> list["Store"]: ...
+
+    @property
+    def seen(self) -> int: ...
+
+    def scratch_forward(self, ids, start: int | None = None) -> torch.Tensor: ...
+
+    def span(self, key: str, device: torch.device) -> ContextManager: ...
+
+    def mark(self, device: torch.device) -> Any: ...
+
+    def add_span(self, key: str, start: Any, end: Any) -> None: ...
+
+    def position_tensor(self, seen: int, device: torch.device) -> torch.Tensor: ...
+
+    def position_before(self, seen: int, delta: int, device: torch.device) -> torch.Tensor: ...
+
+    def per_step(self, key: Any, seen: int, device: torch.device, make: Callable) -> torch.Tensor: ...
+
+    def held_mask(self, name: str, width: int, held: int, slot: torch.Tensor | None, rows: int,
+                  dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+
+class Store(HeldKV, Protocol):
+    """What a policy may use of its layer's storage (``luka_bench.methods.store.KVStore``, whose docstrings say what
+    each does): the held keys, values and positions, per-token state (``aux``), removals (``keep``, ``keep_ends``,
+    ``evict_into``, ``move_last_into``), row gathers, and the fixed-shape views of a graph-ready decode step."""
+
+    policy: "LayerPolicy"
+    pos_shift: int
+    compressed_in_forward: bool  # the policy's after_prefill ran inside the prefill's forward
+    static_slot: torch.Tensor | None
+    static_kv: tuple[torch.Tensor, torch.Tensor] | None
+
+    @property
+    def cache(self) -> PromptCache: ...
+
+    @property
+    def reference_length(self) -> int: ...
+
+    def aux(self, name: str, dtype: torch.dtype = torch.float32, zero_new: bool = True,
+            whole: bool = False) -> torch.Tensor: ...
+
+    def keep(self, index: torch.Tensor) -> None: ...
+
+    def keep_ends(self, head: int, tail: int) -> None: ...
+
+    def evict_into(self, slot: torch.Tensor, sources: dict[str, torch.Tensor] | None = None) -> None: ...
+
+    def move_last_into(self, slot: torch.Tensor, start: int = 0) -> None: ...
+
+    def positions_before(self, stop: int) -> torch.Tensor: ...
+
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def static_slot_at(self, offset: int) -> torch.Tensor: ...
+
+    def rotate_keys(self, start: int, stop: int, delta: int) -> None: ...
 
 
 class MethodConfigError(OneLineError, ValueError):
@@ -136,32 +213,37 @@ class LayerPolicy:
     # at a slot held on the device (``KVStore.static_slot``), so consecutive steps dispatch the same ops on the same
     # shapes until the storage grows (the graph-ready steady state, tests/test_graph_ready.py).
     static_decode: bool = False
+    # True for a policy whose ``after_prefill`` needs only its own store and what its ``attend`` kept: in the forward
+    # that ends the prefill it runs right after the layer's attention (``KVMethod.compresses_in_forward``), so that
+    # the layer's full keys and values are freed before the next layer runs — one layer's full cache alive at a
+    # time, not all of them (the scorer base's methods)
+    layer_local_prefill: bool = False
 
     def __init__(self, method: "KVMethod", info: LayerInfo):
         self.method = method
         self.info = info
 
     # -- hook points ---------------------------------------------------------------------------------------
-    def attend(self, store: "KVStore", query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend(self, store: "Store", query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of ``query`` [B, Hq, Lq, D] over everything ``store`` holds (the last Lq held tokens are the
         query tokens themselves). Returns [B, Hq, Lq, D]."""
         return exact_attention(store, query, scaling, self.info.sliding_window)
 
-    def after_prefill(self, store: "KVStore") -> None:
+    def after_prefill(self, store: "Store") -> None:
         """Called once after the context prefill."""
 
-    def after_step(self, store: "KVStore") -> None:
+    def after_step(self, store: "Store") -> None:
         """Called after ``attend`` on every forward that follows the prefill."""
 
     # -- what the last ``attend`` read (fidelity probe, attended-tokens metric) --------------------------------
-    def attended(self, store: "KVStore") -> torch.Tensor | None:
+    def attended(self, store: "Store") -> torch.Tensor | None:
         """Which held tokens the last ``attend`` call read: a boolean mask [B, Hkv, n] over the store's held
         tokens (per KV head; for a query chunk, the union over its queries), or None when it read every held
         token (exact attention). Methods that attend to a subset (LuKA clustered's refined pages + raw tail,
         LycheeCluster's retrieved chunks) override it; positions are ``store.positions[mask]``."""
         return None
 
-    def attended_count(self, store: "KVStore") -> float | torch.Tensor | DeviceCount:
+    def attended_count(self, store: "Store") -> float | torch.Tensor | DeviceCount:
         """How many held tokens the last ``attend`` read, per KV head (mean over batch and heads): the harness
         records it after every decode forward. From the ``attended`` mask (a 0-d device tensor: reading it on the
         host would sync every step; the harness resolves all of them at once); a policy that knows the count
@@ -180,7 +262,7 @@ class LayerPolicy:
         count against the budget like held tokens (FAIR accounting, ``MethodCache.method_report``)."""
         return 0
 
-    def report(self, store: "KVStore") -> dict[str, float]:
+    def report(self, store: "Store") -> dict[str, float]:
         """Method-specific numbers for this layer at the end of an item (e.g. flushes, synthetic entries);
         summed over layers into the record's ``method_stats`` and averaged over items into metrics.json."""
         return {}
@@ -190,45 +272,8 @@ class LayerPolicy:
         """Bytes of KV-like state the policy holds besides the store (e.g. summary keys/values)."""
         return 0
 
-    def capacity(self, store: "KVStore") -> int:
+    def capacity(self, store: "Store") -> int:
         return self.method.capacity(store.seen, store.reference_length)
-
-
-class StaticExactPolicy(LayerPolicy):
-    """Exact attention whose decode step reads the store's whole capacity with the free slots masked (one mask per
-    cache, opened by one ``index_fill_`` per step for all layers: ``MethodCache.held_mask``): graph-ready, at the
-    price of reading up to ``KVStore.GROWTH`` x the held tokens' keys and values. For the exact layers of a method
-    whose other layers are graph-ready (LycheeCluster's ``full_layers``); a layer with a sliding window, a query
-    chunk, a step written at a Python slot and the CPU with its kernels on (``cpu_kernel.cpu_fast``: there SDPA over
-    the masked storage took 1.3x SDPA over the held tokens at 8K) take ``exact_attention``."""
-
-    static_decode = True
-
-    def attend(self, store: "KVStore", query: torch.Tensor, scaling: float) -> torch.Tensor:
-        if query.shape[2] != 1 or store.static_slot is None or self.info.sliding_window is not None or \
-                cpu_kernel.cpu_fast(query.device):  # CPU SDPA with a mask over the storage: slower, and no graph
-            return exact_attention(store, query, scaling, self.info.sliding_window)
-        K, V = store.storage()
-        b, hq, _, d = query.shape
-        hkv, cap = K.shape[1], K.shape[2]
-        mask = store.cache.held_mask("storage", cap, store.n, store.static_slot, b * hkv, query.dtype, query.device)
-        out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), K, V,
-                                             attn_mask=mask.view(b, hkv, 1, cap), scale=scaling)
-        return out.view(b, hq, 1, V.shape[-1])
-
-
-class SlidingWindowPolicy(LayerPolicy):
-    """Exact attention within a sliding window (Gemma3's local layers), and physically only the window: after
-    every forward the layer keeps its last ``window - 1`` tokens, as transformers' own sliding layer does."""
-
-    moves_tokens_every_step = True
-
-    def attend(self, store: "KVStore", query: torch.Tensor, scaling: float) -> torch.Tensor:
-        out = exact_attention(store, query, scaling, self.info.sliding_window)
-        keep = self.info.sliding_window - 1
-        if store.n > keep and store.cache.phase != "scratch":  # a scratch forward's tokens are dropped after it
-            store.keep_ends(0, keep)
-        return out
 
 
 @dataclass
@@ -239,6 +284,9 @@ class KVMethod:
     """
 
     budget: float = 1.0
+    # the first ``full_layers`` layers keep every token and attend exactly (LycheeCluster's full first layers, the
+    # dense first layers of Quest and ClusterKV): one setting every method has (``policies.layer_policy`` obeys it)
+    full_layers: int = 0
 
     name: ClassVar[str] = "base"
     # True if the method wants to act on sliding-window layers too (default: they keep exact windowed attention).
@@ -253,6 +301,9 @@ class KVMethod:
                 "(e.g. method.budget=0.125)"
             )
         self.budget = float(b)
+        f = self.full_layers
+        if isinstance(f, bool) or not isinstance(f, int) or f < 0:
+            raise MethodConfigError(f"method.full_layers={f!r} must be an integer >= 0 (the first layers kept exact)")
 
     # -- budget --------------------------------------------------------------------------------------------
     def capacity(self, seen: int, reference_length: int = 0) -> int:
@@ -271,394 +322,57 @@ class KVMethod:
 
     # -- factory -------------------------------------------------------------------------------------------
     def policy_for_layer(self, info: LayerInfo) -> LayerPolicy:
-        """The policy that runs on one layer of one prompt. Override for per-layer assignment."""
-        if info.sliding_window is not None and not self.handles_sliding:
-            return SlidingWindowPolicy(self, info)
+        """The method's own policy for one layer of one prompt (override for per-layer choices). The cache asks
+        ``policies.layer_policy``, which gives the ``full_layers`` and the sliding-window layers (unless
+        ``handles_sliding``) their stock policies first and this method the rest."""
         return self.policy_class(self, info)
+
+    def check_layer(self, info: LayerInfo) -> None:
+        """Refuse, with a one-line ``MethodConfigError``, a layer the method cannot serve (asked for every layer,
+        before its policy is chosen)."""
 
     def prefill_chunk(self) -> int:
         """Prefill chunk size the method needs (the runner honours it); 0: no requirement."""
         return 0
 
-    def after_forward(self, cache: "MethodCache") -> None:
+    def after_forward(self, cache: "PromptCache") -> None:
         """Cross-layer hook after every model forward through ``cache`` (after the last layer; not for a scratch
         forward). ``cache.phase`` says whether it was a prefill chunk or a decode-phase forward."""
 
-    def after_prefill(self, cache: "MethodCache") -> None:
-        """Cross-layer hook after the context prefill; the default runs every layer's policy."""
+    def compresses_in_forward(self, cache: "PromptCache") -> bool:
+        """Whether the layers whose policy is ``layer_local_prefill`` compress inside the forward that ends the prefill
+        (each right after its attention) instead of after it: yes unless the method overrides ``after_prefill``
+        (a cross-layer or question-aware compression needs the whole prefilled cache; such a method says when it
+        can, as SnapKV without a question does). The result is the same tokens kept either way
+        (``tests/test_prefill_memory.py``); what changes is the peak memory of the prefill."""
+        return type(self).after_prefill is KVMethod.after_prefill
+
+    def after_prefill(self, cache: "PromptCache") -> None:
+        """Cross-layer hook after the context prefill; the default runs every layer's policy (but for the layers that
+        compressed inside the prefill's forward)."""
         for store in cache.stores:
-            store.policy.after_prefill(store)
+            if not store.compressed_in_forward:
+                store.policy.after_prefill(store)
 
     def describe(self) -> str:
-        return f"{self.name}(budget={self.budget:g})"
+        """The method and every setting, from its fields (one rule for every method: the run's report, lm-eval's
+        model string and the cache key all read it); ``full_layers`` only where it is set."""
+        shown = [(f.name, getattr(self, f.name)) for f in fields(self) if f.repr]
+        return f"{self.name}(" + ", ".join(f"{k}={_setting(v)}" for k, v in shown
+                                           if not (k == "full_layers" and v == 0)) + ")"
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Attention primitives shared by the methods (pure torch).
-# ---------------------------------------------------------------------------------------------------------
+def _setting(v: Any) -> str:
+    """A setting as ``describe`` writes it: floats as %g, methods by their own ``describe``, containers element-wise."""
+    if isinstance(v, KVMethod):
+        return v.describe()
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_setting(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], KVMethod):  # a layer rule (selector, method)
+        return f"{v[0]}: {_setting(v[1])}"
+    if isinstance(v, (list, tuple)):
+        return "[" + "; ".join(_setting(x) for x in v) + "]"
+    return str(v)
 
-def chunk_mask(
-    store: "KVStore", q_len: int, sliding_window: int | None
-) -> torch.Tensor | None:
-    """Boolean [Lq, Lk] mask for the last ``q_len`` held tokens attending to everything held, or None when
-    every query may see every held key. Causality: held tokens before the chunk are all in the past (eviction
-    only ever removes, appends go to the end); inside the chunk, query i sees chunk keys <= i. A sliding
-    window (Gemma3: a key is visible when q_pos - k_pos < window) is applied from the logical positions."""
-    n = store.n
-    past = n - q_len
-    windowed = sliding_window is not None and n > sliding_window
-    if not windowed and (q_len == 1 or past == 0):
-        return None  # decode step, or a plain causal prefill (SDPA's is_causal)
-    dev = store.device
-    qi = torch.arange(q_len, device=dev)
-    kj = torch.arange(n, device=dev)
-    mask = (kj[None, :] < past) | ((kj[None, :] - past) <= qi[:, None])
-    if sliding_window is not None:
-        # positions are identical across heads for a layer that never evicts per head
-        k_pos = store.positions[0, 0]
-        q_pos = store.seen - q_len + qi
-        mask = mask & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-    return mask
-
-
-def fused_masked_gqa(device: torch.device) -> bool:
-    """Whether PyTorch's SDPA runs a *masked* grouped-query call (``attn_mask`` with ``enable_gqa``) in a fused
-    kernel on ``device``. CPU: yes — its flash kernel takes both (``tests/test_methods_core.py`` checks the op
-    dispatched). CUDA: no — flash takes no mask and the efficient kernel no GQA, so PyTorch falls back to its math
-    backend, which builds the whole [B, Hq, Lq, N] score matrix (Llama-8B at 32K in 4,096-query chunks: ~17 GB
-    in fp32)."""
-    return device.type == "cpu"
-
-
-def _expand_kv(x: torch.Tensor, g: int) -> torch.Tensor:
-    """Keys or values [B, Hkv, N, D] repeated for the ``g`` query heads of each group: [B, Hkv * g, N, D] (a copy;
-    query head h reads KV head h // g, as ``enable_gqa`` does)."""
-    b, h, n, d = x.shape
-    return x[:, :, None].expand(b, h, g, n, d).reshape(b, h * g, n, d)
-
-
-def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-         mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Grouped-query SDPA without copying KV heads. query [B, Hq, Lq, D], key/value [B, Hkv, Lk, D].
-
-    A masked chunk (a prefill chunk after a prefix, LASER-KV's blocks, Gemma3's sliding windows) on a device where
-    SDPA has no fused masked-GQA kernel (``fused_masked_gqa``: CUDA) would run PyTorch's math backend and hold
-    the [B, Hq, Lq, N] scores; there the keys and values are repeated per query head instead (2 x Hq x N x D
-    elements, independent of the chunk: the scores' bytes exceed it from Lq > D x element size / 2 on) and the
-    call becomes plain multi-head SDPA with a mask, which the memory-efficient kernel serves. Short chunks (a
-    masked decode step) keep the math backend: their scores are smaller than the copy."""
-    b, hq, lq, d = query.shape
-    hkv = key.shape[1]
-    g = hq // hkv
-    if lq == 1 and mask is None and g > 1:
-        # One query per head: fold each KV group's query heads into the query-length axis, so SDPA runs once
-        # per KV head with no repeated keys (faster than enable_gqa on CPU at long contexts).
-        out = F.scaled_dot_product_attention(query.view(b, hkv, g, d), key, value, scale=scaling)
-        return out.view(b, hq, 1, value.shape[-1])
-    if mask is None and lq == key.shape[2]:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=lq > 1, scale=scaling,
-                                              enable_gqa=g > 1)
-    if g > 1 and mask is not None and not fused_masked_gqa(query.device) and \
-            lq * 4 > 2 * d * key.element_size():  # the scores (4 B per query and key) outgrow the K/V copy
-        return F.scaled_dot_product_attention(query, _expand_kv(key, g), _expand_kv(value, g), attn_mask=mask,
-                                              scale=scaling)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=g > 1)
-
-
-def group_logits(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Logits of grouped queries q [B, Hkv, g, Lq, D] against their KV head's keys k [B, Hkv, m, D]:
-    [B, Hkv, g, Lq, m] float32. The group's query heads are folded into the rows of one matmul per KV head; a
-    matmul broadcasting k over the group axis copies the keys g times first (one decode query over 4K keys: 6.9 ms
-    against 0.37 ms here). One 3-D ``bmm`` over (batch x KV head): a 4-D ``matmul`` adds about as much again
-    in call overhead, which a decode step's small matmuls feel."""
-    b, h, g, lq, d = q.shape
-    m = k.shape[2]
-    qf, kf = q.reshape(b * h, g * lq, d), k.reshape(b * h, m, d).transpose(1, 2)  # 3-D: ~2x cheaper call
-    if q.dtype == torch.float32 and k.dtype == torch.float32:
-        # the scaling inside the GEMM (beta=0: the input is not read): one kernel instead of a matmul and a mul_
-        return torch.baddbmm(qf.new_empty(()).expand(b * h, g * lq, m), qf, kf, beta=0.0,
-                             alpha=scaling).view(b, h, g, lq, m)
-    return torch.bmm(qf, kf).float().mul_(scaling).view(b, h, g, lq, m)
-
-
-def group_apply(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Weights w [B, Hkv, g, Lq, m] applied to their KV head's values v [B, Hkv, m, Dv]: [B, Hkv, g, Lq, Dv], the
-    group folded into the rows as in ``group_logits``."""
-    b, h, g, lq, m = w.shape
-    dv = v.shape[-1]
-    return torch.bmm(w.reshape(b * h, g * lq, m).to(v.dtype), v.reshape(b * h, m, dv)).view(b, h, g, lq, dv)
-
-
-def exact_attention(store: "KVStore", query: torch.Tensor, scaling: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
-    """Exact attention of the last query chunk over everything the store holds."""
-    mask = chunk_mask(store, query.shape[2], sliding_window)
-    return sdpa(query, store.keys, store.values, scaling, mask)
-
-
-BLOCKED_MIN_QUERIES = 64  # query chunks at least this long (prefills) take the blocked single pass on CPU
-
-
-def _blocked(query: torch.Tensor, lq: int) -> bool:
-    """Whether a query chunk takes ``_blocked_attention``: long chunks on CPU, where it was measured fastest, and
-    on CUDA where the Triton kernel runs (``triton_kernel``: flash-style, no N x N logits). Elsewhere (and on
-    CUDA with ``LUKA_BENCH_NO_KERNEL=1`` or without Triton) the batched explicit path (one kernel per op for all
-    heads, fp32 softmax chunks)."""
-    if lq < BLOCKED_MIN_QUERIES:
-        return False
-    if query.device.type == "cpu":
-        return True
-    from . import triton_kernel  # imported where it can run: Triton's import costs a CPU run a second
-
-    # and where its tiles fit the device's shared memory (head size 256 on sm_86/89: smaller tiles, or none)
-    return triton_kernel.available(query.device) and triton_kernel.fits(query.shape[-1], query.shape[-1],
-                                                                        query.dtype, query.device)
-
-
-KERNEL_ROWS = 48  # the fused kernel's query block: about this many (group head x query) rows, measured fastest
-
-
-def _blocked_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, past: int,
-                       block: int | None = None, entropy: bool = False, kernel: bool = True):
-    """Exact causal attention of a query chunk, the column masses it gives every held key and, with
-    ``entropy``, each query's Shannon entropy — in one pass over the logits, never more than one block of them
-    alive. Per KV head and block of ``block`` queries (all query heads of the group at once): the logits of the
-    keys it may see, keys-major [keys, group queries] (one GEMM whose long side is the key axis, which both
-    cores split well), the row max, an in-place exp, the normaliser, then P @ V for the output and P @ (1/l)
-    for the masses (a GEMV); the entropy adds P @ K: H_i = m_i + log l_i - s q_i . (sum_j p_ij k_j).
-    Measured on this 2-core CPU at N = 8K (SmolLM2's 9 query / 3 KV heads): output and masses for 1.4-2x a
-    flash SDPA pass, where a flash pass followed by a second pass for the masses from its log-sum-exp cost 1.9-2x.
-
-    With ``kernel`` (and fp32) the same computation runs in the fused C++ kernel of ``cpu_kernel`` — one thread per
-    (KV head, block of queries: ``block``, by default ``KERNEL_ROWS // g``), the block's logits in that core's
-    cache, max/exp/sum and the mass GEMV fused into sweeps over them: 1.0-1.2x SDPA at 2K-16K. This loop (``block``
-    by default 64) is its reference and the fallback when the kernel cannot be built. On CUDA the Triton kernel
-    (``triton_kernel``) computes the same three outputs; ``_explicit_attention`` is its reference there.
-
-    query [B, Hq, Lq, D] (the last Lq held tokens), k/v [B, Hkv, past + Lq, D]. Returns (out [B, Hq, Lq, Dv],
-    mass [B, Hkv, n] float32, entropy [B, Hq, Lq] float32 in nats or None)."""
-    b, hq, lq, d = query.shape
-    hkv, n = k.shape[1], k.shape[2]
-    g = hq // hkv
-    dv = v.shape[-1]
-    dev = query.device
-    qs = (query * scaling).reshape(b * hkv, g, lq, d)
-    kk, vv = k.reshape(b * hkv, n, d), v.reshape(b * hkv, n, dv)
-    if kernel and dev.type == "cuda":
-        from . import triton_kernel  # imported only where it can run
-
-        got = triton_kernel.attention_mass(qs, kk, vv, past, entropy) if triton_kernel.available(dev) else None
-        if got is not None:  # None: no tile configuration fits the device's shared memory (the loop below runs)
-            out, mass, ent = got
-            return out.view(b, hq, lq, dv), mass.view(b, hkv, n), ent.view(b, hq, lq) if entropy else None
-    fp32_cpu = dev.type == "cpu" and all(t.dtype == torch.float32 for t in (qs, kk, vv))
-    op = cpu_kernel.attention_mass_op() if kernel and fp32_cpu and not cpu_kernel.disabled() else None
-    if op is not None:
-        out, mass, ent = op(qs, kk, vv, past, block or max(1, KERNEL_ROWS // g), entropy)
-        return out.view(b, hq, lq, dv), mass.view(b, hkv, n), ent.view(b, hq, lq) if entropy else None
-    block = block or 64
-    out = query.new_empty(b * hkv, g, lq, dv)
-    mass = torch.zeros(b * hkv, n, dtype=torch.float32, device=dev)
-    ent = torch.empty(b * hkv, g, lq, dtype=torch.float32, device=dev) if entropy else None
-    after = torch.ones(block, block, dtype=torch.bool, device=dev).tril(-1)[:, None, :]  # [key, -, query]
-    for h in range(b * hkv):
-        for s in range(0, lq, block):
-            c = min(block, lq - s)
-            e = past + s + c  # keys this block may see
-            qc = qs[h, :, s: s + c].reshape(g * c, d)
-            w = (kk[h, :e] @ qc.t()).float()  # scaled logits [e, g*c]; columns: (group head, query)
-            w[e - c:].view(c, g, c).masked_fill_(after[:c, :, :c], float("-inf"))  # the chunk's own future keys
-            mx = w.amax(0)
-            w.sub_(mx).exp_()
-            inv = w.sum(0).reciprocal_()  # 1 / normaliser per (head, query)
-            o = (w.t().to(vv.dtype) @ vv[h, :e]).mul_(inv[:, None])
-            out[h, :, s: s + c] = o.view(g, c, dv)
-            mass[h, :e].addmv_(w, inv)
-            if entropy:
-                kbar = (w.t() @ kk[h, :e].float()).mul_(inv[:, None])  # sum_j p_ij k_j
-                ent[h, :, s: s + c] = (mx - inv.log() - (qc.float() * kbar).sum(-1)).view(g, c)
-    ent = None if ent is None else ent.view(b, hq, lq)
-    return out.view(b, hq, lq, dv), mass.view(b, hkv, n), ent
-
-
-def attention_with_mass(store: "KVStore", query: torch.Tensor, scaling: float,
-                        chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention of the last query chunk over everything held, and the attention mass each held token
-    received, summed over the queries and over the query heads of each KV group (GQA): returns
-    (output [B, Hq, Lq, Dv], mass [B, Hkv, n] float32).
-
-    Long query chunks (a prefill) on CPU take ``_blocked_attention``: one pass over the logits, a block of
-    queries at a time (about 1.4-1.5x an SDPA prefill's attention cost); on CUDA the Triton kernel. Otherwise (decode steps, short chunks,
-    other devices) the weights are computed explicitly for all heads at once: fp32 softmax, queries ``chunk`` at
-    a time so a long prefill never holds the N x N weights."""
-    k, v = store.keys, store.values
-    b, hq, lq, d = query.shape
-    hkv, n = k.shape[1], k.shape[2]
-    g = hq // hkv
-    past = n - lq
-    if _blocked(query, lq):
-        out, mass, _ = _blocked_attention(query, k, v, scaling, past)
-        return out, mass
-    out, mass, _, _, _ = _explicit_attention(query.view(b, hkv, g, lq, d), k, v, scaling, past, chunk)
-    return out.view(b, hq, lq, v.shape[-1]), mass
-
-
-def attention_with_extra(store: "KVStore", query: torch.Tensor, scaling: float,
-                         extra_k: torch.Tensor | None = None, extra_v: torch.Tensor | None = None,
-                         extra_bias: torch.Tensor | None = None, causal: bool = True, chunk: int = 256,
-                         keys: torch.Tensor | None = None, values: torch.Tensor | None = None):
-    """Exact attention over the held tokens plus ``S`` position-less *extra* entries with a per-entry logit bias
-    (synthetic or summary key/value pairs held by a policy): logit ``q.k * scaling`` for a held token,
-    ``q.k_e * scaling + b_e`` for an extra entry; one softmax over both (fp32). Extra entries summarise the past,
-    so every query sees all of them. ``causal``: the last Lq held tokens are the query tokens (the usual case);
-    False lets every query see every held token (replaying held-out queries over a compressed cache).
-    ``keys``/``values`` override the store's (same layout) for such replays.
-
-    Returns (out [B, Hq, Lq, Dv], mass [B, Hkv, n], extra_mass [B, Hkv, S], entropy [B, Hkv, Lq], extra_w):
-    masses summed over queries and the query heads of each KV group, as ``attention_with_mass``; ``entropy`` the
-    Shannon entropy of each query's attention distribution divided by log(entries it saw) (0 when it saw one),
-    averaged over the query heads of its group; ``extra_w`` the weights on the extra entries [B, Hkv, g, Lq, S]
-    (policies whose extra values depend on the query add their own term with them). With no extra entries and
-    ``causal`` this is ``attention_with_mass``'s output and mass."""
-    k = store.keys if keys is None else keys
-    v = store.values if values is None else values
-    b, hq, lq, d = query.shape
-    hkv, n = k.shape[1], k.shape[2]
-    g = hq // hkv
-    S = 0 if extra_k is None else extra_k.shape[2]
-    q = query.view(b, hkv, g, lq, d)
-    past = n - lq if causal else n
-    if S == 0 and causal and _blocked(query, lq):
-        out, mass, h = _blocked_attention(query, k, v, scaling, past, entropy=True)
-        seen = torch.arange(past + 1, n + 1, device=query.device, dtype=torch.float32)  # entries query i saw
-        ent = (h.clamp_min(0.0) / seen.log().clamp_min(1e-12)).view(b, hkv, g, lq).mean(2) * (seen > 1)
-        emass = ew = None
-    else:
-        out, mass, emass, ent, ew = _explicit_attention(q, k, v, scaling, past, chunk, causal=causal, entropy=True,
-                                                        extra=(extra_k, extra_v, extra_bias) if S else None)
-        out = out.view(b, hq, lq, v.shape[-1])
-    if emass is None:  # no extra entries: their mass and weights are empty
-        emass = torch.zeros(b, hkv, 0, dtype=torch.float32, device=query.device)
-        ew = torch.zeros(b, hkv, g, lq, 0, dtype=torch.float32, device=query.device)
-    return out, mass, emass, ent, ew
-
-
-def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, past: int, chunk: int,
-                        causal: bool = True, entropy: bool = False, extra: tuple | None = None):
-    """The explicit-weights pass of ``attention_with_mass`` and ``attention_with_extra``: q [B, Hkv, g, Lq, D]
-    over held keys/values [B, Hkv, n, D] (+ ``extra`` = (keys [B, Hkv, S, D], values, logit bias [B, Hkv, S] or
-    None)), fp32 softmax for all heads at once, queries ``chunk`` at a time so a long chunk never holds the
-    N x N weights; with ``causal`` query i sees the held tokens up to ``past + i`` only (halves a prefill's
-    work). Returns (out [B, Hkv, g, Lq, Dv], mass [B, Hkv, n], extra mass [B, Hkv, S], normalised entropy
-    [B, Hkv, Lq], extra weights [B, Hkv, g, Lq, S]) — see ``attention_with_extra``; None for the entropy
-    unless asked, for the extra ones without extra entries."""
-    b, hkv, g, lq, _ = q.shape
-    n, dev = k.shape[2], q.device
-    extra_k, extra_v, extra_bias = extra if extra is not None else (None, None, None)
-    S = 0 if extra_k is None else extra_k.shape[2]
-    if S == 0 and not entropy and lq <= chunk and (lq == 1 or not causal):
-        # one chunk seeing every held key (a decode step): the loop's result without its output buffer, zeroed
-        # mass and the copies into them (issue 36: three kernel launches fewer per layer and step; same values)
-        w = torch.softmax(group_logits(q, k, scaling), dim=-1)
-        return group_apply(w, v), w.sum(dim=(2, 3)), None, None, None
-    out = q.new_empty(b, hkv, g, lq, v.shape[-1])
-    mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=dev)
-    emass = torch.zeros(b, hkv, S, dtype=torch.float32, device=dev) if S else None
-    ew = torch.zeros(b, hkv, g, lq, S, dtype=torch.float32, device=dev) if S else None
-    ent = torch.zeros(b, hkv, lq, dtype=torch.float32, device=dev) if entropy else None
-    for s in range(0, lq, chunk):
-        qc = q[:, :, :, s: s + chunk]
-        c = qc.shape[3]
-        m = min(n, past + s + c) if causal else n  # keys visible to this chunk
-        logits = group_logits(qc, k[:, :, :m], scaling)  # [B, Hkv, g, c, m]
-        seen = torch.full((c,), float(m + S), device=dev) if entropy else None
-        if causal and c > 1:
-            qi = torch.arange(s, s + c, device=dev)
-            visible = torch.arange(m, device=dev)[None, :] <= (past + qi)[:, None]
-            logits = logits.masked_fill(~visible, float("-inf"))
-            seen = visible.sum(-1).float() + S if entropy else None
-        if S:
-            el = group_logits(qc, extra_k, scaling)
-            if extra_bias is not None:
-                el = el + extra_bias[:, :, None, None, :].float()
-            logits = torch.cat([logits, el], dim=-1)
-        if entropy:
-            logp = torch.log_softmax(logits, dim=-1)
-            w = logp.exp()
-            h = -torch.where(w > 0, w * logp, torch.zeros_like(w)).sum(-1)  # [B, Hkv, g, c]
-            ent[:, :, s: s + c] = (h / seen.log().clamp_min(1e-12)).mean(2) * (seen > 1)
-        else:
-            w = torch.softmax(logits, dim=-1)
-        o = group_apply(w[..., :m], v[:, :, :m])
-        if S:
-            o = o + group_apply(w[..., m:], extra_v)
-            emass += w[..., m:].sum(dim=(2, 3))
-            ew[:, :, :, s: s + c] = w[..., m:]
-        out[:, :, :, s: s + c] = o
-        mass[:, :, :m] += w[..., :m].sum(dim=(2, 3))
-    return out, mass, emass, ent, ew
-
-
-def kept_indices(keep: torch.Tensor, m: int) -> torch.Tensor:
-    """Indices of the True entries of ``keep`` [..., n], in order, when every row has exactly ``m`` of them:
-    [..., m]. A stable sort puts them first; ``nonzero`` would give the same with a host sync (its output size
-    depends on the data)."""
-    return torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :m]
-
-
-def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` highest scores along the last axis, in time order. Ties go to the earlier token
-    (a stable sort), so a selection is reproducible — max pooling makes plateaus of equal scores."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-    return order.sort(dim=-1).values
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Deterministic sums by group (CUDA's scatter_add_ on floats adds with atomics in no fixed order: the low bits of
-# a sum — and through them a k-means assignment or a top-k among near-ties — change from run to run). On the CPU
-# scatter_add_ is deterministic (each output row is summed by one thread, in index order) and stays; elsewhere
-# (``dense``) the sums are computed without atomics. Sums of integer-valued floats (counts, token lengths) are
-# exact in any order below 2^24 and keep scatter_add_.
-# ---------------------------------------------------------------------------------------------------------
-
-DENSE_ELEMENTS = 1 << 25  # the largest one-hot / dense block the atomics-free sums build at once (elements)
-
-
-def group_sum(x: torch.Tensor, a: torch.Tensor, k: int, dense: bool | None = None) -> torch.Tensor:
-    """Sum of the rows of x [B, H, m, D] by group a [B, H, m] (values 0..k-1): [B, H, k, D]. ``dense`` (default:
-    off the CPU): one batched matmul by the one-hot membership [B, H, k', m] per block of groups k' (at most
-    ``DENSE_ELEMENTS`` one-hot elements at once) — no atomics, the same bits on every run. (On CUDA it follows
-    the global TF32 setting of fp32 matmuls, off by default.)"""
-    b, h, m, d = x.shape
-    if dense is None:
-        dense = x.device.type != "cpu"
-    if not dense:
-        return torch.zeros(b, h, k, d, dtype=x.dtype, device=x.device).scatter_add_(
-            2, a.unsqueeze(-1).expand(b, h, m, d), x)
-    step = max(1, DENSE_ELEMENTS // max(1, b * h * m))
-    parts = []
-    for lo in range(0, k, step):
-        groups = torch.arange(lo, min(k, lo + step), device=x.device)
-        onehot = (a.unsqueeze(-2) == groups.view(-1, 1)).to(x.dtype)  # [B, H, k', m]
-        parts.append(torch.matmul(onehot, x))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-
-
-def scatter_add_rows(target: torch.Tensor, ids: torch.Tensor, src: torch.Tensor, dense: bool | None = None) -> None:
-    """``target`` [B, H, n] += ``src`` [B, H, R, m] at ``ids`` [B, H, R, m] (ids distinct within each row r: a
-    query's refined tokens or nodes; rows may share ids). ``dense`` (default: off the CPU): each row scattered into
-    its own zero row (distinct ids: no two writes meet) and the rows summed in order, in blocks of at most
-    ``DENSE_ELEMENTS`` elements — deterministic, where one scatter_add_ over all rows would add the rows' shares
-    of a shared id with atomics in no fixed order."""
-    b, h, n = target.shape
-    r = ids.shape[2]
-    if dense is None:
-        dense = target.device.type != "cpu"
-    if not dense:
-        target.scatter_add_(2, ids.reshape(b, h, -1), src.reshape(b, h, -1).to(target.dtype))
-        return
-    step = max(1, DENSE_ELEMENTS // max(1, b * h * n))
-    for lo in range(0, r, step):
-        hi = min(r, lo + step)
-        rows = target.new_zeros(b, h, hi - lo, n).scatter_(3, ids[:, :, lo:hi], src[:, :, lo:hi].to(target.dtype))
-        target += rows.sum(2)

@@ -1,4 +1,4 @@
-"""The fused CPU kernel behind ``base._blocked_attention`` (``csrc/attention_mass.cpp``): exact causal attention
+"""The fused CPU kernel behind ``attention._blocked_attention`` (``csrc/attention_mass.cpp``): exact causal attention
 of a long query chunk plus the column masses (and, if asked, entropies) the mass-reading methods need, per KV
 head and block of queries with the block's logits in one core's cache — about as fast as SDPA's own flash pass,
 where the pure-torch loop over blocks costs 1.5-2x it.

@@ -5,7 +5,7 @@ synthetic key/value entries re-inserted into the cache). Card: ``methods/entropy
 
 Per layer and KV head the policy holds raw tokens (the store) and ``S`` position-less synthetic entries
 (key, value, log-mass bias), held here and counted (``extra_bytes``, ``extra_entries``, ``attended_extra``).
-Attention is one softmax over both (``base.attention_with_extra``). Every held entry counts against
+Attention is one softmax over both (``attention.attention_with_extra``). Every held entry counts against
 ``capacity = ceil(budget * max(seen, reference_length))``; whenever a layer holds more, bins are flushed:
 
 - selection: candidates are the raw tokens outside the ``sink`` first and the ``recent`` last ones; priority =
@@ -36,7 +36,8 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, attention_with_extra, kept_indices
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
+from luka_bench.methods.attention import attention_with_extra, kept_indices
 
 MASS, ENT = "ols_mass", "ols_entropy"
 MODES = ("ols", "linear", "drop")
@@ -525,5 +526,3 @@ class EntropyOLS(KVMethod):
         if not (float(self.ridge) >= 0.0):
             raise MethodConfigError(f"method.ridge={self.ridge!r} must be >= 0")
 
-    def describe(self) -> str:
-        return f"{self.name}(budget={self.budget:g}, mode={self.mode}, bin={self.bin_size}, rank={self.rank})"

@@ -7,7 +7,7 @@ later step, a layer keeps its ``recent`` most recent tokens plus the ``capacity 
 highest accumulated mass (the heavy hitters) and physically evicts the rest.
 
 GQA: scores are per KV head, the mass summed over the query heads of its group; each KV head keeps its own set.
-Attention and the masses come from ``base.attention_with_mass`` (a CPU prefill: one pass over the logits a block
+Attention and the masses come from ``attention.attention_with_mass`` (a CPU prefill: one pass over the logits a block
 of queries at a time, output and masses from the same exp, no N x N matrix; decode steps and other devices:
 grouped matmul + fp32 softmax, query-chunked) only on the layers
 this method runs on; the model's other layers keep SDPA.
@@ -25,13 +25,18 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, attention_with_mass, top_indices
+from luka_bench.methods.attention import attention_with_mass, top_indices
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
+from luka_bench.methods.scorer import ScorerPolicy
 
 MASS = "h2o_mass"
 RECENT_BUDGETS = ("inside", "on_top")
 
 
-class H2OPolicy(LayerPolicy):
+class H2OPolicy(ScorerPolicy):
+    """The prefill eviction on the scorer base (the recent window protected, the rest scored by the attention mass
+    the prefill gave them); the decode steps' eviction is H2O's own (``evict``)."""
+
     moves_tokens_every_step = True  # an eviction per decode step
     incremental = True  # a step one token over capacity moves the new token into the evicted slot (False: top-k)
 
@@ -108,8 +113,14 @@ class H2OPolicy(LayerPolicy):
             index = tail
         store.keep(index)
 
+    def protected(self, store, cap: int) -> tuple[int, int]:
+        return 0, self.split(super().capacity(store))[1]
+
+    def score(self, store, start: int, stop: int) -> torch.Tensor:
+        return store.aux(MASS)[:, :, start:stop]
+
     def after_prefill(self, store) -> None:
-        self.evict(store)
+        self.compress(store)
 
     def after_step(self, store) -> None:
         self.evict(store)

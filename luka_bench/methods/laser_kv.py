@@ -35,8 +35,8 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, exact_attention, group_logits, \
-    top_indices
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
+from luka_bench.methods.attention import exact_attention, group_logits, top_indices
 
 STATE = "laser_kv"
 QUERY_CHUNK = 256  # scoring queries are processed this many at a time: never a [L, L] weight matrix
@@ -173,8 +173,6 @@ class LaserKV(KVMethod):
             raise MethodConfigError(f"method.question_aware={self.question_aware!r} must be true or false")
         self.alpha = float(self.alpha)
 
-    def describe(self) -> str:
-        return f"{self.name}(r={self.budget:g}, S={self.block_size}, n={self.divisor}, alpha={self.alpha:g})"
 
     def prefill_chunk(self) -> int:
         return self.block_size

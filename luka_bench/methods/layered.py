@@ -11,9 +11,14 @@ Layer selectors (``layers``), combined with commas:
 - ``type:NAME`` — every layer whose config ``layer_types`` entry is NAME (``sliding_attention``,
   ``full_attention``).
 
-Each rule's method keeps its own settings (budget included): in YAML, point them at one value with an
-interpolation such as ``budget: ${method.budget}``. Sub-methods act per layer; a sub-method's cross-layer hook
-(``KVMethod.after_prefill`` override) sees only its own layers' stores.
+Each rule's method keeps its own settings (budget, ``full_layers`` included): in YAML, point them at one value
+with an interpolation such as ``budget: ${method.budget}``. Each layer's policy is what the rule's method would run
+there alone (``policies.layer_policy``: its ``full_layers``, sliding windows, its own policy), and every
+method-level hook reaches every rule's method: ``after_prefill``, ``after_forward`` and ``bind`` with a view of the
+cache whose ``stores`` are that method's layers only (``LayerView``; everything else — the phase, the question,
+the per-prompt state, the scratch forward, the timers — is the prompt's cache), in rule order, the default's
+last; ``prefill_chunk`` is the chunk size the methods ask for (two different ones are refused). So a question-aware
+SnapKV or a LASER-KV on some layers compresses those layers as it does alone.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from typing import Any, ClassVar
 
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError
 from luka_bench.methods.full import Full
+from luka_bench.methods.policies import layer_policy
 
 
 def _build(obj: Any) -> Any:
@@ -74,6 +80,22 @@ def select_layers(spec: str, num_layers: int, layer_types: list[str] | None = No
     return {i for i in out if 0 <= i < num_layers}
 
 
+class LayerView:
+    """The prompt's cache as one rule's method sees it in its method-level hooks: ``stores`` are the layers that
+    method runs on; every other attribute is the prompt's cache's — ``state`` included, which its policies reach
+    through their stores too (a method keeps its state under a key of its own)."""
+
+    def __init__(self, cache, method: KVMethod):
+        self._cache, self._method = cache, method
+
+    @property
+    def stores(self) -> list:
+        return [s for s in self._cache.stores if s.policy.method is self._method]
+
+    def __getattr__(self, name: str):
+        return getattr(self._cache, name)
+
+
 @dataclass
 class Layered(KVMethod):
     """rules: list of {layers: <selector>, method: <a method config>}; default: the method of other layers."""
@@ -82,6 +104,7 @@ class Layered(KVMethod):
     default: Any = None
 
     name: ClassVar[str] = "layered"
+    handles_sliding: ClassVar[bool] = True  # each rule's method decides for its layers (``layer_policy``)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -110,7 +133,36 @@ class Layered(KVMethod):
         return self.default
 
     def policy_for_layer(self, info: LayerInfo) -> LayerPolicy:
-        return self.method_for_layer(info).policy_for_layer(info)
+        return layer_policy(self.method_for_layer(info), info)
+
+    def methods(self) -> list[KVMethod]:
+        """Every rule's method, in rule order, then the default (each once)."""
+        out: list[KVMethod] = []
+        for m in [m for _, m in self.rules] + [self.default]:
+            if not any(m is o for o in out):
+                out.append(m)
+        return out
+
+    def _views(self, cache) -> list[tuple[KVMethod, LayerView]]:
+        return [(m, LayerView(cache, m)) for m in self.methods()]
+
+    def after_prefill(self, cache) -> None:
+        for m, view in self._views(cache):
+            m.after_prefill(view)
+
+    def compresses_in_forward(self, cache) -> bool:
+        return all(m.compresses_in_forward(view) for m, view in self._views(cache))
+
+    def after_forward(self, cache) -> None:
+        for m, view in self._views(cache):
+            m.after_forward(view)
+
+    def prefill_chunk(self) -> int:
+        sizes = {m.prefill_chunk() for m in self.methods()} - {0}
+        if len(sizes) > 1:
+            raise MethodConfigError(f"the layered methods ask for different prefill chunks {sorted(sizes)}; allowed: "
+                                    "one size (set the methods' block sizes equal)")
+        return sizes.pop() if sizes else 0
 
     def assignment(self, infos: list[LayerInfo]) -> list[str]:
         """The method name that runs on each layer (what the tests check and the run records)."""
@@ -120,10 +172,5 @@ class Layered(KVMethod):
     def bind(self, tokenizer) -> None:
         """The tokenizer reaches every assigned method."""
         self.tokenizer = tokenizer
-        for _, method in self.rules:
+        for method in self.methods():
             method.bind(tokenizer)
-        self.default.bind(tokenizer)
-
-    def describe(self) -> str:
-        return "layered(" + "; ".join(f"{l}: {m.describe()}" for l, m in self.rules) + \
-            f"; else {self.default.describe()})"

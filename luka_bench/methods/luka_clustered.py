@@ -41,8 +41,9 @@ from typing import Any, ClassVar
 import torch
 
 from luka_bench.methods import cpu_kernel
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, attention_with_mass, exact_attention, \
-    group_apply, group_logits, scatter_add_rows
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
+from luka_bench.methods.attention import (attention_with_mass, exact_attention, group_apply, group_logits,
+    scatter_add_rows)
 
 MASS = "luka_mass"
 RULES = ("none", "threshold", "top_k", "top_frac")

@@ -58,11 +58,10 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from luka_bench.device import host_to_device
-from luka_bench.host_sync import host_side
+from luka_bench.device import host_side, host_to_device
 from luka_bench.methods import cpu_kernel
-from luka_bench.methods.base import (DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError,
-                                     StaticExactPolicy, exact_attention, group_sum)
+from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError
+from luka_bench.methods.attention import exact_attention, group_sum
 
 NEG = float("-inf")
 NONE_LEVEL = 5
@@ -209,7 +208,7 @@ def spherical_kmeans(x: torch.Tensor, k: int, iters: int, valid: torch.Tensor | 
     """Spherical k-means of unit vectors x [B, H, M, D] into k clusters (cosine similarity), batched over B, H.
     Init: k points spread evenly over the M inputs (deterministic). An emptied cluster keeps its centroid.
     Ties: a point equally near two centroids joins the lower-numbered one (``argmax`` returns the first maximum);
-    the centroid sums are deterministic on every device (``base.group_sum``: no float atomics on CUDA), so the
+    the centroid sums are deterministic on every device (``attention.group_sum``: no float atomics on CUDA), so the
     same input gives the same clusters on every run.
     Returns (assignment [B, H, M], centroid directions [B, H, k, D])."""
     b, h, m, d = x.shape
@@ -473,7 +472,7 @@ class LycheePolicy(LayerPolicy):
         b, h, k, d = x.shape
         ones = torch.ones(b, h, k, dtype=cnt.dtype, device=cnt.device)
         cnt2 = cnt.scatter_add(2, a, ones)  # integer-valued: exact in any order
-        s = mu * cnt.unsqueeze(-1) + group_sum(x, a, mu.shape[2])  # no float atomics (base.group_sum)
+        s = mu * cnt.unsqueeze(-1) + group_sum(x, a, mu.shape[2])  # no float atomics (attention.group_sum)
         mu2 = torch.where(cnt2.unsqueeze(-1) > 0, s / cnt2.clamp_min(1e-12).unsqueeze(-1), mu)
         shift = (mu2 - mu).norm(dim=-1)
         r2 = torch.where(cnt > 0, r + shift, torch.zeros_like(r))
@@ -860,7 +859,7 @@ class Lychee(KVMethod):
                 f"method.budget={self.budget:g} is not used by lychee (allowed: 1.0): it keeps every raw token; "
                 "the attended span is method.token_budget (tokens, paper 1024)")
         ints = dict(token_budget=1, sink=0, buffer=1, min_chunk=1, max_chunk=1, cluster_size=1, max_coarse=1,
-                    kmeans_iters=0, full_layers=0)
+                    kmeans_iters=0)
         for key, lo in ints.items():
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -897,11 +896,3 @@ class Lychee(KVMethod):
             self._tables = vocab_levels(self.tokenizer)
         return self._tables
 
-    def policy_for_layer(self, info: LayerInfo) -> LayerPolicy:
-        if info.layer_idx < self.full_layers:
-            return StaticExactPolicy(self, info)  # exact, graph-ready as the retrieval layers
-        return super().policy_for_layer(info)
-
-    def describe(self) -> str:
-        return (f"lychee(token_budget={self.token_budget}, chunking={self.chunking}, pooling={self.pooling}, "
-                f"ranking={self.ranking})")

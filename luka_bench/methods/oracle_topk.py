@@ -25,8 +25,8 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.base import (KVMethod, LayerInfo, LayerPolicy, MethodConfigError, exact_attention,
-                                     group_logits, sdpa)
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError
+from luka_bench.methods.attention import exact_attention, group_logits, sdpa
 
 
 def oracle_topk_select(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, k: int,
@@ -156,7 +156,7 @@ class OracleTopK(KVMethod):
             raise MethodConfigError(
                 f"method.budget={self.budget:g} is not used by oracle_topk (allowed: 1.0): it holds every token; "
                 "the tokens read per step are method.token_budget")
-        for key, lo in dict(token_budget=1, sink=0, recent=0, full_layers=0).items():
+        for key, lo in dict(token_budget=1, sink=0, recent=0).items():
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise MethodConfigError(f"method.{key}={v!r} must be an integer >= {lo}")
@@ -165,11 +165,3 @@ class OracleTopK(KVMethod):
                 f"method.sink + method.recent = {self.sink + self.recent} exceeds method.token_budget="
                 f"{self.token_budget}; allowed: sink + recent <= token_budget (they are read out of it)")
 
-    def policy_for_layer(self, info: LayerInfo) -> LayerPolicy:
-        if info.layer_idx < self.full_layers:
-            return LayerPolicy(self, info)
-        return super().policy_for_layer(info)
-
-    def describe(self) -> str:
-        return (f"oracle_topk(token_budget={self.token_budget}, sink={self.sink}, recent={self.recent}, "
-                f"full_layers={self.full_layers})")

@@ -28,8 +28,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, exact_attention, group_logits, \
-    top_indices
+from luka_bench.methods.attention import exact_attention, group_logits
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
+from luka_bench.methods.scorer import ScorerPolicy
 
 
 POOLINGS = ("avg", "max", "avg_inrange")
@@ -69,11 +70,15 @@ def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor
     return y.reshape(b, h, m)
 
 
-class SnapKVPolicy(LayerPolicy):
+class SnapKVPolicy(ScorerPolicy):
+    """On the scorer base: the last ``window`` context tokens protected, the rest scored by the pooled attention of
+    the observation queries (the window's, or the question's)."""
+
     def __init__(self, method, info):
         super().__init__(method, info)
         self.q_window: torch.Tensor | None = None
         self.q_question: torch.Tensor | None = None
+        self._observe: tuple[torch.Tensor, bool] | None = None  # (observation queries, causal) during compress
 
     def attend(self, store, query, scaling):
         if store.cache.phase == "scratch" and self.method.question_aware:
@@ -86,28 +91,25 @@ class SnapKVPolicy(LayerPolicy):
             self.scaling = scaling
         return exact_attention(store, query, scaling)
 
+    def protected(self, store, cap: int) -> tuple[int, int]:
+        return 0, self._observe[2]  # the context's last w tokens
+
+    def score(self, store, start: int, stop: int) -> torch.Tensor:
+        q, causal, _ = self._observe
+        scores = window_scores(q, store.keys, self.scaling, causal=causal)[:, :, start:stop]
+        return pool_scores(scores, self.method.kernel, self.method.pooling)
+
     def after_prefill(self, store) -> None:
-        cap = self.capacity(store)
-        n = store.n
-        q, self.q_window = self.q_window, None  # free it: not needed after compression
+        q, self.q_window = self.q_window, None  # free them: not needed after compression
         qq, self.q_question = self.q_question, None
-        if n <= cap or q is None:
+        if q is None:
             return
-        w = min(q.shape[2], cap)
-        if qq is not None:
-            q = qq  # observation queries: the question's; the window kept is still the context's last w
-        prefix = n - w
-        keep = cap - w
-        b, h = store.keys.shape[:2]
-        window = torch.arange(prefix, n, device=store.device).expand(b, h, w)
-        if keep > 0:
-            scores = window_scores(q, store.keys, self.scaling, causal=qq is None)[:, :, :prefix]
-            scores = pool_scores(scores, self.method.kernel, self.method.pooling)
-            top = top_indices(scores, keep)
-            index = torch.cat([top, window], dim=-1)
-        else:
-            index = window
-        store.keep(index)
+        # observation queries: the question's when there is one; the window kept is still the context's last w
+        self._observe = (q if qq is None else qq, qq is None, min(q.shape[2], self.capacity(store)))
+        try:
+            self.compress(store)
+        finally:
+            self._observe = None
 
 
 @dataclass
@@ -136,7 +138,13 @@ class SnapKV(KVMethod):
         if not isinstance(self.question_aware, bool):
             raise MethodConfigError(f"method.question_aware={self.question_aware!r} must be true or false")
 
+    def compresses_in_forward(self, cache) -> bool:
+        return not self._asks_the_question(cache)  # the question's scratch forward needs every layer uncompressed
+
+    def _asks_the_question(self, cache) -> bool:
+        return bool(self.question_aware and cache.question_ids and self.budget < 1.0)
+
     def after_prefill(self, cache) -> None:
-        if self.question_aware and cache.question_ids and self.budget < 1.0:
+        if self._asks_the_question(cache):
             cache.scratch_forward(cache.question_ids)  # policies keep the question's queries (attend)
         super().after_prefill(cache)

@@ -26,11 +26,15 @@ from typing import ClassVar
 import torch
 
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError
+from luka_bench.methods.scorer import ScorerPolicy
 
 POSITIONS = ("original", "cache")
 
 
-class StreamingPolicy(LayerPolicy):
+class StreamingPolicy(ScorerPolicy):
+    """The prefill eviction on the scorer base (sinks and the recent window protected: nothing is scored); the
+    decode steps' eviction is ``_evict``."""
+
     moves_tokens_every_step = True  # an eviction per decode step
 
     def __init__(self, method, info):
@@ -58,11 +62,21 @@ class StreamingPolicy(LayerPolicy):
             store.keep(torch.cat([order[:sink], order[before - (cap - sink):]]))
             self.in_order = True
         if self.method.positions == "cache":
-            store.rotate_keys(sink, store.n, store.n - before)  # the window moves down by the tokens evicted
-            store.pos_shift = store.seen - store.n
+            self._shift_positions(store, before)
+
+    def _shift_positions(self, store, before: int) -> None:
+        """positions=cache: the window moves down by the tokens evicted (re-rotated keys, the store's shift)."""
+        store.rotate_keys(min(self.method.sink, store.n), store.n, store.n - before)
+        store.pos_shift = store.seen - store.n
+
+    def protected(self, store, cap: int) -> tuple[int, int]:
+        sink = min(self.method.sink, cap)
+        return sink, cap - sink
 
     def after_prefill(self, store) -> None:
-        self._evict(store)
+        before = store.n
+        if self.compress(store) and self.method.positions == "cache":
+            self._shift_positions(store, before)
 
     def after_step(self, store) -> None:
         self._evict(store)
@@ -86,10 +100,9 @@ class StreamingLLM(KVMethod):
         if self.positions not in POSITIONS:
             raise MethodConfigError(f"method.positions={self.positions!r} is unknown; allowed: {', '.join(POSITIONS)}")
 
-    def policy_for_layer(self, info: LayerInfo) -> LayerPolicy:
+    def check_layer(self, info: LayerInfo) -> None:
         if self.positions == "cache" and info.sliding_window is not None:
             # transformers takes every layer's positions from one length; a sliding layer's own keys would need
             # the same shifts
             raise MethodConfigError("method.positions=cache is not supported on models with sliding-window layers "
                                     "(e.g. gemma3); allowed there: original")
-        return super().policy_for_layer(info)

@@ -1,4 +1,4 @@
-"""The GPU kernel behind ``base._blocked_attention`` on CUDA (Triton): exact causal attention of a long query
+"""The GPU kernel behind ``attention._blocked_attention`` on CUDA (Triton): exact causal attention of a long query
 chunk (a prefill) plus the column masses — and, if asked, each query's entropy — that the mass-reading methods
 (H2O / LuKA lined, LuKA clustered's attention-weighted compressor, entropy_ols) need, without ever holding a
 block of logits larger than one tile: on CUDA these prefills otherwise take ``_explicit_attention``, fp32

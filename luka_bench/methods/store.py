@@ -1,0 +1,497 @@
+"""One layer's KV storage (torch only): ``KVStore`` holds the keys and values a layer keeps, the logical position of
+every held token and the policy's per-token state, and gives a policy the operations it evicts, moves and reads
+tokens with. ``luka_bench.methods.hf`` makes it a transformers cache layer (``CacheLayer``) without adding state.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .base import LayerPolicy, PromptCache
+
+
+def _stackable(k: torch.Tensor, v: torch.Tensor) -> bool:
+    return k.shape == v.shape and k.dtype == v.dtype and k.device == v.device
+
+
+def _write_position(dst: torch.Tensor, due: tuple[torch.Tensor, int], cache: "PromptCache",
+                    slot: torch.Tensor | None = None) -> None:
+    """Write a decode step's position ``due`` = (the cache's position counter, the value it held) into ``dst``
+    [B, Hkv] (or, with ``slot``, into ``dst`` [B, Hkv, m] at that one-element index)."""
+    counter, seen = due
+    if not cache.position_holds(counter, seen):
+        counter = torch.full((), seen, dtype=torch.long, device=dst.device)
+    if slot is None:
+        dst.copy_(counter)
+    else:
+        dst.index_copy_(2, slot, counter.expand(*dst.shape[:2], 1))
+
+
+def _rows(t: torch.Tensor, flat: torch.Tensor, m: int) -> torch.Tensor:
+    """``t[b, h, index[b, h, i]]`` for storage t [B, Hkv, cap, ...] (contiguous) and ``flat`` the row ids of
+    ``index`` [B, Hkv, m] in t flattened to [B * Hkv * cap, ...] (``KVStore._flat``): one index_select, [B, Hkv,
+    m, ...]."""
+    b, h, cap = t.shape[:3]
+    return t.reshape(b * h * cap, *t.shape[3:]).index_select(0, flat).view(b, h, m, *t.shape[3:])
+
+
+class KVStore:
+    """One layer's KV cache: keys/values [B, Hkv, n, D] in pre-allocated storage that grows geometrically (no
+    O(N) ``torch.cat`` per decode step), the logical position of every held token [B, Hkv, n], and the layer's
+    policy. ``seen`` is the logical length (tokens that went through the layer), ``n`` the physical one."""
+
+    GROWTH = 1.25  # capacity factor when full; storage shrinks when an eviction frees more than half
+
+    def __init__(self, policy: LayerPolicy, cache: "PromptCache"):
+        # keys/values are views of the storage (properties below), never attributes
+        self.is_initialized = False
+        self.policy = policy
+        self.cache = cache  # held weakly (the property below): a store must not keep its cache alive
+        self.is_sliding = policy.info.sliding_window is not None
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        # keys and values in one tensor [2, B, Hkv, cap, D] (``_k``/``_v`` are its halves) where their shapes and
+        # dtypes agree: a token moved inside the cache is then one copy, not two (``move_last_into``)
+        self._kv: torch.Tensor | None = None
+        # a decode step's position, not yet written to its slot (the last): (the cache's position counter, the
+        # value it holds). Written when something reads positions or at the end of the layer's forward
+        # (``settle_positions``), unless an eviction moving the token writes it straight into its new slot
+        self._pos_due: tuple[torch.Tensor, int] | None = None
+        # decode steps' positions not yet written, as one run: (first slot, its position, end slot): the slots
+        # first..end-1 hold position + (slot - first). Consecutive decode steps of a store that moves no token
+        # extend it at no cost; it is written (one arange) when something reads or moves positions
+        self._pos_run: tuple[int, int, int] | None = None
+        self._pos: torch.Tensor | None = None
+        self._row_base: tuple | None = None  # row_offsets(), keyed by storage shape
+        self._aux: dict[str, torch.Tensor] = {}  # per-token method state [B, Hkv, cap], kept aligned with keys
+        self._aux_unzeroed: set[str] = set()  # aux the policy writes for new tokens itself (``aux(zero_new=False)``)
+        # every aux entry at a slot >= this is 0 (storage is zeroed when allocated; only removals leave stale entries
+        # beyond n): an append at n >= it needs no zero fill — a store that never drops a token fills none
+        self._aux_zero_from = 0
+        self._heads: tuple | None = None  # head_index(), keyed by storage shape
+        self.static_slot: torch.Tensor | None = None  # the last decode step's slot, as a device tensor [1]
+        self.static_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # that step's keys and values [B, Hkv, 1, D]
+        self._slot_at: tuple[int, int] = (0, 0)  # (seen, n) before that step: ``static_slot_at``
+        self.n = 0
+        self.seen = 0
+        self.compressed_in_forward = False  # the policy's after_prefill ran inside the prefill's last forward
+        self.pos_shift = 0  # seen - the position the next token gets (StreamingLLM's positions=cache); 0: logical
+
+    # The cache owns its stores; a strong reference back would make every cache a reference cycle, freed only by
+    # Python's cyclic garbage collector, which runs on object counts, not bytes: a run answering 200 questions
+    # from cache clones kept ~150 MB per clone alive and was killed for memory at 21 GB. ``MethodCache.clone``
+    # points the copied stores at the copy.
+    @property
+    def cache(self) -> "PromptCache":
+        cache = self._cache_ref()
+        if cache is None:
+            raise RuntimeError("this KVStore's MethodCache was dropped: keep the cache alive while its stores are used")
+        return cache
+
+    @cache.setter
+    def cache(self, cache: "PromptCache") -> None:
+        self._cache_ref = weakref.ref(cache)
+
+    # -- views ---------------------------------------------------------------------------------------------
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._k[:, :, : self.n]
+
+    @keys.setter
+    def keys(self, value):  # CacheLayerMixin API compatibility (never used to replace storage)
+        if value is not None:
+            raise AttributeError("KVStore.keys is a view; use append/keep")
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._v[:, :, : self.n]
+
+    @values.setter
+    def values(self, value):
+        if value is not None:
+            raise AttributeError("KVStore.values is a view; use append/keep")
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Logical position of each held token, [B, Hkv, n] (int64)."""
+        self.settle_positions()
+        return self._pos[:, :, : self.n]
+
+    def positions_before(self, stop: int) -> torch.Tensor:
+        """Positions of the held tokens in slots ``:stop`` (``stop < n``), without writing a decode step's pending
+        position (the last slot's): for an eviction that moves that token and writes its position where it lands."""
+        assert stop < self.n or self._pos_due is None
+        self._settle_run()
+        return self._pos[:, :, :stop]
+
+    def settle_positions(self) -> None:
+        """Write every pending position: the run of earlier decode steps' (one arange) and this decode step's
+        (the last slot's), from the cache's position counter while it still holds the step's position (one
+        copy, no Python number); after the counter moved on (a caller that never ran the layer's attention
+        through ``run_policy``), from the number."""
+        self._settle_run()
+        due, self._pos_due = self._pos_due, None
+        if due is not None:
+            _write_position(self._pos[:, :, self.n - 1], due, self.cache)
+
+    def _settle_run(self) -> None:
+        run, self._pos_run = self._pos_run, None
+        if run is not None:
+            first, pos, end = run
+            end = min(end, self.n - (self._pos_due is not None))  # a scratch forward's tokens were dropped
+            if end > first:
+                self._pos[:, :, first:end] = torch.arange(pos, pos + end - first, device=self._pos.device)
+
+    def end_forward(self) -> None:
+        """The layer's forward is over: a decode step's pending position (its token still in the last slot) joins
+        the run of unwritten positions when it continues it — no kernel — and is written otherwise (before the
+        next step moves the cache's position counter)."""
+        due = self._pos_due
+        if due is None:
+            return
+        if self.policy.moves_tokens_every_step:  # it reads or moves positions anyway: written now, one copy
+            self.settle_positions()
+            return
+        slot, seen = self.n - 1, due[1]
+        run = self._pos_run
+        if run is None or (run[2] == slot and run[1] + slot - run[0] == seen):
+            self._pos_due = None
+            self._pos_run = (slot, seen, slot + 1) if run is None else (run[0], run[1], slot + 1)
+        else:
+            self.settle_positions()
+
+    def aux(self, name: str, dtype: torch.dtype = torch.float32, zero_new: bool = True,
+            whole: bool = False) -> torch.Tensor:
+        """A per-held-token tensor [B, Hkv, n] owned by the policy (e.g. accumulated attention mass). It is
+        created zero-filled on first use and ``keep``/``keep_ends``/``evict_into`` move it with the keys. New
+        tokens get 0 — unless it was created with ``zero_new=False``: then the policy writes every new token's
+        entry itself in the forward that appended it (one kernel fewer per step where it writes them anyway).
+        ``whole``: the whole capacity [B, Hkv, cap] (entries from n on are 0 and must stay 0: a policy that adds
+        over a fixed span, so that its steps have the same shapes, adds 0 there)."""
+        if name not in self._aux:
+            b, h, cap = self._k.shape[:3]
+            self._aux[name] = torch.zeros(b, h, cap, dtype=dtype, device=self._k.device)
+            if not zero_new:
+                self._aux_unzeroed.add(name)
+        return self._aux[name] if whole else self._aux[name][:, :, : self.n]
+
+    @property
+    def device(self) -> torch.device:
+        return self._k.device
+
+    @property
+    def reference_length(self) -> int:
+        return self.cache.reference_length
+
+    # -- storage -------------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device_ = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def _allocate(self, like_k: torch.Tensor, like_v: torch.Tensor, cap: int) -> None:
+        b, h, _, dk = like_k.shape
+        dv = like_v.shape[-1]
+        # zeroed, not empty: a policy that attends over the whole storage with the free slots masked
+        # (``storage``) must not meet uninitialised bits there (a NaN times a masked weight is still NaN)
+        kv = like_k.new_zeros(2, b, h, cap, dk) if _stackable(like_k, like_v) else None
+        k, v = (kv[0], kv[1]) if kv is not None else (like_k.new_zeros(b, h, cap, dk), like_v.new_zeros(b, h, cap, dv))
+        pos = torch.empty(b, h, cap, dtype=torch.long, device=like_k.device)
+        self.settle_positions()
+        if self._k is not None and self.n:
+            k[:, :, : self.n] = self.keys
+            v[:, :, : self.n] = self.values
+            pos[:, :, : self.n] = self.positions
+        for name, a in self._aux.items():
+            new = torch.zeros(b, h, cap, dtype=a.dtype, device=a.device)
+            new[:, :, : self.n] = a[:, :, : self.n]
+            self._aux[name] = new
+        self._k, self._v, self._pos, self._kv = k, v, pos, kv
+        self._aux_zero_from = self.n
+
+    def _set_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """New storage holding exactly ``k``/``v`` [B, Hkv, m, D] (stacked where they can be)."""
+        if _stackable(k, v):
+            self._kv = torch.stack([k, v])
+            self._k, self._v = self._kv[0], self._kv[1]
+        else:
+            self._kv, self._k, self._v = None, k.contiguous(), v.contiguous()
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.end_forward()  # a previous decode step's position, if its forward did not end through run_policy
+        L = key_states.shape[2]
+        need = self.n + L
+        if self._k is None or need > self._k.shape[2]:
+            cap = need if self._k is None else max(need, int(self._k.shape[2] * self.GROWTH) + 16)
+            self._allocate(key_states, value_states, cap)
+        if L == 1 and self.policy.static_decode and self.n >= self._aux_zero_from:
+            # a decode step written at a slot the device holds (the step's position less the tokens dropped before
+            # it): no Python number that changes from step to step in the ops (``static_slot``); the step's own
+            # keys and values are kept for a policy that mirrors them (``static_kv``). Not after a removal left
+            # stale per-token state beyond n (its zero fill would slice at n)
+            self.static_slot = self.cache.position_before(self.seen, self.seen - self.n, key_states.device).view(1)
+            self.static_kv = (key_states, value_states)
+            self._slot_at = (self.seen, self.n)
+            self._k.index_copy_(2, self.static_slot, key_states)
+            self._v.index_copy_(2, self.static_slot, value_states)
+        else:
+            self.static_slot = self.static_kv = None
+            self._k[:, :, self.n : need] = key_states
+            self._v[:, :, self.n : need] = value_states
+        if L == 1:  # a decode step: its position is the cache's counter (no Python number), written when needed
+            self._pos_due = (self.cache.position_tensor(self.seen, key_states.device), self.seen)
+        else:
+            self._pos[:, :, self.n : need] = torch.arange(self.seen, self.seen + L, device=key_states.device)
+        if self.n < self._aux_zero_from:  # slots a removal left stale
+            for name, a in self._aux.items():
+                if name not in self._aux_unzeroed:
+                    a[:, :, self.n : need] = 0
+        self._aux_zero_from = max(self._aux_zero_from, need)
+        self.n = need
+        self.seen += L
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep only the held tokens at ``index`` (into the current ``n`` tokens): [m] for all heads alike, or
+        [B, Hkv, m] per KV head. Order is preserved as given; pass sorted indices to keep time order. Storage
+        is reallocated (memory actually freed) when the kept part is under half of it."""
+        self.settle_positions()
+        b, h = self._k.shape[:2]
+        if index.dim() == 1:
+            m = index.numel()
+            k, v, pos = self.keys.index_select(2, index), self.values.index_select(2, index), \
+                self.positions.index_select(2, index)
+            aux = {name: a[:, :, : self.n].index_select(2, index) for name, a in self._aux.items()}
+        else:  # per KV head: one row gather from each storage (torch.gather over an expanded index is ~6x slower)
+            m = index.shape[-1]
+            flat = self._flat(index)
+            k, v, pos = _rows(self._k, flat, m), _rows(self._v, flat, m), _rows(self._pos, flat, m)
+            aux = {name: _rows(a, flat, m) for name, a in self._aux.items()}
+        if m < self._k.shape[2] // 2:
+            self._set_kv(k, v)
+            self._pos = pos.contiguous()
+            self._aux = {name: a.contiguous() for name, a in aux.items()}
+            self._aux_zero_from = m  # the new storage holds exactly the kept tokens
+        else:
+            self._k[:, :, :m] = k
+            self._v[:, :, :m] = v
+            self._pos[:, :, :m] = pos
+            for name, a in aux.items():
+                self._aux[name][:, :, :m] = a
+        self.n = m
+
+    def evict_into(self, slot: torch.Tensor, sources: dict[str, torch.Tensor] | None = None) -> None:
+        """Drop one held token per KV head, ``slot`` [B, Hkv] (int64, any slot before the last), by moving the
+        newest held token (the last slot) into it: one indexed write per storage tensor — keys and values as one
+        (stacked storage), the position (a decode step's pending one goes straight from the cache's counter),
+        each aux (from ``sources[name]`` [B, Hkv] where given: a value the policy computed for the new token
+        instead of its slot's) — and ``n`` shrinks by one. A decode step's eviction at slots the device chose:
+        fixed-size writes, no shift, no host sync. Slots are not in time order afterwards; positions (and keys:
+        cached after RoPE) move with their tokens, so attention is unchanged, and a policy that needs time order
+        reads ``positions``."""
+        self._settle_run()
+        n = self.n
+        bi, hi = self.head_index()
+        index = (bi, hi, slot)
+        due, self._pos_due = self._pos_due, None
+        sources = sources or {}
+        named = {id(a): name for name, a in self._aux.items()}
+        for t, ax in self._token_tensors():
+            rows = t.movedim(0, 3) if ax == 3 else t  # stacked K/V [2, B, H, cap, D] -> [B, H, cap, 2, D]
+            # written through a view that ends before the source slot (the source is not overwritten)
+            window = rows.narrow(2, 0, n - 1)
+            if t is self._pos and due is not None:  # a decode step's token: its position goes straight there
+                counter, seen = due
+                if not self.cache.position_holds(counter, seen):
+                    counter = torch.full((), seen, dtype=torch.long, device=t.device)
+                window.index_put_(index, counter.expand(slot.shape))
+            elif named.get(id(t)) in sources:
+                window.index_put_(index, sources[named[id(t)]])
+            else:
+                window.index_put_(index, rows.select(2, n - 1))
+        self.n = n - 1
+
+    def head_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, 1], [1, Hkv]) int64: the batch and head indices that, with a slot per head [B, Hkv], address one
+        token of each head in an indexed read or write (made once per storage shape)."""
+        b, h = self._k.shape[:2]
+        key = (b, h, self._k.device)
+        if self._heads is None or self._heads[0] != key:
+            dev = self._k.device
+            self._heads = (key, torch.arange(b, device=dev).view(b, 1), torch.arange(h, device=dev).view(1, h))
+        return self._heads[1], self._heads[2]
+
+    def _token_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """The storage that moves with the held tokens, each tensor with its token axis: keys and values (one
+        stacked tensor where they are: one copy for both), positions, each aux."""
+        kv = [(self._kv, 3)] if self._kv is not None else [(self._k, 2), (self._v, 2)]
+        return [*kv, (self._pos, 2), *((a, 2) for a in self._aux.values())]
+
+    def move_last_into(self, slot: torch.Tensor, start: int = 0) -> None:
+        """Drop the held token at slot ``start + slot`` (``slot``: a one-element int64 device tensor, all heads
+        alike; the slot before the last) by moving the newest held token, the last slot, into it: one copy of its
+        keys and values (stacked storage), one of its position and of each aux; ``n`` shrinks by one. A decode
+        step's eviction at a slot the device chose: fixed-size copies, no shift, no host sync. The held tokens are
+        no longer in time order; positions (and keys: cached after RoPE) move with their tokens, so attention is
+        unchanged, and a policy that needs time order reads ``positions``."""
+        self._settle_run()
+        n = self.n
+        due, self._pos_due = self._pos_due, None
+        for t, ax in self._token_tensors():
+            # written through a view that ends before the source slot: an in-place copy whose source overlaps
+            # its destination is refused
+            window = t.narrow(ax, start, n - 1 - start)
+            if t is self._pos and due is not None:  # a decode step's token: its position goes straight there
+                _write_position(window, due, self.cache, slot)
+            else:
+                window.index_copy_(ax, slot, t.narrow(ax, n - 1, 1))
+        self.n = n - 1
+
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the held tokens at ``index`` [B, Hkv, m] (per KV head; any order, repeats allowed):
+        ([B, Hkv, m, Dk], [B, Hkv, m, Dv]). One row gather from the storage (much faster than ``torch.gather``
+        with an index expanded over the head dimension)."""
+        return self.gather_flat(self._flat(index), index.shape[-1])
+
+    def gather_flat(self, flat: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gather`` for row ids already in the flattened storage (index + ``row_offsets()``, flattened; [B *
+        Hkv * m]), for a policy that builds them in fewer ops on its per-step path. Keys and values in one
+        ``index_select`` where they are stored stacked."""
+        rows = self.gather_stacked(flat, m)
+        if rows is not None:
+            return rows[0], rows[1]
+        return _rows(self._k, flat, m), _rows(self._v, flat, m)
+
+    def gather_stacked(self, flat: torch.Tensor, m: int) -> torch.Tensor | None:
+        """``gather_flat``'s keys and values as one tensor [2, B, Hkv, m, D] (one copy moves both), or None where
+        they are stored apart."""
+        if self._kv is None:
+            return None
+        b, h, cap, d = self._k.shape
+        return self._kv.view(2, b * h * cap, d).index_select(1, flat).view(2, b, h, m, d)
+
+    def static_slot_at(self, offset: int) -> torch.Tensor:
+        """``static_slot + offset`` [1] (the last decode step's slot moved by ``offset``: where a policy mirrors the
+        step's token into a buffer of its own), a device tensor made once per step for all the layers asking with
+        the same offset (``MethodCache.position_before``)."""
+        seen, n = self._slot_at
+        return self.cache.position_before(seen, seen - n - offset, self.device).view(1)
+
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values over the whole allocated capacity [B, Hkv, cap, D] (slots from ``n`` on are free: zero
+        or a dropped token's, always finite): for a policy that attends over a fixed shape with the free slots
+        masked, so that consecutive decode steps have the same shapes (``LayerPolicy.static_decode``)."""
+        return self._k, self._v
+
+    def stacked(self, start: int, stop: int) -> torch.Tensor | None:
+        """Keys and values of the held slots ``start:stop`` as one view [2, B, Hkv, stop - start, D] of the stacked
+        storage (one copy moves both), or None where they are stored apart (their shapes or dtypes differ)."""
+        return None if self._kv is None else self._kv[:, :, :, start:stop]
+
+    def pages(self, start: int, size: int) -> torch.Tensor | None:
+        """The stacked storage from slot ``start`` on as pages of ``size`` slots, keys and values together: a view
+        [2, B * Hkv, pages, size * D] (page p of a head: slots start + p * size ...), for a policy that gathers whole
+        pages in one kernel; None where keys and values are stored apart."""
+        if self._kv is None:
+            return None
+        _, b, h, cap, d = self._kv.shape
+        count = (cap - start) // size
+        return self._kv[:, :, :, start: start + count * size].view(2, b * h, count, size * d)
+
+    def row_offsets(self) -> torch.Tensor:
+        """[B, Hkv, 1]: the first row of each head in the storage flattened to rows [B * Hkv * cap, D]; the
+        same tensor until the storage is reallocated (made once per storage shape)."""
+        b, h, cap = self._k.shape[:3]
+        key = (b, h, cap, self._k.device)
+        if self._row_base is None or self._row_base[0] != key:
+            self._row_base = (key, (torch.arange(b * h, device=self._k.device) * cap).view(b, h, 1))
+        return self._row_base[1]
+
+    def _flat(self, index: torch.Tensor) -> torch.Tensor:
+        """Row ids of ``index`` [B, Hkv, m] in the flattened storage."""
+        return (index + self.row_offsets()).reshape(-1)
+
+    def keep_ends(self, head: int, tail: int) -> None:
+        """Keep the first ``head`` and the last ``tail`` held tokens, drop the rest (all heads alike)."""
+        self.settle_positions()
+        drop_to = self.n - tail
+        if drop_to <= head:
+            return
+        if drop_to - head < self._k.shape[2] // 2 and tail > 0:
+            # small drop (a decode step): shift the tail left in place, no new tensors of cache size
+            for t, ax in self._token_tensors():
+                t.narrow(ax, head, tail).copy_(t.narrow(ax, drop_to, tail).clone())
+            self.n = head + tail
+            return
+        index = torch.cat([torch.arange(head, device=self.device),
+                           torch.arange(drop_to, self.n, device=self.device)])
+        self.keep(index)
+
+    def token_bytes(self) -> int:
+        """Bytes of one token's keys and values over all heads of this layer."""
+        b, h, _, dk = self._k.shape
+        return b * h * (dk + self._v.shape[-1]) * self._k.element_size()
+
+    def held_bytes(self) -> int:
+        """Bytes of keys and values actually held (the live part of the storage)."""
+        return 0 if self._k is None else self.n * self.token_bytes()
+
+    def allocated_bytes(self) -> int:
+        if self._k is None:
+            return 0
+        return self._k.nbytes + self._v.nbytes + self._pos.nbytes + sum(a.nbytes for a in self._aux.values())
+
+    def full_bytes(self) -> int:
+        """What plain full attention would hold for this layer at the same logical length."""
+        if self._k is None:
+            return 0
+        w = self.policy.info.sliding_window
+        held = self.seen if w is None else min(self.seen, w - 1)
+        return held * self.token_bytes()
+
+    # -- the forward's append (transformers' cache-layer API names it ``update``) ----------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.append(key_states, value_states)
+        if self.cache.observer is not None:  # the fidelity probe reads what this forward added
+            self.last_update = (key_states, value_states)
+        if self.static_slot is not None:
+            # transformers hands these to our attention function, which reads the store instead: a static decode
+            # step returns the whole storage, so that no view of a step-dependent length is made in the step
+            return self.storage()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        # transformers derives the new tokens' positions (RoPE) from it: the logical length, or the position inside
+        # the cache when a policy re-assigns positions (pos_shift, with rotate_keys)
+        return self.seen - self.pos_shift
+
+    def rotate_keys(self, start: int, stop: int, delta: int) -> None:
+        """Move the held keys ``start:stop`` (stored after RoPE) by ``delta`` positions in place: RoPE rotations
+        compose, R(p + delta) k = R(delta) R(p) k, so a key rotated for position p becomes the key for p + delta
+        (the model's own rotary embedding gives cos/sin of ``delta``; its attention scaling divided out; the
+        rotate-half layout of Llama / Qwen / Mistral / Gemma; a partial rotary dimension rotates only its part)."""
+        if stop <= start or delta == 0:
+            return
+        model = self.cache.model
+        rope = getattr(getattr(model, "model", model), "rotary_emb", None)
+        if rope is None:
+            raise RuntimeError(f"{type(model).__name__} has no model.rotary_emb: keys cannot be re-rotated")
+        k = self._k[:, :, start:stop]
+        pid = torch.full((1, 1), delta, device=k.device, dtype=torch.long)
+        cos, sin = rope(k.float(), pid)  # [1, 1, rot]
+        scale = float(getattr(rope, "attention_scaling", 1.0) or 1.0)
+        cos, sin = cos.float() / scale, sin.float() / scale
+        rot, half = cos.shape[-1], cos.shape[-1] // 2
+        x = k[..., :rot].float()
+        out = x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+        self._k[:, :, start:stop, :rot] = out.to(k.dtype)
+
+    def reset(self) -> None:
+        self._k = self._v = self._pos = self._kv = self._pos_due = self._pos_run = None
+        self._aux = {}
+        self._aux_unzeroed = set()
+        self._aux_zero_from = 0
+        self.n = self.seen = 0
+        self.pos_shift = 0
+        self.is_initialized = False

@@ -1,0 +1,188 @@
+"""The method contract (issue 47): the scorer base and KNorm on it, ``full_layers`` as every method's setting,
+``Layered`` forwarding every method-level hook, ``describe`` from the settings."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from luka_bench.methods.base import KVMethod, LayerPolicy
+from luka_bench.methods.full import Full
+from luka_bench.methods.h2o import H2O
+from luka_bench.methods.hf import attach
+from luka_bench.methods.knorm import KNorm
+from luka_bench.methods.laser_kv import LaserKV
+from luka_bench.methods.layered import Layered
+from luka_bench.methods.policies import StaticExactPolicy
+from luka_bench.methods.scorer import ScorerPolicy
+from luka_bench.methods.snapkv import SnapKV
+from luka_bench.methods.streaming_llm import StreamingLLM
+
+from test_methods_core import method_logits
+
+
+def ids_of(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def prefill(model, method, ids, question_ids=None, before_compression=None):
+    """Prefill ``ids`` through a manual cache, optionally look at it (``before_compression(cache)``), compress."""
+    with attach(model, method) as a, torch.no_grad():
+        c = a.new_cache(reference_length=ids.shape[1], question_ids=question_ids, manual=True)
+        model(ids, past_key_values=c)
+        seen = before_compression(c) if before_compression else None
+        c.end_prefill()
+    return c, seen
+
+
+def kept_positions(cache) -> list[list[list[int]]]:
+    """Per layer, per KV head (batch 0): the sorted logical positions held."""
+    return [[sorted(s.positions[0, h].tolist()) for h in range(s.positions.shape[1])] for s in cache.stores]
+
+
+# -- KNorm on the scorer base ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gqa3"])
+@pytest.mark.parametrize("budget", [0.1, 0.37])
+def test_knorm_keeps_exactly_the_lowest_norm_keys_of_each_kv_head(arch, budget, request):
+    lm = request.getfixturevalue(arch)
+    ids = ids_of(90, 3)
+    norms = lambda c: [s.keys[0].float().norm(dim=-1) for s in c.stores]  # noqa: E731  [Hkv, n] per layer
+    cache, before = prefill(lm.model, KNorm(budget=budget), ids, before_compression=norms)
+    cap = math.ceil(budget * 90)
+    for layer, (store, nrm) in enumerate(zip(cache.stores, before)):
+        assert store.n == cap, (layer, store.n, cap)
+        for h in range(nrm.shape[0]):
+            want = sorted(torch.sort(-nrm[h], descending=True, stable=True).indices[:cap].tolist())
+            assert sorted(store.positions[0, h].tolist()) == want, (layer, h)
+    # heads choose on their own (per KV head, not one set per layer), on at least one layer
+    if lm.model.config.num_key_value_heads > 1:
+        assert any(len({tuple(h) for h in layer}) > 1 for layer in kept_positions(cache))
+
+
+def test_knorm_with_the_whole_budget_equals_full(tiny_llama):
+    ids = ids_of(60, 4)
+    ref, _ = method_logits(tiny_llama.model, Full(), ids, 40)
+    got, c = method_logits(tiny_llama.model, KNorm(budget=1.0), ids, 40)
+    assert torch.equal(got, ref)
+    assert all(s.n == 60 for s in c.stores)
+
+
+def test_knorm_changes_the_logits_when_it_drops(tiny_llama):
+    ids = ids_of(60, 4)
+    ref, _ = method_logits(tiny_llama.model, Full(), ids, 40)
+    got, _ = method_logits(tiny_llama.model, KNorm(budget=0.25), ids, 40)
+    assert not torch.allclose(got[:, 35:], ref[:, 35:], atol=1e-3)
+
+
+def test_the_scorer_base_keeps_sinks_recent_and_the_best_scored_in_time_order(tiny_llama):
+    """A scorer that prefers odd positions, with 3 sinks and 5 recent protected: exactly those, in time order."""
+
+    class OddPolicy(ScorerPolicy):
+        def protected(self, store, cap):
+            return 3, 5
+
+        def score(self, store, start, stop):
+            return (store.positions[:, :, start:stop] % 2).float()
+
+    class Odd(KVMethod):
+        name = "odd"
+        policy_class = OddPolicy
+
+    cache, _ = prefill(tiny_llama.model, Odd(budget=0.25), ids_of(80, 5))
+    cap = 20
+    for store in cache.stores:
+        got = store.positions[0].tolist()
+        odd = [p for p in range(3, 75) if p % 2][: cap - 8]
+        assert all(row == [0, 1, 2] + odd + list(range(75, 80)) for row in got), got[0]
+
+
+# -- full_layers: one setting of every method ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", [KNorm(budget=0.25, full_layers=2), SnapKV(budget=0.25, window=8, full_layers=2),
+                                    StreamingLLM(budget=0.25, full_layers=2), H2O(budget=0.25, full_layers=2)],
+                         ids=lambda m: m.name)
+def test_full_layers_keep_every_token_and_attend_exactly_in_every_method(method, tiny_llama):
+    cache, _ = prefill(tiny_llama.model, method, ids_of(64, 6))
+    assert [type(s.policy) is StaticExactPolicy for s in cache.stores] == [True, True, False]
+    assert [s.n for s in cache.stores] == [64, 64, 16]
+
+
+def test_full_layers_is_checked():
+    from luka_bench.methods.base import MethodConfigError
+
+    with pytest.raises(MethodConfigError, match="full_layers=-1"):
+        KNorm(full_layers=-1)
+
+
+# -- Layered forwards every method-level hook ---------------------------------------------------------------------------
+
+def test_question_aware_snapkv_inside_layered_compresses_as_it_does_alone(tiny_gqa3):
+    model = tiny_gqa3.model
+    ids, question = ids_of(96, 7), list(range(200, 212))
+    snap = dict(budget=0.25, window=8, question_aware=True)
+    alone, _ = prefill(model, SnapKV(**snap), ids, question)
+    layered, _ = prefill(model, Layered(rules=[{"layers": "first:2", "method": SnapKV(**snap)}], default=Full()),
+                         ids, question)
+    unaware, _ = prefill(model, SnapKV(**{**snap, "question_aware": False}), ids, question)
+    assert kept_positions(layered)[:2] == kept_positions(alone)[:2]
+    assert kept_positions(alone)[:2] != kept_positions(unaware)[:2]  # the question's queries chose differently
+    assert layered.stores[2].n == 96  # the default (full) layer keeps everything
+
+
+def test_laser_kv_inside_layered_compresses_as_it_does_alone(tiny_llama):
+    model = tiny_llama.model
+    ids = ids_of(160, 8)
+    laser = dict(budget=0.25, block_size=40, divisor=4)
+    layered_method = Layered(rules=[{"layers": "all", "method": LaserKV(**laser)}])
+    assert layered_method.prefill_chunk() == 40
+
+    def run(method):
+        with attach(model, method) as a, torch.no_grad():
+            c = a.new_cache(reference_length=160)
+            model(ids, past_key_values=c)  # the pre-hook prefills in the method's blocks
+        return c
+
+    alone, layered = run(LaserKV(**laser)), run(layered_method)
+    assert all(s.n < 160 for s in alone.stores)
+    assert kept_positions(layered) == kept_positions(alone)
+
+
+def test_layered_refuses_two_different_prefill_chunks():
+    from luka_bench.methods.base import MethodConfigError
+
+    m = Layered(rules=[{"layers": "first:1", "method": LaserKV(block_size=64)}], default=LaserKV(block_size=32))
+    with pytest.raises(MethodConfigError, match=r"\[32, 64\]"):
+        m.prefill_chunk()
+
+
+def test_layered_hooks_see_only_their_layers(tiny_llama):
+    seen: dict[str, list[int]] = {}
+
+    class Probe(KVMethod):
+        name = "probe"
+        policy_class = LayerPolicy
+
+        def __init__(self, tag):
+            super().__init__()
+            self.tag = tag
+
+        def after_prefill(self, cache):
+            seen[self.tag] = [s.policy.info.layer_idx for s in cache.stores]
+            super().after_prefill(cache)
+
+    cache, _ = prefill(tiny_llama.model, Layered(rules=[{"layers": "0,2", "method": Probe("a")}], default=Probe("b")),
+                       ids_of(20, 9))
+    assert seen == {"a": [0, 2], "b": [1]}
+
+
+# -- describe: from the settings, one rule ---------------------------------------------------------------------------
+
+def test_describe_names_every_setting():
+    assert KNorm().describe() == "knorm(budget=0.125)"
+    assert KNorm(full_layers=2).describe() == "knorm(budget=0.125, full_layers=2)"
+    d = SnapKV(window=16).describe()
+    assert d.startswith("snapkv(budget=0.125, window=16, kernel=5, pooling=avg, question_aware=False")
+    lay = Layered(rules=[{"layers": "first:2", "method": KNorm(budget=0.5)}]).describe()
+    assert "first:2: knorm(budget=0.5)" in lay and "default=full(budget=1)" in lay

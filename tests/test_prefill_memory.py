@@ -1,0 +1,100 @@
+"""Per-layer compression inside the prefill (issue 50): a layer-local method compresses each layer right after its
+attention in the forward that ends the prefill, so one layer's full cache is alive at a time — and keeps exactly the
+tokens it keeps when it compresses after the whole forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from luka_bench.methods.full import Full
+from luka_bench.methods.h2o import H2O
+from luka_bench.methods.hf import attach
+from luka_bench.methods.knorm import KNorm
+from luka_bench.methods.laser_kv import LaserKV
+from luka_bench.methods.layered import Layered
+from luka_bench.methods.snapkv import SnapKV
+from luka_bench.methods.streaming_llm import StreamingLLM
+
+N, STEPS = 120, 6
+
+METHODS = {
+    "snapkv": lambda: SnapKV(budget=0.2, window=8),
+    "streaming_llm": lambda: StreamingLLM(budget=0.2),
+    "streaming_llm_cache_positions": lambda: StreamingLLM(budget=0.2, positions="cache"),
+    "h2o": lambda: H2O(budget=0.2),
+    "h2o_on_top": lambda: H2O(budget=0.2, recent_budget="on_top", min_recent=8, recent_fraction=0.0),
+    "knorm": lambda: KNorm(budget=0.2),
+    "knorm_full_layers": lambda: KNorm(budget=0.2, full_layers=1),
+    "layered": lambda: Layered(rules=[{"layers": "0", "method": SnapKV(budget=0.2, window=8)}],
+                               default=KNorm(budget=0.3)),
+}
+
+
+def run(model, method, ids, manual: bool, question_ids=None):
+    """Prefill ids[:N] (compressed inside the forward unless ``manual``), then STEPS teacher-forced tokens."""
+    with attach(model, method) as a, torch.no_grad():
+        c = a.new_cache(reference_length=N, manual=manual, question_ids=question_ids)
+        out = [model(ids[:, :N], past_key_values=c).logits[:, -1:]]
+        if manual:
+            c.end_prefill()
+        inside = [s.compressed_in_forward for s in c.stores]
+        held = [s.positions[0].clone() for s in c.stores]
+        for t in range(N, N + STEPS):
+            out.append(model(ids[:, t: t + 1], past_key_values=c).logits)
+    return torch.cat(out, 1), held, inside, c
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gqa3"])
+def test_compressing_inside_the_prefill_keeps_the_same_tokens_bit_for_bit(name, arch, request):
+    model = request.getfixturevalue(arch).model
+    ids = torch.randint(0, 256, (1, N + STEPS), generator=torch.Generator().manual_seed(11))
+    after, held_after, inside_after, _ = run(model, METHODS[name](), ids, manual=True)
+    inside, held_inside, flags, cache = run(model, METHODS[name](), ids, manual=False)
+    assert not any(inside_after)
+    assert any(flags), "no layer compressed inside the prefill's forward"
+    assert all(s.n < N for s, f in zip(cache.stores, flags) if f)
+    for a, b in zip(held_after, held_inside):
+        assert torch.equal(a, b)
+    assert torch.equal(after, inside)
+
+
+def full_layers_alive(model, method, question_ids=None) -> int:
+    """The largest number of layers holding a full-length cache at once during one prefill: before each decoder
+    layer runs, the earlier layers still at full length, plus the one about to fill."""
+    ids = torch.randint(0, 256, (1, N), generator=torch.Generator().manual_seed(12))
+    most = [0]
+    with attach(model, method) as a, torch.no_grad():
+        c = a.new_cache(reference_length=N, question_ids=question_ids)
+
+        def count(module, args):
+            if c.phase == "prefill":  # not the question's scratch forward after it
+                most[0] = max(most[0], 1 + sum(s.seen == N and s.n == N for s in c.stores))
+
+        hooks = [layer.register_forward_pre_hook(count) for layer in model.model.layers]
+        try:
+            model(ids, past_key_values=c)
+        finally:
+            for h in hooks:
+                h.remove()
+    return most[0]
+
+
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "knorm"])
+def test_one_full_layer_cache_at_a_time_during_a_compressing_prefill(name, tiny_llama):
+    model = tiny_llama.model
+    layers = model.config.num_hidden_layers
+    assert full_layers_alive(model, Full()) == layers  # full attention holds every layer's, as it must
+    assert full_layers_alive(model, METHODS[name]()) == 1
+
+
+def test_methods_that_need_the_whole_prefill_keep_it_and_say_so(tiny_llama):
+    """Question-aware SnapKV (its question runs through every uncompressed layer after the prefill) and LASER-KV
+    (cross-layer scores) compress after the forward: every layer is full at the end of it."""
+    model = tiny_llama.model
+    layers = model.config.num_hidden_layers
+    aware = SnapKV(budget=0.2, window=8, question_aware=True)
+    assert not aware.compresses_in_forward(type("C", (), {"question_ids": [5, 6]})())
+    assert full_layers_alive(model, aware, question_ids=[5, 6, 7]) == layers
+    assert full_layers_alive(model, SnapKV(budget=0.2, window=8, question_aware=True)) == 1  # no question: local
+    assert full_layers_alive(model, LaserKV(budget=0.25, block_size=N, divisor=4)) == layers
