@@ -5,7 +5,11 @@ steps through it: kernels, allocator), free what is left (``device.release_memor
 high-water mark (CPU: ``device.reset_peak_rss``) or the allocator's (CUDA) and run a prefill of N tokens of the essays
 through the method followed by two decode steps; the peak's growth over the RSS (allocated bytes) just before the
 prefill is the measure: the cache, the activations and whatever the method computes for its scores, not the model.
-``--repeats`` processes per (method, N), the median reported with the range. The table (``--markdown``) gives each
+``--repeats`` processes per (method, N), the median reported with the range. Every measured process runs with
+``MALLOC_MMAP_THRESHOLD_=65536`` (``--mmap-threshold``): tensors are then mmapped and a freed one leaves the RSS at
+once, so the peak is of what was alive, not of glibc's heap history. A method named ``<name>+after``
+compresses after the prefill's whole forward, as every method did before the per-layer compression (issue 50): a
+manual cache whose ``end_prefill`` runs after the forward; the same tokens kept, the old peak. The table (``--markdown``) gives each
 method's growth and its ratio to full attention's at each N; ``--plot`` draws peak growth against context length,
 one line per method. ``--json`` keeps every measurement.
 
@@ -14,10 +18,20 @@ one line per method. ``--json`` keeps every measurement.
         --plot docs/img/prefill_memory.png
 
 On a GPU: ``--model shape_llama31_8b --device cuda --dtype bfloat16`` (the allocator's peak instead of the RSS).
+
+NVIDIA kvpress beside it, measured the same way (``--kvpress PYTHON``: the interpreter of a venv where kvpress is
+installed — it pins an older transformers than this project, so it lives in a venv of its own, e.g.
+``python3 -m venv ../kvpress-venv && ../kvpress-venv/bin/pip install torch==2.13.0 kvpress==0.5.5``): the model is
+saved once to a folder (``save_pretrained``) and the same token ids are written to a file; kvpress's rows
+``kvpress:full`` (no press), ``kvpress:streaming_llm`` (``StreamingLLMPress``, 4 sinks) and ``kvpress:snapkv``
+(``SnapKVPress``, window 64, kernel 5) run a plain forward of the N tokens under ``with press(model):`` into a
+``DynamicCache`` (kvpress compresses each layer in its attention's forward hook), then two decode steps, each in a
+process of its own with the same warm-up, reset and peak. ``compression_ratio = 1 - budget`` (``--budget``).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -27,6 +41,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+AFTER = "+after"  # compress after the prefill's whole forward (a manual cache): the peak before issue 50
 DEFAULT = ["full", "streaming_llm", "snapkv", "knorm", "h2o", "laser_kv", "entropy_ols"]
 
 
@@ -37,11 +52,12 @@ def measure(method: str, n: int, model_over: list[str], threads: int) -> dict:
 
     from luka_bench import config, device as D
     from luka_bench.data.pg19 import essays_text
-    from luka_bench.engine import forward, prefill, warm_up
+    from luka_bench.engine import forward, warm_up
     from luka_bench.methods.hf import attach
 
     torch.set_num_threads(threads)
-    kv, model_cfg = config.compose_method([f"method={method}", *model_over])
+    after = method.endswith(AFTER)
+    kv, model_cfg = config.compose_method([f"method={method.removesuffix(AFTER)}", *model_over])
     lm = instantiate(model_cfg).load()
     model, tok = lm.model, lm.tokenizer
     ids = tok(essays_text(), add_special_tokens=False).input_ids
@@ -60,8 +76,10 @@ def measure(method: str, n: int, model_over: list[str], threads: int) -> dict:
             D.reset_peak_rss()
         t0 = time.perf_counter()
         with attach(model, kv, tok) as att:
-            cache = att.new_cache(reference_length=n)
-            prefill(model, ids[:n], cache)
+            cache = att.new_cache(reference_length=n, manual=after)
+            forward(model, ids[:n], cache)
+            if after:
+                cache.end_prefill()
             for i in range(2):
                 forward(model, ids[n + i: n + i + 1], cache)
             D.synchronize(dev)
@@ -72,10 +90,77 @@ def measure(method: str, n: int, model_over: list[str], threads: int) -> dict:
             "seconds": time.perf_counter() - t0, "device": str(dev), "describe": kv.describe()}
 
 
+KVPRESS = "kvpress:"  # rows measured with NVIDIA kvpress's presses (``--kvpress``)
+
+
+def measure_kvpress(press_name: str, n: int, model_dir: str, ids_file: str, budget: float, threads: int) -> dict:
+    """One kvpress measurement in this process (run by the kvpress venv's interpreter; imports of this package:
+    ``luka_bench.device`` only, which needs nothing but torch)."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    sys.path.insert(0, str(ROOT))
+    from luka_bench import device as D
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = json.loads(Path(ids_file).read_text())
+    press = None
+    if press_name != "full":
+        from kvpress import SnapKVPress, StreamingLLMPress
+
+        press = {"streaming_llm": lambda: StreamingLLMPress(compression_ratio=1 - budget, n_sink=4),
+                 "snapkv": lambda: SnapKVPress(compression_ratio=1 - budget, window_size=64, kernel_size=5)}[press_name]()
+
+    def run(tokens: list[int]) -> int:
+        cache = DynamicCache()
+        with press(model) if press is not None else contextlib.nullcontext():
+            model(torch.tensor([tokens[:-2]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for i in (2, 1):
+            model(torch.tensor([[tokens[-i]]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+    with torch.no_grad():
+        run(ids[:258])  # warm-up: 256 tokens and two steps, as ``engine.warm_up``
+        D.release_memory()
+        before = D.rss_bytes()
+        D.reset_peak_rss()
+        t0 = time.perf_counter()
+        held = run(ids[: n + 2])
+        peak = D.rss_bytes("VmHWM")
+    return {"method": KVPRESS + press_name, "n": n, "peak_growth_bytes": peak - before, "kv_bytes": held,
+            "kv_bytes_full": None, "seconds": time.perf_counter() - t0, "device": "cpu",
+            "describe": f"kvpress {press_name} (compression_ratio={1 - budget:g})" if press else "kvpress full"}
+
+
+def export_for_kvpress(args, work: Path) -> tuple[str, str]:
+    """The model saved to a folder and the essays' token ids to a file, for the kvpress interpreter."""
+    from hydra.utils import instantiate
+
+    from luka_bench import config
+    from luka_bench.data.pg19 import essays_text
+
+    model_dir, ids_file = work / "model", work / "ids.json"
+    if not ids_file.exists():
+        _, model_cfg = config.compose_method(["method=full", *model_overrides(args)])
+        lm = instantiate(model_cfg).load()
+        lm.model.save_pretrained(model_dir)
+        ids_file.write_text(json.dumps(lm.tokenizer(essays_text(), add_special_tokens=False).input_ids))
+    return str(model_dir), str(ids_file)
+
+
 def run_child(method: str, n: int, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", method, str(n), "--threads", str(args.threads)] + \
-        sum((["--over", o] for o in model_overrides(args)), [])
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if method.startswith(KVPRESS):
+        cmd = [args.kvpress, __file__, "--kvpress-child", method.removeprefix(KVPRESS), str(n), *args.kvpress_files,
+               "--budget", str(args.budget), "--threads", str(args.threads)]
+    else:
+        cmd = [sys.executable, __file__, "--child", method, str(n), "--threads", str(args.threads)] + \
+            sum((["--over", o] for o in model_overrides(args)), [])
+    # large blocks always mmapped, so a freed tensor leaves the RSS at once: glibc otherwise raises its mmap threshold
+    # after a free and serves later tensors from a heap it does not shrink, and the peak RSS then measures the
+    # allocator's history (streaming_llm at 8K: 0.61 GB without, 0.29 GB with) — the same for every row, kvpress's too
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else None
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{method} at N={n} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -131,6 +216,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--over", action="append", default=[], help=argparse.SUPPRESS)
+    ap.add_argument("--kvpress-child", nargs=4, metavar=("PRESS", "N", "MODEL_DIR", "IDS"), help=argparse.SUPPRESS)
+    ap.add_argument("--kvpress", default=None, metavar="PYTHON",
+                    help="a Python with kvpress installed: adds kvpress's full, streaming_llm and snapkv rows")
+    ap.add_argument("--kvpress-dir", default="/tmp/luka_bench_kvpress",
+                    help="where the model and the token ids are written for the kvpress interpreter")
+    ap.add_argument("--mmap-threshold", type=int, default=65536,
+                    help="MALLOC_MMAP_THRESHOLD_ of every measured process (glibc; 0: the allocator's default)")
+    ap.add_argument("--budget", type=float, default=0.125, help="kvpress's budget (compression_ratio = 1 - budget)")
     ap.add_argument("--methods", nargs="+", default=DEFAULT)
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--repeats", type=int, default=3, help="processes per (method, N); the median is reported")
@@ -145,33 +238,43 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.child[0], int(args.child[1]), args.over, args.threads)))
         return
+    if args.kvpress_child:
+        p, n, model_dir, ids_file = args.kvpress_child
+        print(json.dumps(measure_kvpress(p, int(n), model_dir, ids_file, args.budget, args.threads)))
+        return
     known = sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
-    bad = [m for m in args.methods if m not in known]
+    bad = [m for m in args.methods if m.removesuffix(AFTER) not in known]
     if bad:
         sys.exit(f"--methods {' '.join(bad)}: unknown; allowed: {', '.join(known)}")
+    methods = list(args.methods)
+    if args.kvpress:
+        Path(args.kvpress_dir).mkdir(parents=True, exist_ok=True)
+        args.kvpress_files = export_for_kvpress(args, Path(args.kvpress_dir))
+        methods += [KVPRESS + p for p in ("full", "streaming_llm", "snapkv")]
     rows, raw = [], []
     print(f"load {os.getloadavg()}; {args.repeats} process(es) per method and N, {args.threads} threads", flush=True)
     for n in args.lengths:
-        for m in args.methods:
+        for m in methods:
             got = [run_child(m, n, args) for _ in range(args.repeats)]
             raw += got
             g = [r["peak_growth_bytes"] for r in got]
             rows.append({"method": m, "n": n, "median": statistics.median(g), "min": min(g), "max": max(g),
                          "kv_bytes": got[0]["kv_bytes"], "kv_bytes_full": got[0]["kv_bytes_full"],
                          "seconds": statistics.median(r["seconds"] for r in got), "describe": got[0]["describe"]})
-            print(f"N={n:6d} {m:16s} peak growth {statistics.median(g) / 1e9:.3f} GB "
-                  f"(runs: {', '.join(f'{x / 1e9:.3f}' for x in g)}); kv held after {got[0]['kv_bytes'] / 1e9:.3f} GB "
-                  f"of {got[0]['kv_bytes_full'] / 1e9:.3f}; {rows[-1]['seconds']:.1f} s", flush=True)
+            full = got[0]["kv_bytes_full"]
+            print(f"N={n:6d} {m:22s} peak growth {statistics.median(g) / 1e9:.3f} GB "
+                  f"(runs: {', '.join(f'{x / 1e9:.3f}' for x in g)}); kv held after {got[0]['kv_bytes'] / 1e9:.3f} GB"
+                  + (f" of {full / 1e9:.3f}" if full else "") + f"; {rows[-1]['seconds']:.1f} s", flush=True)
             if args.json:
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.json).write_text(json.dumps({"rows": rows, "runs": raw}, indent=1))
-    md = table(rows, args.methods, args.lengths)
+    md = table(rows, methods, args.lengths)
     print(md)
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(md + "\n")
     if args.plot:
-        plot(rows, args.methods, args.plot)
+        plot(rows, methods, args.plot)
 
 
 if __name__ == "__main__":

@@ -60,8 +60,9 @@ the layers of one cache goes in ``MethodCache.state`` (copied by ``clone``).
 What the last ``attend`` read (``LayerPolicy.attended`` / ``attended_extra``) feeds the *attended* metric: the
 runner averages, per decode step, the held tokens (and their bytes) every layer's attention read
 (``MethodCache.attended_stats``); exact methods attend to everything they hold.
-Which policy runs on which layer is ``KVMethod.policy_for_layer``; sliding-window layers (Gemma3) get exact
-attention within their window unless a method sets ``handles_sliding = True``.
+Which policy runs on which layer is ``policies.layer_policy``: the first ``full_layers`` layers (a setting of every
+method) attend exactly, sliding-window layers (Gemma3) get exact attention within their window unless a method
+sets ``handles_sliding = True``, and every other layer gets ``KVMethod.policy_for_layer``.
 
 Conventions (all methods):
 - Tensors are ``[batch, heads, tokens, head_dim]``; queries have ``num_attention_heads`` heads, keys/values the
@@ -106,6 +107,7 @@ class PromptCache(Protocol):
     token_ids: list[int]
     state: dict
     model: Any
+    observer: Any
 
     @property
     def stores(self) -> list["Store"]: ...
@@ -114,6 +116,8 @@ class PromptCache(Protocol):
     def seen(self) -> int: ...
 
     def scratch_forward(self, ids, start: int | None = None) -> torch.Tensor: ...
+
+    def position_holds(self, counter: torch.Tensor, seen: int) -> bool: ...
 
     def span(self, key: str, device: torch.device) -> ContextManager: ...
 

@@ -87,7 +87,8 @@ class SnapKVPolicy(ScorerPolicy):
             # keep the last `window` prompt queries (post-RoPE), across prefill chunks
             w = self.method.window
             q = query if self.q_window is None else torch.cat([self.q_window, query], dim=2)
-            self.q_window = q[:, :, -w:].detach()
+            # a copy: a slice would keep the whole chunk's queries alive (every layer's, until the compression)
+            self.q_window = q[:, :, -w:].detach().clone()
             self.scaling = scaling
         return exact_attention(store, query, scaling)
 
