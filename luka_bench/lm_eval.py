@@ -249,6 +249,10 @@ class LukaBenchLM(HFLM):
         if str(bs) not in ("1", "auto", "auto:1", "None"):
             log.warning("batch_size=%s: luka_bench runs one sequence at a time (a method's cache holds one)", bs)
         hf.setdefault("max_length", loaded.max_context)
+        if hf.get("add_bos_token") is not None and hasattr(loaded.tokenizer, "add_bos_token"):
+            # what --model hf does by loading its tokenizer with add_bos_token=: the tokenizer itself adds the BOS
+            # (lm-eval's own encoding only switches special tokens on, which adds none to a tokenizer set not to)
+            loaded.tokenizer.add_bos_token = bool(hf["add_bos_token"])
         super().__init__(pretrained=loaded.model, tokenizer=loaded.tokenizer, backend="causal", batch_size=1, **hf)
         self._attach = contextlib.ExitStack()
         self.kv = self._attach.enter_context(lb.attach(loaded, built))

@@ -11,32 +11,11 @@ import torch
 import luka_bench as lb
 from luka_bench import engine as E
 
-from conftest import compose
+from conftest import TailFeed, compose
 
 
 def _prompt(seed: int, n: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-class DecodeFeed:
-    """A forward pre-hook on a model that records, per forward through a method cache, (phase before it, tokens):
-    the tokens fed as decode steps before the first generated token are the first decode-phase forward's."""
-
-    def __init__(self, model):
-        self.calls: list[tuple[str, int]] = []
-        self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
-
-    def _hook(self, module, args, kwargs):
-        cache = kwargs.get("past_key_values")
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if cache is not None and hasattr(cache, "phase") and ids is not None:
-            self.calls.append((cache.phase, int(ids.shape[1])))
-
-    def first_decode(self) -> int:
-        return next(n for phase, n in self.calls if phase == "decode")
-
-    def remove(self):
-        self.handle.remove()
 
 
 def test_greedy_decoding_returns_generates_ids_up_to_the_first_eos_excluded(tiny_llama, one_thread):
@@ -77,22 +56,20 @@ def test_a_prefill_only_method_changes_the_first_generated_tokens_logits(tiny_ll
     assert not torch.allclose(logits["full"], logits["streaming_llm"], atol=1e-3)
 
 
-def test_the_library_feeds_the_tail_as_decode_steps(tiny_llama, one_thread):
-    """``KV.generate``: with a question its whole question part is the tail; without one the context's last token."""
+def test_the_library_feeds_the_tail_as_decode_steps(tiny_llama, monkeypatch, one_thread):
+    """``KV.generate``: with a question its whole question part is the tail; without one the context's last token:
+    the tokens fed as decode steps before the first generated token."""
     model = tiny_llama.model
     ctx, q = _prompt(3, 150), _prompt(4, 9)
-    feed = DecodeFeed(model)
+    feed = TailFeed(model, monkeypatch)
     try:
         with lb.attach(model, lb.method("snapkv", budget=0.1, window=8)) as kv:
             a = kv.generate(ctx, question=q, max_new_tokens=2)
-            with_q = feed.first_decode()
-            feed.calls.clear()
             b = kv.generate(ctx, max_new_tokens=2)
-            without = feed.first_decode()
     finally:
         feed.remove()
-    assert (with_q, a.tail_tokens) == (len(q), len(q)) and (without, b.tail_tokens) == (1, 1)
-    assert b.context_tokens == len(ctx) and feed.calls[0] == ("prefill", len(ctx) - 1)
+    assert feed.fed() == [len(q), 1] and (a.tail_tokens, b.tail_tokens) == (len(q), 1)
+    assert b.context_tokens == len(ctx)
 
 
 def _plan(ctx, q, tail):
@@ -116,19 +93,16 @@ def test_query_aware_compresses_up_to_the_question_and_feeds_the_tail_through_th
     real = SnapKV.after_prefill
     monkeypatch.setattr(SnapKV, "after_prefill", lambda self, cache: seen.append(list(cache.token_ids)) or
                         real(self, cache))
-    feed = DecodeFeed(model)
+    feed = TailFeed(model, monkeypatch)
     try:
         with lb.attach(model, lb.method("snapkv", budget=0.1, window=8)) as kv:
             aware = next(E.answer_example(tiny_llama, kv.attached, plan, [qp], set(), (), query_aware=True))
-            aware_feed = feed.first_decode()
-            feed.calls.clear()
             plain = next(E.answer_example(tiny_llama, kv.attached, plan, [qp], set(), ()))
-            plain_feed = feed.first_decode()
     finally:
         feed.remove()
     assert seen[0] == ctx + q[:-4] and seen[1] == ctx  # the window: the last prefilled queries, ending at q[-5]
-    assert (aware_feed, aware.generation.tail_tokens) == (4, 4)
-    assert (plain_feed, plain.generation.tail_tokens) == (len(q), len(q))
+    assert feed.fed() == [4, len(q)]
+    assert (aware.generation.tail_tokens, plain.generation.tail_tokens) == (4, len(q))
 
 
 def test_qa_tail_is_what_follows_the_questions_text(smollm2_tokenizer):
@@ -147,26 +121,26 @@ def test_qa_tail_is_what_follows_the_questions_text(smollm2_tokenizer):
     assert E.qa_tail(tok, False, "Some context here.", "\n\nQuestion: where is it?", "") == 1
 
 
+def _watched(lm, feed):
+    feed.watch(lm.model)
+    return lm
+
+
 def test_the_runner_feeds_the_query_aware_tail_as_decode_steps(tmp_path, monkeypatch):
-    """``python -m luka_bench ... query_aware=true``: the first decode-phase forward of every question is its tail
-    (``tail_tokens`` in the record; RULER's answer prefix here), and the compressed prefill ends at the question."""
+    """``python -m luka_bench ... query_aware=true``: the tokens fed as decode steps before each question's first
+    answer token are its tail (``tail_tokens`` in the record; RULER's answer prefix here, more than one token)."""
+    import luka_bench.models as models
+
     import json
 
     from luka_bench import run as R
-    from luka_bench.methods import hf
 
-    calls = []
-    real = hf.MethodCache.before_forward
-
-    def spy(self, input_ids, length):
-        calls.append((self.phase, length))
-        return real(self, input_ids, length)
-
-    monkeypatch.setattr(hf.MethodCache, "before_forward", spy)
     cfg = compose("model=tiny_llama", "model.num_hidden_layers=2", "data=ruler", "data.task=niah_single_1",
                   "data.length=1024", "data.limit=1", "method=snapkv", "method.budget=0.25", "method.window=8",
                   "query_aware=true", "max_new_tokens=2", "progress=false")
+    feed = TailFeed(None, monkeypatch)
+    built = models.TinyRandomModel.load
+    monkeypatch.setattr(models.TinyRandomModel, "load", lambda self, *a, **k: _watched(built(self, *a, **k), feed))
     R.run(cfg, tmp_path / "run")
     recs = [json.loads(x) for x in (tmp_path / "run" / "predictions.jsonl").read_text().splitlines()]
-    decode_first = [n for (p0, _), (p1, n) in zip(calls, calls[1:]) if p0 == "prefill" and p1 == "decode"]
-    assert [r["tail_tokens"] for r in recs] == decode_first[: len(recs)] and all(r["tail_tokens"] > 1 for r in recs)
+    assert feed.fed() == [r["tail_tokens"] for r in recs] and all(r["tail_tokens"] > 1 for r in recs)
