@@ -21,6 +21,7 @@ Protocols (each used by every client that needs it):
 - ``prefill``: the compressed part through a fresh cache (the method compresses after it: ``MethodCache``);
 - ``prefill_with_tail``: the rule above, timed, with what the cache held after the compression (``Prefilled``);
 - ``teacher_force``: tokens scored one by one through a cache from given logits (log-probabilities, is-greedy);
+  ``feed_each``: the same without scores;
 - ``greedy_decode``: greedy tokens from a cache until an end-of-sequence id (not kept), a stop or a limit;
 - ``greedy_answer``: a tail through a compressed cache, then ``greedy_decode``;
 - ``teacher_forced_nll``: the perplexity protocol (first token, then every next token through the cache);
@@ -265,6 +266,16 @@ def greedy_answer(model, tokenizer, cache: MethodCache, question_ids: list[int],
     gen = greedy_decode(model, tokenizer, cache, logits, max_new_tokens, eos_ids, stop_strings, special_stops)
     gen.question_s, gen.tail_tokens = question_s, len(question_ids)
     return gen
+
+
+@torch.no_grad()
+def feed_each(model, cache: MethodCache, tokens: list[int]) -> torch.Tensor | None:
+    """Teacher forcing without scores: every token of ``tokens`` fed as its own decode step (the method acts on each);
+    returns the last logits (None for no tokens)."""
+    logits = None
+    for j in range(len(tokens)):
+        logits = forward(model, tokens[j: j + 1], cache)
+    return logits
 
 
 @dataclass
