@@ -103,6 +103,18 @@ class KV:
         """A fresh cache for one prompt (keyword arguments: ``luka_bench.methods.hf.MethodCache``)."""
         return self.attached.new_cache(**kwargs)
 
+    def prefilled_cache(self, ids, tail: int = 1, **kwargs):
+        """A fresh cache with all but the last ``tail`` tokens of ``ids`` (a prompt: token ids, [1, n] or flat)
+        prefilled and compressed, for ``model.generate(ids, past_key_values=cache)``: generate then feeds the tail
+        through the compressed cache before its first token (the engine's tail rule). Keyword arguments:
+        ``MethodCache``'s (``reference_length`` defaults to the compressed part)."""
+        flat = [int(t) for t in (ids.reshape(-1).tolist() if torch.is_tensor(ids) else ids)]
+        head, _ = E.with_tail(flat[: len(flat) - tail], flat[len(flat) - tail:])
+        kwargs.setdefault("reference_length", len(head))
+        cache = self.new_cache(**kwargs)
+        E.prefill(self.model, head, cache)
+        return cache
+
     def _ids(self, context, question, answer_prefix: str) -> tuple[list[int], list[int]]:
         if not isinstance(context, str):  # token ids
             q = [] if question is None else list(question)

@@ -23,12 +23,10 @@ def _prompt(seed: int = 0, n: int = PROMPT) -> torch.Tensor:
 
 
 def generate_by_the_tail_rule(kv, model, ids: torch.Tensor, **kw) -> tuple[torch.Tensor, object]:
-    """Plain transformers under the engine's tail rule: the prompt minus its last token is the first forward
-    through a fresh method cache (prefilled, then compressed), and ``model.generate`` with that cache feeds the
-    last token through the compressed cache before the first generated token."""
-    cache = kv.new_cache(reference_length=ids.shape[1] - 1)
-    with torch.no_grad():
-        model(ids[:, :-1], past_key_values=cache)
+    """Plain transformers under the engine's tail rule: ``kv.prefilled_cache`` prefills (and compresses) the
+    prompt minus its last token, and ``model.generate`` with that cache feeds the last token through the
+    compressed cache before the first generated token."""
+    cache = kv.prefilled_cache(ids)
     return model.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False, **kw), cache
 
 
