@@ -144,3 +144,21 @@ def test_the_runner_feeds_the_query_aware_tail_as_decode_steps(tmp_path, monkeyp
     R.run(cfg, tmp_path / "run")
     recs = [json.loads(x) for x in (tmp_path / "run" / "predictions.jsonl").read_text().splitlines()]
     assert feed.fed() == [r["tail_tokens"] for r in recs] and all(r["tail_tokens"] > 1 for r in recs)
+
+
+def test_the_librarys_query_aware_generate_compresses_the_question(tiny_llama, monkeypatch, one_thread):
+    """``KV.generate(..., query_aware=True)``: the question joins the context in the compressed part; the answer
+    prefix (no chat template here) is the tail fed before the first answer token."""
+    model = tiny_llama.model
+    context, question, prefix = "x" * 300, "\nQuestion: what is it?", "\nAnswer:"
+    feed = TailFeed(model, monkeypatch)
+    try:
+        with lb.attach(model, lb.method("streaming_llm", budget=0.25, sink=4), tiny_llama.tokenizer,
+                       chat_template=False) as kv:
+            ans = kv.generate(context, question=question, answer_prefix=prefix, max_new_tokens=2, query_aware=True)
+    finally:
+        feed.remove()
+    n_prefix = len(tiny_llama.tokenizer(prefix, add_special_tokens=False).input_ids)
+    assert feed.fed() == [n_prefix] and ans.tail_tokens == n_prefix
+    compressed = ans.context_tokens + ans.question_tokens - n_prefix
+    assert ans.kv_ratio_context == pytest.approx(-(-compressed // 4) / compressed, abs=1e-9)
