@@ -314,13 +314,17 @@ def test_smollm2_cli_snapkv_with_chat_template(tmp_path):
 def test_smollm2_sinks_only_first_token_differs_and_the_chat_tail_is_fed(task_manager, monkeypatch,
                                                                          smollm2_tokenizer):
     """SmolLM2 with its chat template on prompts whose answer is in the context, the answer begun ("The answer
-    is"): full attention's first generated tokens differ from those of StreamingLLM holding its 4 sinks only, and
+    is:"): full attention's first generated tokens differ from those of StreamingLLM holding its 4 sinks only, and
     the tail fed through the compressed cache is what follows the user message (end of turn, assistant header, the
     answer's beginning)."""
     firsts, tails = [], []
     decode, pre = E.greedy_decode, E.prefill_with_tail
-    monkeypatch.setattr(E, "greedy_decode", lambda *a, **k: firsts.append(decode(*a, **k).token_ids[:1]) or
-                        decode(*a, **k))
+    def first_token(*a, **k):
+        gen = decode(*a, **k)
+        firsts.append(gen.token_ids[:1])
+        return gen
+
+    monkeypatch.setattr(E, "greedy_decode", first_token)
     monkeypatch.setattr(E, "prefill_with_tail", lambda m, h, t, c: tails.append(list(t)) or pre(m, h, t, c))
     for args in ("method=full", "method=streaming_llm,method.budget=0.005,method.sink=4"):
         evaluate("luka_bench", f"model=smollm2_135m,{args}", ["luka_fixture_gen_prefix"], task_manager, limit=2,
