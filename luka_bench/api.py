@@ -6,7 +6,8 @@
         answer = kv.generate(context, question="...", max_new_tokens=32)     # context compressed, question not
         out = lm.model.generate(ids, past_key_values=kv.new_cache(), max_new_tokens=32)   # plain transformers
 
-``kv.generate`` is the runner's protocol (``luka_bench.engine``); ``model.generate`` through ``kv.new_cache()``
+``kv.generate`` is the runner's protocol (``luka_bench.engine``, its tail rule: the first answer token comes from
+logits computed through the compressed cache); ``model.generate`` through ``kv.new_cache()``
 runs the method too: the first forward through a fresh cache is the prefill, compressed after it, and every later
 forward is a decode step.
 """
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from luka_bench import engine as E
+from luka_bench.metrics import kv_ratio
 
 
 def method(name: str, **settings):
@@ -80,6 +82,7 @@ class Answer:
     prefill_s: float
     tpot_s: float | None
     method_stats: dict = field(default_factory=dict)
+    tail_tokens: int = 0  # tokens fed through the compressed cache before the first answer token (the tail rule)
 
     def __str__(self) -> str:
         return self.text
@@ -100,6 +103,18 @@ class KV:
         """A fresh cache for one prompt (keyword arguments: ``luka_bench.methods.hf.MethodCache``)."""
         return self.attached.new_cache(**kwargs)
 
+    def prefilled_cache(self, ids, tail: int = 1, **kwargs):
+        """A fresh cache with all but the last ``tail`` tokens of ``ids`` (a prompt: token ids, [1, n] or flat)
+        prefilled and compressed, for ``model.generate(ids, past_key_values=cache)``: generate then feeds the tail
+        through the compressed cache before its first token (the engine's tail rule). Keyword arguments:
+        ``MethodCache``'s (``reference_length`` defaults to the compressed part)."""
+        flat = [int(t) for t in (ids.reshape(-1).tolist() if torch.is_tensor(ids) else ids)]
+        head, _ = E.with_tail(flat[: len(flat) - tail], flat[len(flat) - tail:])
+        kwargs.setdefault("reference_length", len(head))
+        cache = self.new_cache(**kwargs)
+        E.prefill(self.model, head, cache)
+        return cache
+
     def _ids(self, context, question, answer_prefix: str) -> tuple[list[int], list[int]]:
         if not isinstance(context, str):  # token ids
             q = [] if question is None else list(question)
@@ -113,35 +128,39 @@ class KV:
         return qa_prompt_ids(self.tokenizer, self.chat_template, context, question or "", answer_prefix)
 
     def generate(self, context, question=None, max_new_tokens: int = 32, stop_strings: tuple[str, ...] = (),
-                 answer_prefix: str = "", question_aware: bool = True) -> Answer:
-        """Greedy answer to ``question`` about ``context`` (text, or token ids). The context is prefilled and
-        compressed by the method; the question is then fed through the compressed cache, not compressed
+                 answer_prefix: str = "", question_aware: bool = True, query_aware: bool = False) -> Answer:
+        """Greedy answer to ``question`` about ``context`` (text, or token ids), under the engine's tail rule: the
+        context is prefilled and compressed by the method; the question part (question, the chat template's end of
+        turn and assistant header, ``answer_prefix``) is then fed through the compressed cache, not compressed
         (question-aware methods see its ids at the prefill, as in the runner, unless ``question_aware=False``);
         logical positions are kept. With a chat template (the tokenizer's) the user message is context +
-        question. Without a question the context is the whole prompt and the answer starts after it."""
+        question. Without a question the context is the whole prompt: its last token is the tail.
+        ``query_aware=True`` (the runner's ``query_aware=true``, kvpress's protocol; text only): the question is
+        compressed with the context, and only what follows the question's text is the tail."""
         ctx, q = self._ids(context, question, answer_prefix)
+        tail = len(q)
+        if query_aware:
+            if not isinstance(context, str):
+                raise TypeError("query_aware=True needs the context and question as text (where the question "
+                                "ends is read from the text)")
+            tail = E.qa_tail(self.tokenizer, self.chat_template, context, question or "", answer_prefix) if q else 0
+        head, tail_ids = E.with_tail(ctx + q[: len(q) - tail], q[len(q) - tail:] if tail else [])
         model = self.model
         eos = E.eos_token_ids(model, self.tokenizer)
-        cache = self.new_cache(reference_length=len(ctx), question_ids=q if (q and question_aware) else None)
-        E.sync(model.device)
-        import time
-
-        t0 = time.perf_counter()
-        logits = E.prefill(model, ctx, cache)
-        E.sync(model.device)
-        prefill_s = time.perf_counter() - t0
-        held, full = cache.held_bytes(), cache.full_bytes()
-        gen = E.greedy_answer(model, self.tokenizer, cache, q, max_new_tokens, eos, tuple(stop_strings),
-                              logits=logits)
+        aware = q if (q and question_aware and not query_aware) else None
+        cache = self.new_cache(reference_length=len(head), question_ids=aware)
+        info = E.timed_prefill(model, head, cache)
+        gen = E.greedy_answer(model, self.tokenizer, cache, tail_ids, max_new_tokens, eos, tuple(stop_strings))
         mem = E.memory(cache)
         att = gen.attended or {}
         return Answer(
             text=gen.text, token_ids=gen.token_ids, context_tokens=len(ctx), question_tokens=len(q),
-            kv_ratio=mem["kv_bytes_peak"] / mem["kv_bytes_full"] if mem["kv_bytes_full"] else None,
-            kv_ratio_context=held / full if full else None, kv_tokens=mem["kv_tokens"],
-            attended_tokens=att.get("attended_tokens"), attended_ratio=att.get("attended_ratio"),
-            prefill_s=prefill_s, tpot_s=sum(gen.step_s) / len(gen.step_s) if gen.step_s else None,
-            method_stats=mem["method_stats"])
+            kv_ratio=kv_ratio(mem["kv_bytes_peak"], mem["kv_bytes_full"]),
+            kv_ratio_context=kv_ratio(info["kv_bytes_prefill"], info["kv_bytes_full_prefill"]),
+            kv_tokens=mem["kv_tokens"], attended_tokens=att.get("attended_tokens"),
+            attended_ratio=att.get("attended_ratio"), prefill_s=info["prefill_s"],
+            tpot_s=sum(gen.step_s) / len(gen.step_s) if gen.step_s else None, method_stats=mem["method_stats"],
+            tail_tokens=len(tail_ids))
 
 
 @contextlib.contextmanager

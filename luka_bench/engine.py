@@ -1,9 +1,29 @@
-"""The one generation loop every client drives: the CLI runner, the probe, the studies and the public API.
+"""The one generation loop every client drives: the CLI runner, the probe, the studies, the public API and
+lm-eval (``--model luka_bench``).
 
-- ``plan_qa``: a QA dataset's prompts as token ids (context part, each question part, its new-token limit, the
-  evidence positions), checked against the model's context before any work is done;
-- ``prefill``: the context through a fresh cache (the method compresses after it: ``MethodCache``);
-- ``greedy_answer``: a question through a context cache, then greedy decoding with the method active;
+**The tail rule**: no token is scored or generated from logits computed before the method's compression of what
+precedes it. A prompt is split in two: the part that is prefilled and then compressed by the method, and a *tail*
+of at least one token fed through the compressed cache as a decode-phase forward; the first scored or generated
+token comes from the tail's last logits (``prefill_with_tail``). The prefill's own logits (exact attention over
+the whole prompt) are never used. Where the tail comes from:
+
+- the runner's default protocol and ``KV.generate``: the question part (question, end of turn, assistant header,
+  answer prefix), the context alone compressed;
+- ``query_aware=true`` (kvpress's query-aware protocol): the question joins the context in the compressed part;
+  the tail is everything after the question's text (``qa_tail``): the chat template's end of turn and assistant
+  header and the answer prefix; without a chat template the answer prefix, at least the prompt's last token;
+- lm-eval: the generation prompt lm-eval's chat template puts after the last user message (``text_tail``), else
+  the context's last token.
+
+Protocols (each used by every client that needs it):
+- ``plan_qa``: a QA dataset's prompts as token ids (context part, each question part and its query-aware tail,
+  its new-token limit, the evidence positions), checked against the model's context before any work is done;
+- ``prefill``: the compressed part through a fresh cache (the method compresses after it: ``MethodCache``);
+- ``prefill_with_tail``: the rule above, timed, with what the cache held after the compression (``Prefilled``);
+- ``teacher_force``: tokens scored one by one through a cache from given logits (log-probabilities, is-greedy);
+  ``feed_each``: the same without scores;
+- ``greedy_decode``: greedy tokens from a cache until an end-of-sequence id (not kept), a stop or a limit;
+- ``greedy_answer``: a tail through a compressed cache, then ``greedy_decode``;
 - ``teacher_forced_nll``: the perplexity protocol (first token, then every next token through the cache);
 - ``answer_example``: one QA example as the runner answers it (one prefill, every question from a clone).
 
@@ -41,21 +61,154 @@ def forward(model, ids: list[int] | torch.Tensor, cache: MethodCache) -> torch.T
 
 
 def prefill(model, ids: list[int] | torch.Tensor, cache: MethodCache) -> torch.Tensor:
-    """The context through a fresh cache: its first forward, in the cache's prefill chunks; the method compresses
-    after it. Returns the last position's logits."""
+    """The compressed part of a prompt through a fresh cache: its first forward, in the cache's prefill chunks; the
+    method compresses after it. Returns the last position's logits, computed *before* the compression: no client
+    scores or generates from them (the tail rule, ``prefill_with_tail``)."""
     if cache.phase != "prefill" or cache.seen:
         raise RuntimeError("prefill() needs a fresh cache")
     return forward(model, ids, cache)
 
 
+def feed(model, ids: list[int] | torch.Tensor, cache: MethodCache) -> torch.Tensor:
+    """Tokens after the prefill (a tail, a question) through the compressed cache as one decode-phase forward;
+    returns the last position's logits."""
+    if cache.phase != "decode":
+        raise RuntimeError(f"feed() needs a cache past its prefill and compression (phase 'decode', got "
+                           f"{cache.phase!r}): prefill() first")
+    if len(ids) < 1:
+        raise ValueError("feed() needs at least one token")
+    return forward(model, ids, cache)
+
+
+def with_tail(head: list[int], tail: list[int]) -> tuple[list[int], list[int]]:
+    """(compressed part, tail) with a tail of at least one token: an empty tail takes the head's last token (the
+    tail rule: the first scored or generated token comes from logits computed through the compressed cache)."""
+    head, tail = list(head), list(tail)
+    if not tail:
+        if len(head) < 2:
+            raise ValueError(f"a prompt of {len(head)} token(s) cannot be split into a compressed part and a tail; "
+                             "allowed: at least 2 tokens")
+        head, tail = head[:-1], head[-1:]
+    return head, tail
+
+
+@dataclass
+class Prefilled:
+    """What ``prefill_with_tail`` did: the logits after the tail, and the timed figures."""
+
+    logits: torch.Tensor  # the tail's last position [vocab]: the first scored or generated token comes from them
+    prefill_s: float  # the compressed part's prefill and the method's compression
+    tail_s: float  # the tail through the compressed cache
+    tail_tokens: int
+    kv_bytes_prefill: int  # held right after the compression (before the tail)
+    kv_bytes_full_prefill: int  # what full attention holds then
+    kv_tokens_prefill: list[int]
+
+    def info(self) -> dict:
+        return {"prefill_s": self.prefill_s, "kv_bytes_prefill": self.kv_bytes_prefill,
+                "kv_bytes_full_prefill": self.kv_bytes_full_prefill, "kv_tokens_prefill": self.kv_tokens_prefill}
+
+
+@torch.no_grad()
+def timed_prefill(model, ids: list[int] | torch.Tensor, cache: MethodCache) -> dict:
+    """``prefill`` timed (device synchronised), with what the cache holds after the method's compression:
+    ``prefill_s``, ``kv_bytes_prefill``, ``kv_bytes_full_prefill``, ``kv_tokens_prefill``."""
+    sync(model.device)
+    t0 = time.perf_counter()
+    prefill(model, ids, cache)
+    sync(model.device)
+    return {"prefill_s": time.perf_counter() - t0, "kv_bytes_prefill": cache.held_bytes(),
+            "kv_bytes_full_prefill": cache.full_bytes(), "kv_tokens_prefill": cache.held_tokens()}
+
+
+@torch.no_grad()
+def prefill_with_tail(model, head: list[int], tail: list[int], cache: MethodCache) -> Prefilled:
+    """The tail rule: ``head`` prefilled through the fresh ``cache`` and compressed by the method, then ``tail`` (at
+    least one token: ``with_tail``) fed through the compressed cache as one decode-phase forward. Returns the
+    tail's last logits and the timed figures."""
+    if not tail:
+        raise ValueError("prefill_with_tail() needs a tail of at least one token (the tail rule; see with_tail)")
+    info = timed_prefill(model, head, cache)
+    t0 = time.perf_counter()
+    logits = feed(model, tail, cache)
+    sync(model.device)
+    return Prefilled(logits, info["prefill_s"], time.perf_counter() - t0, len(tail), info["kv_bytes_prefill"],
+                     info["kv_bytes_full_prefill"], info["kv_tokens_prefill"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Where the tail starts in a prompt
+# ---------------------------------------------------------------------------------------------------------
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def text_tail(encode, text: str, tail_text: str) -> int:
+    """How many of ``encode(text)``'s last tokens are ``tail_text`` (which ``text`` ends with): the tokens after
+    the longest common prefix of ``encode(text)`` and ``encode(text minus tail_text)`` (a token that straddles the
+    boundary goes to the tail). At least 1 (the tail rule); 1 when ``text`` does not end with ``tail_text``."""
+    if not tail_text or not text.endswith(tail_text):
+        return 1
+    ids = list(encode(text))
+    head = list(encode(text[: len(text) - len(tail_text)]))
+    return max(1, len(ids) - _common_prefix(ids, head))
+
+
+def generation_prompt(tokenizer) -> str | None:
+    """What a chat template puts after a user message's text when the assistant's turn is opened (the end of the
+    user's turn and the assistant header, e.g. SmolLM2's ``<|im_end|>\\n<|im_start|>assistant\\n``); None without a
+    template, or when the template does not end the message right after its text."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    from luka_bench.data.base import chat_text
+
+    marker = "\u2063LUKATAIL\u2063"
+    try:
+        text = chat_text(tokenizer, marker)
+    except Exception:  # noqa: BLE001 - a template that refuses a lone user message: no generation prompt known
+        return None
+    if text.count(marker) != 1:
+        return None
+    return text.split(marker)[1] or None
+
+
+def qa_tail(tokenizer, use_chat: bool, context_block: str, question_block: str, answer_prefix: str) -> int:
+    """The query-aware tail of a QA prompt whose question part ``data.base.qa_prompt_ids`` tokenised: how many of
+    that part's last tokens come after the question's text — with a chat template the end of the user's turn, the
+    assistant header (``generation_prompt``) and the answer prefix; without one the answer prefix. At least 1 (the
+    tail rule; kvpress's query-aware protocol: the question is compressed with the context, the rest goes through
+    the compressed cache)."""
+    encode = (lambda s: tokenizer(s, add_special_tokens=False).input_ids)
+    if use_chat:
+        from luka_bench.data.base import chat_text
+
+        marker = "\u2063LUKASPLIT\u2063"  # the split qa_prompt_ids makes: the question part's text is after it
+        text = chat_text(tokenizer, context_block + marker + question_block).split(marker)[1] + answer_prefix
+        tail_text = (generation_prompt(tokenizer) or "") + answer_prefix
+    else:
+        text, tail_text = question_block + answer_prefix, answer_prefix
+    return text_tail(encode, text, tail_text)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Decoding and scoring from a cache
+# ---------------------------------------------------------------------------------------------------------
+
 @dataclass
 class Generation:
     token_ids: list[int]
     text: str
-    question_s: float
+    question_s: float  # the tail (question) through the compressed cache; 0 when decoding started from logits
     step_s: list[float]
     step_timings: dict[str, float]  # method component seconds summed over the generated-token steps
     attended: dict | None = None  # MethodCache.attended_stats over the generated-token steps
+    tail_tokens: int = 0  # tokens fed through the compressed cache before the first generated token
 
 
 def stopped(text: str, stop_strings: tuple[str, ...]) -> bool:
@@ -63,32 +216,31 @@ def stopped(text: str, stop_strings: tuple[str, ...]) -> bool:
 
 
 @torch.no_grad()
-def greedy_answer(model, tokenizer, cache: MethodCache, question_ids: list[int], max_new_tokens: int,
-                  eos_ids: set[int], stop_strings: tuple[str, ...] = ("\n",), logits: torch.Tensor | None = None
+def greedy_decode(model, tokenizer, cache: MethodCache, logits: torch.Tensor, max_new_tokens: int,
+                  eos_ids: set[int], stop_strings: tuple[str, ...] = ("\n",), special_stops: bool = False
                   ) -> Generation:
-    """Feed the question to a context cache and decode greedily with the method active. Without question ids the
-    first token comes from ``logits`` (the prefill's). Stops at an end-of-sequence id (not kept), after
-    ``max_new_tokens`` or once the text contains a stop string."""
+    """Greedy decoding with the method active, the first token from ``logits`` (a tail's, ``prefill_with_tail``).
+    Returns the ids ``model.generate`` returns with the same cache up to its first end-of-sequence id, that id
+    excluded; stops there, after ``max_new_tokens`` or once the text contains a stop string. The text is decoded
+    without special tokens; with ``special_stops`` the stop check decodes with them (lm-eval's stop criterion, so
+    ``<|im_end|>`` stops), otherwise it reads the text without them, leading blanks stripped (the runner's)."""
     device = model.device
-    sync(device)
-    t0 = time.perf_counter()
-    if question_ids:
-        logits = forward(model, question_ids, cache)
-    elif logits is None:
-        raise ValueError("greedy_answer needs question ids or the prefill's logits")
-    sync(device)
-    question_s = time.perf_counter() - t0
     before = dict(cache.timings)
     n_before = len(cache.attended_tokens)
     out: list[int] = []
     steps: list[float] = []
-    while True:
+    while len(out) < max_new_tokens:
         tok = int(torch.argmax(logits))
         if tok in eos_ids:
             break
         out.append(tok)
-        if len(out) >= max_new_tokens or (stop_strings and stopped(
-                tokenizer.decode(out, skip_special_tokens=True), stop_strings)):
+        if stop_strings and tokenizer is not None:
+            if special_stops:
+                if any(s in tokenizer.decode(out, skip_special_tokens=False) for s in stop_strings):
+                    break
+            elif stopped(tokenizer.decode(out, skip_special_tokens=True), stop_strings):
+                break
+        if len(out) >= max_new_tokens:
             break
         t = time.perf_counter()
         logits = forward(model, [tok], cache)
@@ -96,27 +248,80 @@ def greedy_answer(model, tokenizer, cache: MethodCache, question_ids: list[int],
         steps.append(time.perf_counter() - t)
     after = {k: v - before.get(k, 0.0) for k, v in cache.timings.items()}
     text = tokenizer.decode(out, skip_special_tokens=True) if tokenizer is not None else ""
-    return Generation(out, text, question_s, steps, after, cache.attended_stats(n_before))
+    return Generation(out, text, 0.0, steps, after, cache.attended_stats(n_before))
+
+
+@torch.no_grad()
+def greedy_answer(model, tokenizer, cache: MethodCache, question_ids: list[int], max_new_tokens: int,
+                  eos_ids: set[int], stop_strings: tuple[str, ...] = ("\n",), special_stops: bool = False
+                  ) -> Generation:
+    """Feed the tail (``question_ids``: the question part, at least one token) through a compressed cache, then
+    ``greedy_decode`` from its logits. ``question_s``: the tail's seconds."""
+    device = model.device
+    sync(device)
+    t0 = time.perf_counter()
+    logits = feed(model, question_ids, cache)
+    sync(device)
+    question_s = time.perf_counter() - t0
+    gen = greedy_decode(model, tokenizer, cache, logits, max_new_tokens, eos_ids, stop_strings, special_stops)
+    gen.question_s, gen.tail_tokens = question_s, len(question_ids)
+    return gen
+
+
+@torch.no_grad()
+def feed_each(model, cache: MethodCache, tokens: list[int]) -> torch.Tensor | None:
+    """Teacher forcing without scores: every token of ``tokens`` fed as its own decode step (the method acts on each);
+    returns the last logits (None for no tokens)."""
+    logits = None
+    for j in range(len(tokens)):
+        logits = forward(model, tokens[j: j + 1], cache)
+    return logits
+
+
+@dataclass
+class Forced:
+    """What ``teacher_force`` returns: per token its log-probability [n] and whether it was the argmax [n]."""
+
+    logprobs: torch.Tensor
+    greedy: torch.Tensor
+    step_s: list[float]
+
+
+@torch.no_grad()
+def teacher_force(model, cache: MethodCache, logits: torch.Tensor, tokens: list[int],
+                  dtype: torch.dtype | None = torch.float32, timed: bool = False) -> Forced:
+    """Score ``tokens`` one by one through ``cache``: the first from ``logits`` (a tail's), each next one after
+    feeding the one before it as a decode step (the method acts on every token). Log-softmax in ``dtype`` (None: the
+    logits' own dtype, as lm-eval's hf model takes it); no host synchronisation per token unless ``timed`` (then
+    ``step_s`` holds each forward's seconds)."""
+    lps, greedy, steps = [], [], []
+    device = model.device
+    for j, tok in enumerate(tokens):
+        lp = torch.log_softmax(logits, dim=-1, dtype=dtype)
+        lps.append(lp[tok])
+        greedy.append(torch.argmax(lp) == tok)
+        if j == len(tokens) - 1:
+            break
+        t = time.perf_counter()
+        logits = forward(model, tokens[j: j + 1], cache)
+        if timed:
+            sync(device)
+            steps.append(time.perf_counter() - t)
+    if not lps:
+        return Forced(torch.zeros(0), torch.zeros(0, dtype=torch.bool), steps)
+    return Forced(torch.stack(lps), torch.stack(greedy), steps)
 
 
 @torch.no_grad()
 def teacher_forced_nll(model, attached, ids: list[int], **cache_kw) -> tuple[list[float], list[float], MethodCache]:
-    """The pg19 protocol: feed the first token (the prefill; the budget is a fraction of the whole document), then
-    every next token one at a time with the method active. Returns (NLL of tokens 1..n-1, seconds per step, the
-    cache). fp32 log-softmax. ``cache_kw``: more settings of the cache (``MethodCache``)."""
+    """The pg19 protocol: feed the first token (the prefill: one token, nothing to compress; the budget is a
+    fraction of the whole document), then every next token one at a time with the method active. Returns (NLL of
+    tokens 1..n-1, seconds per step, the cache). fp32 log-softmax. ``cache_kw``: more settings of the cache
+    (``MethodCache``)."""
     cache = attached.new_cache(reference_length=len(ids), **cache_kw)
-    device = model.device
-    logits = prefill(model, ids[:1], cache)
-    nll, steps = [], []
-    for t in range(1, len(ids)):
-        nll.append(float(-torch.log_softmax(logits.float(), dim=-1)[ids[t]]))
-        if t == len(ids) - 1:
-            break
-        s = time.perf_counter()
-        logits = forward(model, ids[t: t + 1], cache)
-        sync(device)
-        steps.append(time.perf_counter() - s)
-    return nll, steps, cache
+    logits = prefill(model, ids[:1], cache)  # a one-token prefill: the method has nothing to compress before it
+    forced = teacher_force(model, cache, logits, list(ids[1:]), torch.float32, timed=True)
+    return (-forced.logprobs).tolist(), forced.step_s, cache
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
@@ -171,6 +376,7 @@ class QuestionPlan:
     question: Any  # data.base.Question
     ids: list[int]  # the question part of the prompt (after the context part)
     max_new_tokens: int
+    tail: int = 1  # query-aware protocol: the last ``tail`` ids (end of turn, assistant header, answer prefix)
 
 
 @dataclass
@@ -207,7 +413,8 @@ def plan_qa(task, lm, max_new_tokens: int | None = None, questions: int | None =
                     f"example {ex.id!r} needs {need} tokens (context {len(c)} + question {len(qi)} + "
                     f"{new} new) but model.max_context={lm.max_context} for '{lm.name}'; allowed: <= "
                     f"{lm.max_context} — use a shorter data setting or a model with a longer context")
-            qs.append(QuestionPlan(q, qi, new))
+            qs.append(QuestionPlan(q, qi, new, qa_tail(tok, lm.chat_template, task.context_block(ex),
+                                                       task.question_block(q), task.answer_prefix(q))))
         ev = None
         spans = task.evidence_spans(ex) if evidence else None
         if spans:
@@ -231,44 +438,46 @@ def answer_example(lm, attached, plan: ExamplePlan, todo: list[QuestionPlan], eo
                    stop_strings: tuple[str, ...], cache_kw: dict | None = None, query_aware: bool = False
                    ) -> Iterator[Answered]:
     """The runner's QA protocol for one example: one prefill of the context (question-aware methods see every
-    question's ids), then each question in ``todo`` from a clone of that context-only cache, greedy.
+    question's ids), compressed, then each question in ``todo`` from a clone of that context-only cache: its
+    question part is the tail fed through the compressed cache, then greedy decoding.
 
-    ``query_aware`` (kvpress's "query-aware" protocol): the question is compressed together with the context
-    instead: each question's whole prompt (context + question) is one prefill, compressed by the method, and the
-    answer starts right after it. ``cache_kw``: more settings of the caches (``MethodCache``: ``prefill_chunk``,
-    ``cuda_events``). On CUDA each answer carries the device allocator's peak over its prefill and generation."""
+    ``query_aware`` (kvpress's "query-aware" protocol): the question is compressed together with the context: each
+    question's context + question text is one prefill, compressed by the method (its observation window, if any,
+    ends at the question), and the rest of the prompt — the chat template's end of turn and assistant header, the
+    answer prefix (``QuestionPlan.tail``; at least the prompt's last token) — is the tail fed through the compressed
+    cache before the first answer token. ``cache_kw``: more settings of the caches (``MethodCache``:
+    ``prefill_chunk``, ``cuda_events``). On CUDA each answer carries the device allocator's peak over its prefill
+    and generation."""
     model, cache_kw = lm.model, dict(cache_kw or {})
     if query_aware:
         for qp in todo:
             D.reset_peak(model.device)
-            cache, logits, info = _prefill(lm, attached, plan, plan.context_ids + qp.ids, None, cache_kw)
-            gen = greedy_answer(model, lm.tokenizer, cache, [], qp.max_new_tokens, eos_ids, stop_strings,
-                                logits=logits)
+            head, tail = with_tail(plan.context_ids + qp.ids[: len(qp.ids) - qp.tail], qp.ids[len(qp.ids) - qp.tail:])
+            cache, info = _prefill(lm, attached, plan, head, None, cache_kw)
+            gen = greedy_answer(model, lm.tokenizer, cache, tail, qp.max_new_tokens, eos_ids, stop_strings)
             yield Answered(qp, gen, cache, info, D.peak_allocated(model.device))
         return
     D.reset_peak(model.device)
-    cache, _, info = _prefill(lm, attached, plan, plan.context_ids, plan.question_ids, cache_kw)
+    context, first_tail = plan.context_ids, None
+    if any(not qp.ids for qp in todo):  # a question part of no tokens: the context's last token is the tail
+        context, first_tail = with_tail(plan.context_ids, [])
+    cache, info = _prefill(lm, attached, plan, context, plan.question_ids, cache_kw)
     prefill_peak = D.peak_allocated(model.device)
     for qp in todo:
         D.reset_peak(model.device)
         c = cache.clone()
-        gen = greedy_answer(model, lm.tokenizer, c, qp.ids, qp.max_new_tokens, eos_ids, stop_strings)
+        gen = greedy_answer(model, lm.tokenizer, c, (first_tail or []) + qp.ids, qp.max_new_tokens, eos_ids,
+                            stop_strings)
         peak = D.peak_allocated(model.device)
         yield Answered(qp, gen, c, info, None if peak is None else max(peak, prefill_peak or 0))
 
 
 def _prefill(lm, attached, plan: ExamplePlan, ids: list[int], question_ids, cache_kw: dict):
-    """A fresh cache with ``ids`` prefilled (timed) and compressed: (cache, last logits, what it held after)."""
-    model = lm.model
+    """A fresh cache with ``ids`` prefilled (timed) and compressed: (cache, what it held after)."""
     cache = attached.new_cache(reference_length=len(ids), question_ids=question_ids, **cache_kw)
-    sync(model.device)
-    t0 = time.perf_counter()
-    logits = prefill(model, ids, cache)
-    sync(model.device)
-    info = {"prefill_s": time.perf_counter() - t0, "kv_bytes_prefill": cache.held_bytes(),
-            "kv_bytes_full_prefill": cache.full_bytes(), "kv_tokens_prefill": cache.held_tokens(),
-            "evidence_kept": evidence_kept(cache, plan.evidence) if plan.evidence else None}
-    return cache, logits, info
+    info = timed_prefill(lm.model, ids, cache)
+    info["evidence_kept"] = evidence_kept(cache, plan.evidence) if plan.evidence else None
+    return cache, info
 
 
 @torch.no_grad()

@@ -6,16 +6,26 @@ A subclass of lm-eval's Hugging Face model (``HFLM``): tokenisation, chat templa
 stop sequences, truncation, request caching and ``--log_samples`` are lm-eval's own code; what runs the model is
 luka_bench's engine, one sequence at a time through a fresh method cache (``luka_bench.api.attach``):
 
-- ``generate_until``: the request's whole prompt is the context the method compresses (the question is inside
-  it: kvpress's "query-aware" protocol, the runner's ``query_aware=true``), then greedy decoding with the method
-  active until a stop sequence, an end-of-sequence id or ``max_gen_toks`` (``engine.prefill`` +
-  ``engine.greedy_answer``, as the runner answers).
-- ``loglikelihood``: the context is prefilled and compressed (budget: a fraction of the context), then the
-  continuation is teacher-forced through the compressed cache one token at a time (decode-time methods act on
-  every token) and its log-probabilities (fp32 log-softmax) summed. Requests sharing a context share one
-  prefill: each continuation runs from a clone of the compressed cache (``MethodCache.clone``).
-- ``loglikelihood_rolling``: lm-eval's rolling windows, each window's first token(s) the prefill and the rest
-  teacher-forced, the budget a fraction of the whole window (the runner's perplexity protocol).
+Every request follows the engine's **tail rule** (``luka_bench.engine``): no token is scored or generated from
+logits computed before the method compressed what precedes it. A request's context is split into the part that is
+prefilled and compressed and a *tail* fed through the compressed cache: with ``--apply_chat_template`` the
+generation prompt that follows the last user message (the end of its turn, the assistant header, any ``gen_prefix``
+after it: kvpress's query-aware protocol, the runner's ``query_aware=true``), otherwise the context's last token.
+
+- ``generate_until``: tail rule, then greedy decoding with the method active until a stop sequence (checked on the
+  text decoded with special tokens, as lm-eval's stop criterion does), an end-of-sequence id or ``max_gen_toks``
+  (``engine.prefill_with_tail`` + ``engine.greedy_decode``). Generation settings other than ``until``,
+  ``max_gen_toks``, ``max_length`` and greedy decoding are refused in one line before any generation runs.
+- ``loglikelihood``: tail rule (budget: a fraction of the compressed part), then the continuation teacher-forced
+  through the compressed cache one token at a time (decode-time methods act on every token; ``engine.teacher_force``)
+  and its log-probabilities summed as lm-eval's hf model takes them (log-softmax in the logits' dtype, or
+  ``softmax_dtype``). The choices of one question share one prefill and tail: each continuation runs from a clone
+  of that cache (``MethodCache.clone``).
+- ``loglikelihood_rolling``: one protocol for every window, whatever the document's length: the runner's perplexity
+  protocol (``data=pg19``, ``engine.teacher_forced_nll``) on the window's tokens — its first token is the prefill,
+  every other token (the window's unscored context, then its scored tokens) a decode step through the method's
+  cache, the budget a fraction of the window. Decode-time methods act on every scored token; a prefill-time method
+  has a one-token prefill to compress, so it holds everything (use a log-likelihood task for those).
 
 After a run the method's memory is printed and written into the results JSON as ``config.luka_bench`` (see
 ``kv_report``). Registered with lm-eval by ``luka_bench.lm_eval_plugin`` (installed as a ``.pth``), or by
@@ -29,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
+import os
 from typing import Any
 
 import torch
@@ -41,13 +51,30 @@ from tqdm import tqdm
 
 from luka_bench import engine as E
 from luka_bench.errors import OneLineError, RunConfigError
+from luka_bench.metrics import kv_ratio
 
 log = logging.getLogger("luka_bench.lm_eval")
 
 # HFLM's own model_args that keep their meaning with a model luka_bench loads (the others configure a loading
 # that luka_bench does instead: pretrained, revision, dtype, device, parallelize, peft, ...).
 HFLM_ARGS = ("batch_size", "max_batch_size", "max_length", "truncation", "add_bos_token", "prefix_token_id",
-             "think_end_token", "enable_thinking", "chat_template_args", "logits_cache")
+             "think_end_token", "enable_thinking", "chat_template_args", "logits_cache", "softmax_dtype")
+# Accepted and without effect here: lm-eval's --trust_remote_code puts trust_remote_code=True into --model_args (it
+# also lets datasets run their scripts); luka_bench loads a model with transformers' own classes, whose attention
+# the methods replace, so no model code from a hub runs either way.
+ACCEPTED_ARGS = ("trust_remote_code",)
+# Generation settings honoured (greedy decoding): the others are refused before any generation runs, unless set to
+# the value that leaves greedy decoding unchanged.
+GEN_HONOURED = ("until", "max_gen_toks", "max_length", "do_sample", "temperature")
+GEN_NO_OP = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "top_p": 1.0, "top_k": None,
+             "min_new_tokens": 0, "min_length": 0, "no_repeat_ngram_size": 0, "length_penalty": 1.0}
+# Fields of a model's generation config that change greedy decoding in ``--model hf`` (logits processors), with the
+# value that does not: a model whose config sets one is named at load (not applied here).
+GEN_CONFIG_PROCESSORS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
+                         "min_length": 0, "min_new_tokens": None, "suppress_tokens": None,
+                         "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+                         "sequence_bias": None, "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0,
+                         "exponential_decay_length_penalty": None}
 # Read by tasks, not by the model: RULER's synthetic tasks build their data with ``tokenizer=`` (or ``model=``,
 # when it is a hub id), which lm-eval hands them from --model_args. (``pretrained=``, which RULER reads too, is
 # refused: it would look like it chooses the model.)
@@ -72,14 +99,14 @@ def _split_args(args: dict[str, Any]) -> tuple[dict, dict, dict]:
             hf[k] = v
         elif k in ("dtype", "device"):  # lm-eval's names (--device, hf's dtype=) for the model's settings
             model_s.setdefault(k, v)
-        elif k in TASK_ARGS:
+        elif k in TASK_ARGS or k in ACCEPTED_ARGS:
             continue
         elif k == "pretrained":
             raise LmEvalArgsError(f"--model_args pretrained={v!r} is the hf model's name for it; --model luka_bench "
                                   f"takes model=<a conf/model name, a hub id or a local folder> (model={v})")
         else:
             allowed = ", ".join(["model", "method", "model.<key>", "method.<key>", "dtype", "device",
-                                 *HFLM_ARGS, *TASK_ARGS])
+                                 *HFLM_ARGS, *TASK_ARGS, *ACCEPTED_ARGS])
             raise LmEvalArgsError(f"--model_args {k}={v!r} is not an argument of --model luka_bench; allowed: "
                                   f"{allowed}")
     return model_s, method_s, hf
@@ -131,6 +158,56 @@ def _method_settings(method) -> dict[str, Any]:
     return out
 
 
+def _processes() -> int:
+    """How many processes the launcher started (``accelerate launch``, ``torchrun``: ``WORLD_SIZE``)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
+
+
+def _cli_asks_use_cache() -> bool:
+    """lm-eval's command line was given ``--use_cache`` (seen before the model loads)."""
+    import sys
+
+    return _in_lm_eval_cli() and any(a == "--use_cache" or a.startswith("--use_cache=") for a in sys.argv[1:])
+
+
+USE_CACHE_REFUSED = ("--use_cache is refused by --model luka_bench: lm-eval keys its response cache by the request "
+                     "alone, not by the model, the method or its settings, so two methods would share answers; "
+                     "allowed: run without --use_cache (--cache_requests, which caches the built requests, is fine)")
+
+
+def _gen_setting_problem(kwargs: dict, task: str | None) -> str | None:
+    """A one-line reason a request's (normalised) generation settings cannot be honoured, else None."""
+    if kwargs.get("do_sample"):
+        return (f"generation_kwargs do_sample=True (temperature={kwargs.get('temperature')}) in task {task!r}: "
+                "--model luka_bench decodes greedily; allowed: do_sample=false (--gen_kwargs do_sample=false)")
+    for k, v in kwargs.items():
+        if k in GEN_HONOURED:
+            continue
+        if k in GEN_NO_OP and v == GEN_NO_OP[k]:
+            continue
+        return (f"generation_kwargs {k}={v!r} in task {task!r} is not honoured by --model luka_bench (greedy "
+                f"decoding); allowed: {', '.join(GEN_HONOURED)} (do_sample=false)"
+                + (f", or {k}={GEN_NO_OP[k]!r}" if k in GEN_NO_OP else ""))
+    return None
+
+
+def generation_config_not_applied(model) -> dict[str, Any]:
+    """The model's generation-config settings that ``--model hf``'s ``model.generate`` would apply to greedy
+    decoding (logits processors) and ``--model luka_bench`` does not: named at load and in the kv report."""
+    gc = getattr(model, "generation_config", None)
+    if gc is None:
+        return {}
+    out = {}
+    for k, neutral in GEN_CONFIG_PROCESSORS.items():
+        v = getattr(gc, k, neutral)
+        if v is not None and v != neutral and not (isinstance(v, (list, dict)) and not v):
+            out[k] = v
+    return out
+
+
 class LukaBenchLM(HFLM):
     """``--model luka_bench``: lm-eval's hf model run through a luka_bench KV method (module docstring).
 
@@ -153,6 +230,12 @@ class LukaBenchLM(HFLM):
         import luka_bench as lb
 
         model_s, method_s, hf = _split_args(kwargs)
+        if _processes() > 1:
+            raise RunConfigError(f"--model luka_bench runs in one process; got WORLD_SIZE={_processes()} (accelerate "
+                                 "launch / torchrun): its results and kv figures would not be gathered; allowed: "
+                                 "1 process (run lm_eval without the launcher, one process per GPU and task subset)")
+        if _cli_asks_use_cache():
+            raise RunConfigError(USE_CACHE_REFUSED)
         device = _device_setting(model_s.get("device"), explicit="model.device" in kwargs)
         if device is None:
             model_s.pop("device", None)
@@ -166,13 +249,55 @@ class LukaBenchLM(HFLM):
         if str(bs) not in ("1", "auto", "auto:1", "None"):
             log.warning("batch_size=%s: luka_bench runs one sequence at a time (a method's cache holds one)", bs)
         hf.setdefault("max_length", loaded.max_context)
+        if hf.get("add_bos_token") is not None and hasattr(loaded.tokenizer, "add_bos_token"):
+            # what --model hf does by loading its tokenizer with add_bos_token=: the tokenizer itself adds the BOS
+            # (lm-eval's own encoding only switches special tokens on, which adds none to a tokenizer set not to)
+            loaded.tokenizer.add_bos_token = bool(hf["add_bos_token"])
         super().__init__(pretrained=loaded.model, tokenizer=loaded.tokenizer, backend="causal", batch_size=1, **hf)
         self._attach = contextlib.ExitStack()
         self.kv = self._attach.enter_context(lb.attach(loaded, built))
         self.method = built
         self._eos_ids = E.eos_token_ids(self.model, self.tokenizer)
+        self._chat = False  # lm-eval applies a chat template (apply_chat_template is called per request then)
+        self._gen_prompt = E.generation_prompt(self.tokenizer)
+        self.not_applied = generation_config_not_applied(self.model)
+        if self.not_applied:
+            log.warning("the model's generation config sets %s, which --model hf's generate applies to greedy "
+                        "decoding; --model luka_bench does not apply them",
+                        ", ".join(f"{k}={v!r}" for k, v in self.not_applied.items()))
         self._records: list[dict] = []
         self._tasks: list[str | None] | None = None
+
+    def set_cache_hook(self, cache_hook) -> None:
+        """lm-eval's ``--use_cache`` (``CachingLM``) hands its database here: refused (``USE_CACHE_REFUSED``)."""
+        if getattr(cache_hook, "dbdict", None) is not None:
+            raise RunConfigError(USE_CACHE_REFUSED)
+        super().set_cache_hook(cache_hook)
+
+    def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+        self._chat = True
+        return super().apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt)
+
+    def _tail(self, context: str | None, n_ids: int) -> int:
+        """How many of a request's ``n_ids`` context ids are its tail (module docstring): with a chat template
+        applied, from the generation prompt after the last user message to the end (any ``gen_prefix`` included);
+        otherwise the last token. At most ``n_ids - 1`` (something is compressed)."""
+        n = 1
+        if self._chat and self._gen_prompt and context:
+            at = context.rfind(self._gen_prompt)
+            if at >= 0:
+                n = E.text_tail(self.tok_encode, context, context[at:])
+        return max(1, min(n, n_ids - 1)) if n_ids > 1 else 0
+
+    def _prefill(self, ids: list[int], tail: int):
+        """(cache, logits) of a request's context under the tail rule: ``ids`` minus its last ``tail`` prefilled
+        and compressed (the budget a fraction of that part), the tail fed through the compressed cache. A context
+        of one token (``tail`` 0) is its own prefill: nothing precedes it to compress."""
+        if not tail:
+            cache = self.kv.new_cache(reference_length=len(ids))
+            return cache, E.prefill(self.model, ids, cache)
+        cache = self.kv.new_cache(reference_length=len(ids) - tail)
+        return cache, E.prefill_with_tail(self.model, ids[:-tail], ids[-tail:], cache).logits
 
     def close(self) -> None:
         """Detach the method from the model (the model's attention is restored)."""
@@ -185,7 +310,7 @@ class LukaBenchLM(HFLM):
         att = cache.attended_stats()
         self._records.append({
             "task": task, "request_type": kind,
-            "kv_ratio": mem["kv_bytes_peak"] / mem["kv_bytes_full"] if mem["kv_bytes_full"] else None,
+            "kv_ratio": kv_ratio(mem["kv_bytes_peak"], mem["kv_bytes_full"]),
             "kv_tokens": sum(held) / len(held) if held else None,
             "kv_tokens_full": cache.seen,
             "attended_tokens": att["attended_tokens"],
@@ -210,7 +335,9 @@ class LukaBenchLM(HFLM):
         rows = self._records
         tasks = sorted({str(r["task"]) for r in rows})
         report = {"model": self.luka_model, "method": self.luka_method, "method_settings":
-                  _method_settings(self.method), **summary(rows),
+                  _method_settings(self.method), "protocol": "tail rule: chat generation prompt, else last token",
+                  "generation_config_not_applied": {k: str(v) for k, v in self.not_applied.items()},
+                  **summary(rows),
                   "by_task": {t: summary([r for r in rows if str(r["task"]) == t]) for t in tasks}}
         if reset:
             self._records = []
@@ -246,28 +373,32 @@ class LukaBenchLM(HFLM):
     # -- generate_until -----------------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
-        out = []
-        for req in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc="Running generate_until requests"):
+        settings = []
+        for req in requests:  # every request's settings checked before any generation runs
             context, gen_kwargs = req.args
             kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            problem = _gen_setting_problem(kwargs, req.task_name)
+            if problem is not None:
+                raise RunConfigError(problem)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_gen_toks = int(kwargs.pop("max_gen_toks"))
-            if kwargs.get("do_sample"):
-                raise RunConfigError(f"generation_kwargs do_sample=True (temperature={kwargs.get('temperature')}) "
-                                     f"in task {req.task_name!r}: --model luka_bench decodes greedily; allowed: "
-                                     "do_sample=false (--gen_kwargs do_sample=false)")
-            max_ctx_len = self.max_length - max_gen_toks
-            if max_ctx_len <= 0:
+            if self.max_length - max_gen_toks <= 0:
                 raise RunConfigError(f"max_gen_toks={max_gen_toks} leaves no room for the prompt in max_length="
                                      f"{self.max_length}; allowed: max_gen_toks < max_length")
-            ids, _ = self.tok_batch_encode([context], left_truncate_len=max_ctx_len, truncation=self.truncation)
-            if "max_length" in kwargs:  # hf semantics: prompt + generation
-                max_gen_toks = int(kwargs.pop("max_length")) - ids.shape[1]
+            settings.append((until, max_gen_toks, kwargs.get("max_length")))
+        out = []
+        for req, (until, max_gen_toks, max_length) in tqdm(list(zip(requests, settings)),
+                                                            disable=disable_tqdm or self.rank != 0,
+                                                            desc="Running generate_until requests"):
+            context, gen_kwargs = req.args
+            ids, _ = self.tok_batch_encode([context], left_truncate_len=self.max_length - max_gen_toks,
+                                           truncation=self.truncation)
+            if max_length is not None:  # hf semantics: prompt + generation
+                max_gen_toks = int(max_length) - ids.shape[1]
             ids = ids[0].tolist()
-            cache = self.kv.new_cache(reference_length=len(ids))
-            logits = E.prefill(self.model, ids, cache)
-            gen = E.greedy_answer(self.model, self.tokenizer, cache, [], max_gen_toks, self._eos_ids, tuple(until),
-                                  logits=logits)
+            cache, logits = self._prefill(ids, self._tail(context, len(ids)))
+            gen = E.greedy_decode(self.model, self.tokenizer, cache, logits, max_gen_toks, self._eos_ids,
+                                  tuple(until), special_stops=True)
             toks = gen.token_ids
             think = self.think_end_token
             if isinstance(think, int) and think in toks:
@@ -298,32 +429,28 @@ class LukaBenchLM(HFLM):
             ctx = (ctx + cont)[-(self.max_length + 1):][: -len(cont)]
         return list(ctx)
 
-    @torch.no_grad()
-    def _continuation(self, cache, logits: torch.Tensor, cont: list[int]) -> tuple[float, bool]:
-        """Sum of log p(cont) teacher-forced through ``cache`` from the context's last logits, and whether each
-        token was the argmax."""
-        logps, greedy = [], []
-        for j, tok in enumerate(cont):
-            logps.append(torch.log_softmax(logits.float(), dim=-1)[tok])
-            greedy.append(torch.argmax(logits) == tok)
-            if j < len(cont) - 1:
-                logits = E.forward(self.model, [tok], cache)
-        return float(torch.stack(logps).sum()), bool(torch.stack(greedy).all())
+    def _score(self, cache, logits: torch.Tensor, cont: list[int]) -> tuple[float, bool]:
+        """Sum of log p(cont) teacher-forced through ``cache`` from a tail's logits, and whether each token was the
+        argmax; log-softmax in ``softmax_dtype`` (None: the logits' dtype) and summed in it, as lm-eval's hf model."""
+        forced = E.teacher_force(self.model, cache, logits, cont, dtype=self.softmax_dtype)
+        return float(forced.logprobs.sum()), bool(forced.greedy.all())
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         tasks = self._tasks if self._tasks is not None and len(self._tasks) == len(requests) else None
-        groups: dict[tuple[int, ...], list[tuple[int, list[int]]]] = {}
-        for i, (_, ctx, cont) in enumerate(requests):
-            groups.setdefault(tuple(self._fit(ctx, cont)), []).append((i, list(cont)))
+        groups: dict[tuple[tuple[int, ...], int], list[tuple[int, list[int]]]] = {}
+        for i, (request_str, ctx, cont) in enumerate(requests):
+            ctx = self._fit(ctx, cont)
+            context = request_str[0] if request_str is not None else None
+            tail = self._tail(context, len(ctx))
+            groups.setdefault((tuple(ctx), tail), []).append((i, list(cont)))
         res: list[tuple[float, bool] | None] = [None] * len(requests)
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
                    desc="Running loglikelihood requests")
-        for ctx, items in groups.items():
-            base = self.kv.new_cache(reference_length=len(ctx))
-            logits = E.prefill(self.model, list(ctx), base)
+        for (ctx, tail), items in groups.items():
+            base, logits = self._prefill(list(ctx), tail)
             for k, (i, cont) in enumerate(items):
                 cache = base if k == len(items) - 1 else base.clone()
-                res[i] = self._continuation(cache, logits, cont)
+                res[i] = self._score(cache, logits, cont)
                 self._note(cache, "loglikelihood", tasks[i] if tasks else None)
                 request_str = requests[i][0]
                 if request_str is not None:
@@ -333,6 +460,9 @@ class LukaBenchLM(HFLM):
         return res
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Every window by the runner's perplexity protocol (module docstring): the window's first token is the
+        prefill (nothing to compress before it), every other token a decode step through the method's cache; the
+        window's own context tokens are fed, not scored."""
         out = []
         for req in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc="Running loglikelihood_rolling"):
             (string,) = req.args
@@ -341,9 +471,11 @@ class LukaBenchLM(HFLM):
                 context_len=1))
             total = 0.0
             for ctx, cont in windows:
-                cache = self.kv.new_cache(reference_length=len(ctx) + len(cont))
-                logits = E.prefill(self.model, list(ctx), cache)
-                total += self._continuation(cache, logits, list(cont))[0]
+                ids = list(ctx) + list(cont)
+                cache = self.kv.new_cache(reference_length=len(ids))
+                logits = E.prefill(self.model, ids[:1], cache)
+                forced = E.teacher_force(self.model, cache, logits, ids[1:], dtype=self.softmax_dtype)
+                total += float(forced.logprobs[len(ctx) - 1:].sum())
                 self._note(cache, "loglikelihood_rolling", req.task_name)
             out.append(total)
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)

@@ -110,6 +110,12 @@ def median(values: Iterable[float | None]) -> float | None:
     return vals[m] if len(vals) % 2 else (vals[m - 1] + vals[m]) / 2
 
 
+def kv_ratio(held_bytes: float, full_bytes: float) -> float | None:
+    """The one definition of ``kv_ratio``, every client's (runner, library, lm-eval): bytes a method held / bytes
+    full attention would hold at the same point (None when full attention holds nothing)."""
+    return held_bytes / full_bytes if full_bytes else None
+
+
 def kv_summary(records: list[dict]) -> dict:
     """Memory metrics from per-item records holding ``kv_bytes_prefill``, ``kv_bytes_peak`` and
     ``kv_bytes_full`` (what full attention would hold at the item's peak length). ``kv_ratio`` is the ratio of
@@ -121,7 +127,7 @@ def kv_summary(records: list[dict]) -> dict:
         "kv_bytes": {"after_prefill": mean(r.get("kv_bytes_prefill") for r in records), "peak": max(peak)},
         "kv_bytes_full": {"peak": max(full)},
     }
-    out["kv_ratio"] = sum(peak) / sum(full) if sum(full) else None
+    out["kv_ratio"] = kv_ratio(sum(peak), sum(full))
     # the device allocator's peak per item (CUDA: model, activations and cache together), beside the computed bytes
     dev = [r["device_peak_bytes"] for r in records if r.get("device_peak_bytes") is not None]
     if dev:
@@ -131,7 +137,7 @@ def kv_summary(records: list[dict]) -> dict:
     # question and the answer, so its decode-peak kv_ratio is above its budget by design; methods/snapkv.md).
     pre = [(r.get("kv_bytes_prefill"), r.get("kv_bytes_full_prefill")) for r in records]
     if pre and all(h is not None and f for h, f in pre):
-        out["kv_ratio_context"] = sum(h for h, _ in pre) / sum(f for _, f in pre)
+        out["kv_ratio_context"] = kv_ratio(sum(h for h, _ in pre), sum(f for _, f in pre))
     return out
 
 

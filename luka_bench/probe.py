@@ -131,21 +131,37 @@ def _key(model_cfg: dict, prompt: Prompt) -> str:
 @torch.no_grad()
 def _continue(model, cache, prompt: Prompt, j: int) -> list[int]:
     """Feed continuation ``j`` to ``cache`` (the chunk, then ``steps`` tokens); returns the forward lengths."""
-    from luka_bench.engine import forward
+    _steps(model, cache, prompt, j)
+    return ([len(prompt.chunks[j])] if prompt.chunks[j] else []) + [1] * prompt.steps
 
-    lengths = []
-    logits = None
-    if prompt.chunks[j]:
-        logits = forward(model, prompt.chunks[j], cache)
-        lengths.append(len(prompt.chunks[j]))
-    for t in range(prompt.steps):
+
+def _steps(model, cache, prompt: Prompt, j: int, before_forward=None) -> None:
+    """Continuation ``j`` through ``cache`` with the engine's protocols: the chunk (the question: the tail through
+    the compressed context) as one decode-phase forward (``engine.feed``), then ``steps`` tokens each fed as a
+    decode step — the forced ones by teacher forcing (``engine.feed_each``), or greedy (``engine.greedy_decode``,
+    no end-of-sequence stop, its last token fed too). ``before_forward(t)`` is called before each of these
+    forwards (t = 0 the chunk, t >= 1 the steps), through a forward pre-hook on the model."""
+    from luka_bench import engine as E
+
+    count = [0 if prompt.chunks[j] else 1]
+
+    def hook(module, args, kwargs):
+        before_forward(count[0])
+        count[0] += 1
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True) if before_forward is not None else None
+    try:
+        logits = E.feed(model, prompt.chunks[j], cache) if prompt.chunks[j] else None
         if prompt.forced is not None:
-            tok = prompt.forced[j][t]
-        else:
-            tok = int(torch.argmax(logits))
-        logits = forward(model, [tok], cache)
-        lengths.append(1)
-    return lengths
+            E.feed_each(model, cache, list(prompt.forced[j][: prompt.steps]))
+            return
+        if logits is None:
+            raise ValueError("greedy probe steps need a chunk (the question) before them")
+        toks = E.greedy_decode(model, None, cache, logits, prompt.steps, set(), ()).token_ids
+        E.feed(model, toks[-1:], cache)
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 @torch.no_grad()
@@ -312,7 +328,7 @@ def replay(method: KVMethod, cap: Capture, topk: int, tag: tuple = (0,), needle:
 @torch.no_grad()
 def closed_loop(lm, method: KVMethod, prompt: Prompt, topk: int, tag: tuple = (0,)) -> Observer:
     """Generate with ``method`` attached and measure every decode step against exact attention."""
-    from luka_bench.engine import forward, prefill
+    from luka_bench.engine import prefill
     from luka_bench.methods.hf import attach
 
     obs = Observer(topk, prompt.needle)
@@ -322,14 +338,11 @@ def closed_loop(lm, method: KVMethod, prompt: Prompt, topk: int, tag: tuple = (0
         prefill(lm.model, prompt.context, cache)
         for j in range(len(prompt.chunks)):
             c = cache.clone()
-            logits = None
-            if prompt.chunks[j]:
-                obs.tag = tag + (j, 0)
-                logits = forward(lm.model, prompt.chunks[j], c)
-            for t in range(prompt.steps):
-                tok = prompt.forced[j][t] if prompt.forced is not None else int(torch.argmax(logits))
-                obs.tag = tag + (j, t + 1)
-                logits = forward(lm.model, [tok], c)
+
+            def set_tag(t: int, j: int = j) -> None:
+                obs.tag = tag + (j, t)
+
+            _steps(lm.model, c, prompt, j, set_tag)
     return obs
 
 

@@ -2,8 +2,10 @@
 
 Data flow per QA example: context prompt -> fresh method cache (question ids handed over first) -> prefill, in
 chunks of the method's ``prefill_chunk()`` if it asks (the method may compress after each chunk and after it)
--> for every question: a clone of that context-only cache -> question tokens -> greedy answer (the method acts
-every step) -> score -> one line in predictions.jsonl. Per perplexity document: first token, then teacher
+-> for every question: a clone of that context-only cache -> question tokens (the tail, through the compressed
+cache) -> greedy answer (the method acts every step) -> score -> one line in predictions.jsonl. With
+``query_aware=true`` the question is prefilled and compressed with the context and only what follows its text (end
+of turn, assistant header, answer prefix; at least one token) is the tail (``engine.answer_example``). Per perplexity document: first token, then teacher
 forcing token by token with the method active; NLLs summed in fp32.
 """
 from __future__ import annotations
@@ -83,6 +85,7 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
                     "item_id": q.id, "example_id": plan.example.id, "question": q.question, "gold": q.answers,
                     "prediction": pred, "raw_output": gen.text, "scores": task.score(pred, q),
                     "context_tokens": len(plan.context_ids), "question_tokens": len(a.plan.ids),
+                    "tail_tokens": gen.tail_tokens,
                     "new_tokens": len(gen.token_ids), "prefill_s": info["prefill_s"], "question_s": gen.question_s,
                     "ttft_s": info["prefill_s"] + gen.question_s, "tpot_s": M.mean(gen.step_s),
                     "latency_breakdown": E.breakdown(gen.step_timings, gen.step_s),

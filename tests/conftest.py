@@ -225,3 +225,46 @@ def fixed_and_python_slots(monkeypatch, model, method_factory, classes, ids, pre
         return steps, grew
 
     return run(True), run(False)
+
+
+class TailFeed:
+    """Counts the tokens fed as decode steps before the first generated token (the engine's tail rule): a forward
+    pre-hook on ``model`` records every forward through a method cache as (phase before it, tokens), and
+    ``engine.greedy_decode`` (patched with ``monkeypatch``) marks where greedy decoding starts."""
+
+    def __init__(self, model, monkeypatch):
+        from luka_bench import engine as E
+
+        self.events: list[tuple] = []
+        self.handles = []
+        if model is not None:
+            self.watch(model)
+        real = E.greedy_decode
+        monkeypatch.setattr(E, "greedy_decode", lambda *a, **k: self.events.append(("generate",)) or real(*a, **k))
+
+    def watch(self, model):
+        self.handles.append(model.register_forward_pre_hook(self._hook, with_kwargs=True))
+        return model
+
+    def _hook(self, module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if cache is not None and hasattr(cache, "phase") and ids is not None and not cache._splitting:
+            self.events.append((cache.phase, int(ids.shape[1])))
+
+    def fed(self) -> list[int]:
+        """Per generation: decode-phase tokens fed after its prefill and before its first generated token."""
+        out, n = [], None
+        for e in self.events:
+            if e[0] == "prefill":
+                n = 0
+            elif e[0] == "decode" and n is not None:
+                n += e[1]
+            elif e[0] == "generate":
+                out.append(n)
+                n = None
+        return out
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()

@@ -22,21 +22,29 @@ def _prompt(seed: int = 0, n: int = PROMPT) -> torch.Tensor:
     return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
+def generate_by_the_tail_rule(kv, model, ids: torch.Tensor, **kw) -> tuple[torch.Tensor, object]:
+    """Plain transformers under the engine's tail rule: ``kv.prefilled_cache`` prefills (and compresses) the
+    prompt minus its last token, and ``model.generate`` with that cache feeds the last token through the
+    compressed cache before the first generated token."""
+    cache = kv.prefilled_cache(ids)
+    return model.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False, **kw), cache
+
+
 @pytest.mark.parametrize("name", group_options("method"))
 def test_model_generate_through_a_method_cache_equals_kv_generate(name, tiny_llama, one_thread):
-    """``model.generate(ids, past_key_values=kv.new_cache())`` runs the method as the engine does with the whole
-    prompt as the context: same tokens, same tokens held in every layer."""
+    """``model.generate`` through ``kv.new_cache()`` after a prefill of all but the prompt's last token runs the
+    method as the engine does with the whole prompt as the context (its last token the tail): same tokens, same
+    tokens held in every layer."""
     ids = _prompt()
     with lb.attach(tiny_llama.model, lb.method(name)) as kv:
         ans = kv.generate(ids[0].tolist(), max_new_tokens=NEW)
-        cache = kv.new_cache()
-        out = tiny_llama.model.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False)
+        out, cache = generate_by_the_tail_rule(kv, tiny_llama.model, ids)
     got = out[0, PROMPT:].tolist()
-    assert got[: len(ans.token_ids)] == ans.token_ids
+    assert got[: len(ans.token_ids)] == ans.token_ids and ans.tail_tokens == 1
     if len(ans.token_ids) < NEW:  # the engine stopped at an end-of-sequence id, which generate keeps
         assert got[len(ans.token_ids)] in E.eos_token_ids(tiny_llama.model, None)
     assert [layer.keys.shape[-2] for layer in cache.layers] == ans.kv_tokens
-    assert cache.phase == "decode" and cache.reference_length == PROMPT
+    assert cache.phase == "decode" and cache.reference_length == PROMPT - 1
 
 
 @pytest.mark.parametrize("arch", ["tiny_qwen3", "tiny_gemma3"])
@@ -47,8 +55,7 @@ def test_model_generate_equals_kv_generate_on_other_architectures(arch, name, re
     ids = _prompt(11)
     with lb.attach(lm.model, lb.method(name, **({} if name == "full" else {"budget": 0.25}))) as kv:
         ans = kv.generate(ids[0].tolist(), max_new_tokens=NEW)
-        cache = kv.new_cache()
-        out = lm.model.generate(ids, past_key_values=cache, max_new_tokens=NEW, do_sample=False)
+        out, cache = generate_by_the_tail_rule(kv, lm.model, ids)
     assert out[0, PROMPT:].tolist()[: len(ans.token_ids)] == ans.token_ids
     assert [layer.keys.shape[-2] for layer in cache.layers] == ans.kv_tokens
 
@@ -151,20 +158,21 @@ def test_readme_python_snippet_runs_as_written_and_snapkv_holds_an_eighth(one_th
     assert answer.text and answer.kv_ratio_context <= math.ceil(answer.context_tokens / 8) / answer.context_tokens
     prompt = ids.shape[1]
     generated = out.shape[1] - prompt
-    assert max(layer.keys.shape[-2] for layer in cache.layers) <= math.ceil(prompt / 8) + generated
+    # the prefill is all but the last token (the tail rule); the tail and the generated tokens are held on top
+    assert max(layer.keys.shape[-2] for layer in cache.layers) <= math.ceil((prompt - 1) / 8) + 1 + generated
 
 
 def _plan(ctx, q):
     from luka_bench.engine import ExamplePlan, QuestionPlan
 
-    qp = QuestionPlan(question=None, ids=q, max_new_tokens=3)
+    qp = QuestionPlan(question=None, ids=q, max_new_tokens=3, tail=3)
     return ExamplePlan(example=None, context_ids=ctx, questions=[qp], question_ids=q), qp
 
 
 def test_query_aware_protocol_compresses_the_question_with_the_context(tiny_llama, one_thread):
-    """``query_aware``: a prefill-only method (StreamingLLM at 0.25) compresses context + question as one prompt,
-    so its compressed cache holds a quarter of both and includes the question's last tokens; the default feeds the
-    question through a cache compressed from the context alone."""
+    """``query_aware``: a prefill-only method (StreamingLLM at 0.25) compresses context + question (all but its
+    tail of 3 tokens) as one prompt, so its compressed cache holds a quarter of both and includes the question's
+    last tokens before the tail; the default feeds the question through a cache compressed from the context alone."""
     from luka_bench.engine import answer_example
 
     ctx, q = _prompt(9)[0].tolist(), _prompt(10, 40)[0].tolist()
@@ -172,8 +180,9 @@ def test_query_aware_protocol_compresses_the_question_with_the_context(tiny_llam
     with lb.attach(tiny_llama.model, lb.method("streaming_llm", budget=0.25, sink=4)) as kv:
         aware = next(answer_example(tiny_llama, kv.attached, plan, [qp], set(), (), query_aware=True))
         plain = next(answer_example(tiny_llama, kv.attached, plan, [qp], set(), ()))
-    n = PROMPT + len(q)
+    n = PROMPT + len(q) - 3
     assert aware.prefill["kv_tokens_prefill"] == [math.ceil(0.25 * n)] * 3
+    assert aware.generation.tail_tokens == 3 and plain.generation.tail_tokens == len(q)
     assert plain.prefill["kv_tokens_prefill"] == [math.ceil(0.25 * PROMPT)] * 3
     pos = aware.cache.stores[0].positions[0, 0].tolist()
     assert set(range(n - 10, n)) <= set(pos) and aware.cache.reference_length == n  # question tokens compressed in

@@ -16,10 +16,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("lm_eval")
 
-from conftest import ROOT, compose, in_process, tiny  # noqa: E402
+import luka_bench as lb  # noqa: E402
+from luka_bench import engine as E  # noqa: E402
+
+from conftest import ROOT, TailFeed, compose, in_process, tiny  # noqa: E402
 
 TASKS = ROOT / "tests" / "lm_eval_tasks"
 PTH = "luka_bench-lm_eval.pth"
@@ -71,7 +75,7 @@ def same_samples(a: dict, b: dict, tol: float = 1e-3) -> None:
                         assert str(vx[1]) == str(vy[1]), (task, x["doc_id"])
                     else:  # a rolling log-likelihood
                         assert vx == pytest.approx(vy, abs=tol * max(1.0, abs(vy) / 100)), (task, x["doc_id"])
-            assert x["filtered_resps"] == y["filtered_resps"] or task.endswith(("_mc", "_ppl"))
+            assert x["filtered_resps"] == y["filtered_resps"] or task.endswith(("_mc", "_ppl", "_abcd_bytes"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -307,6 +311,31 @@ def test_smollm2_cli_snapkv_with_chat_template(tmp_path):
 
 
 @pytest.mark.slow
+def test_smollm2_sinks_only_first_token_differs_and_the_chat_tail_is_fed(task_manager, monkeypatch,
+                                                                         smollm2_tokenizer):
+    """SmolLM2 with its chat template on prompts whose answer is in the context, the answer begun ("The answer
+    is:"): full attention's first generated tokens differ from those of StreamingLLM holding its 4 sinks only, and
+    the tail fed through the compressed cache is what follows the user message (end of turn, assistant header, the
+    answer's beginning)."""
+    firsts, tails = [], []
+    decode, pre = E.greedy_decode, E.prefill_with_tail
+    def first_token(*a, **k):
+        gen = decode(*a, **k)
+        firsts.append(gen.token_ids[:1])
+        return gen
+
+    monkeypatch.setattr(E, "greedy_decode", first_token)
+    monkeypatch.setattr(E, "prefill_with_tail", lambda m, h, t, c: tails.append(list(t)) or pre(m, h, t, c))
+    for args in ("method=full", "method=streaming_llm,method.budget=0.005,method.sink=4"):
+        evaluate("luka_bench", f"model=smollm2_135m,{args}", ["luka_fixture_gen_prefix"], task_manager, limit=2,
+                 apply_chat_template=True)
+    tok = smollm2_tokenizer
+    assert tok.decode(tails[0]) == "<|im_end|>\n<|im_start|>assistant\nThe answer is:" and \
+        tails[:2] == tails[2:]
+    assert firsts[:2] != firsts[2:], [tok.decode(f) for f in firsts]
+
+
+@pytest.mark.slow
 def test_smollm2_full_gives_the_hf_models_samples_with_chat_template(task_manager, smollm2_tokenizer):
     from luka_bench.models import cache_root
 
@@ -323,3 +352,176 @@ def test_smollm2_full_gives_the_hf_models_samples_with_chat_template(task_manage
     assert "<|im_start|>" in prompt and len(prompt) < 600, prompt
     assert ours["results"]["luka_fixture_short_gen"]["contains,none"] == \
         hf["results"]["luka_fixture_short_gen"]["contains,none"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tail rule under lm-eval, and what a reader of lm-eval's docs expects
+# ---------------------------------------------------------------------------------------------------------------
+
+def _loglikelihoods(out: dict, task: str) -> dict[tuple[int, int], float]:
+    return {(s["doc_id"], j): float(r[0][0]) for s in out["samples"][task] for j, r in enumerate(s["resps"])}
+
+
+def test_one_token_choices_see_the_compressed_cache(tiny_folder, task_manager, one_thread):
+    """One-token multiple choice: a method holding 5 % of the context changes the choices' log-likelihoods (their
+    one token comes after the tail, through the compressed cache); full and a method at budget 1.0 equal lm-eval's
+    hf model."""
+    task = ["luka_fixture_abcd_bytes"]
+    hf = evaluate("hf", f"pretrained={tiny_folder},dtype=float32", task, task_manager, limit=3)
+    assert all(len(s["arguments"][0][1]) == 1 for s in hf["samples"][task[0]])  # the choice is one token here
+    ref = _loglikelihoods(hf, task[0])
+    for args in ("method=full", "method=snapkv,method.budget=1.0", "method=streaming_llm,method.budget=1.0"):
+        ours = evaluate("luka_bench", f"model={tiny_folder},{args}", task, task_manager, limit=3)
+        same_samples(hf["samples"], ours["samples"])
+    for args in ("method=streaming_llm,method.budget=0.05", "method=snapkv,method.budget=0.05,method.window=16"):
+        ours = evaluate("luka_bench", f"model={tiny_folder},{args}", task, task_manager, limit=3)
+        got = _loglikelihoods(ours, task[0])
+        diff = [abs(got[k] - ref[k]) for k in ref]  # bit for bit 0 when the prefill's exact logits scored them
+        assert min(diff) > 1e-6 and sum(diff) / len(diff) > 1e-3, (args, diff)
+        assert ours["config"]["luka_bench"]["kv_ratio"]["mean"] < 0.1
+
+
+def _count_tails(monkeypatch):
+    from luka_bench import engine as E
+
+    fed = []
+    real = E.prefill_with_tail
+    monkeypatch.setattr(E, "prefill_with_tail", lambda model, head, tail, cache: fed.append(
+        (len(head), len(tail))) or real(model, head, tail, cache))
+    return fed
+
+
+def _watched(lm, feed):
+    feed.watch(lm.model)
+    return lm
+
+
+def test_generation_feeds_the_last_token_through_the_compressed_cache(tiny_folder, task_manager, monkeypatch,
+                                                                       one_thread):
+    """generate_until without a chat template: the context's last token is the tail — one decode-phase forward
+    before the first generated token. (That a sinks-only method's first token then differs from full's on a prompt
+    whose answer needs the context: ``test_smollm2_sinks_only_first_token_differs``; the tiny random model's
+    first token does not depend on its context.)"""
+    import luka_bench.models as models
+
+    feed = TailFeed(None, monkeypatch)
+    load = models.HubModel.load
+    monkeypatch.setattr(models.HubModel, "load", lambda self: _watched(load(self), feed))
+    evaluate("luka_bench", f"model={tiny_folder},method=streaming_llm,method.budget=0.05", ["luka_fixture_gen"],
+             task_manager, limit=2)
+    assert feed.fed() == [1, 1]
+
+
+def test_rolling_windows_follow_one_protocol_whatever_max_length(tiny_folder, task_manager, one_thread):
+    """loglikelihood_rolling: every window by the runner's perplexity protocol (first token the prefill, every
+    other token a decode step), so a prefill-only method has nothing to compress in any window: with two
+    max_length values (documents not a multiple of either) SnapKV at 0.05 equals full, and full equals hf."""
+    task = ["luka_fixture_ppl"]
+    for max_length in (96, 160):
+        hf = evaluate("hf", f"pretrained={tiny_folder},dtype=float32,max_length={max_length}", task, task_manager,
+                      limit=2)
+        full = evaluate("luka_bench", f"model={tiny_folder},method=full,max_length={max_length}", task,
+                        task_manager, limit=2)
+        snap = evaluate("luka_bench", f"model={tiny_folder},method=snapkv,method.budget=0.05,method.window=8,"
+                        f"max_length={max_length}", task, task_manager, limit=2)
+        same_samples(hf["samples"], full["samples"])
+        same_samples(full["samples"], snap["samples"], tol=1e-4)
+        n = [len(s["doc"]["text"].encode()) for s in full["samples"][task[0]]]
+        assert all(k > max_length and k % max_length for k in n), n  # several windows, the last one partial
+
+
+def test_use_cache_is_refused_in_one_line(tiny_folder, task_manager, tmp_path):
+    from luka_bench.errors import RunConfigError
+
+    with pytest.raises(RunConfigError) as e:
+        evaluate("luka_bench", f"model={tiny_folder}", ["luka_fixture_gen"], task_manager, limit=1,
+                 use_cache=str(tmp_path / "cache"))
+    assert "--use_cache" in str(e.value) and "allowed:" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("gen_kwargs,word", [("num_beams=4", "num_beams=4"), ("repetition_penalty=1.3", "1.3"),
+                                             ("min_new_tokens=3", "min_new_tokens"), ("top_k=5", "top_k=5")])
+def test_unhonoured_generation_settings_are_refused_before_any_generation(tiny_folder, task_manager, monkeypatch,
+                                                                          gen_kwargs, word):
+    from luka_bench.errors import RunConfigError
+
+    fed = _count_tails(monkeypatch)
+    with pytest.raises(RunConfigError) as e:
+        evaluate("luka_bench", f"model={tiny_folder}", ["luka_fixture_gen"], task_manager, limit=2,
+                 gen_kwargs=gen_kwargs)
+    assert word in str(e.value) and "allowed: until, max_gen_toks" in str(e.value) and "\n" not in str(e.value)
+    assert fed == []
+
+
+def test_a_special_token_stop_sequence_stops_generation(tiny_llama, one_thread):
+    """lm-eval's stop criterion decodes with special tokens: ``special_stops`` stops at a special token's text
+    (``</s>`` taken out of the end-of-sequence ids here, so only the stop string can stop it)."""
+    model, tok = tiny_llama.model, tiny_llama.tokenizer
+    ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(3)).tolist()
+    with lb.attach(model, "full") as kv:
+        cache = kv.new_cache()
+        free = E.greedy_decode(model, tok, cache, E.prefill_with_tail(model, ids[:-1], ids[-1:], cache).logits, 12,
+                               set(), ()).token_ids
+        special = int(tok.convert_tokens_to_ids("</s>"))
+        # the model's logits for the special id raised so it is generated at the third step
+        handle = model.lm_head.register_forward_hook(
+            lambda m, a, out: out.index_fill(-1, torch.tensor([special]), 1e4) if calls.append(1) or len(calls) == 3
+            else out)
+        calls: list[int] = []
+        try:
+            cache = kv.new_cache()
+            logits = E.prefill_with_tail(model, ids[:-1], ids[-1:], cache).logits
+            calls.clear()
+            got = E.greedy_decode(model, tok, cache, logits, 12, set(), ("</s>",), special_stops=True).token_ids
+            calls[:] = [0, 0]  # the same forwards once more, without reading special tokens
+            cache = kv.new_cache()
+            logits = E.prefill_with_tail(model, ids[:-1], ids[-1:], cache).logits
+            calls.clear()
+            plain = E.greedy_decode(model, tok, cache, logits, 12, set(), ("</s>",)).token_ids
+        finally:
+            handle.remove()
+    assert got[-1] == special and len(got) < 12 and len(plain) == 12 and free != got
+
+
+def test_add_bos_token_adds_the_bos(tiny_folder, task_manager, monkeypatch, one_thread):
+    fed = []
+    real = E.prefill_with_tail
+    monkeypatch.setattr(E, "prefill_with_tail", lambda model, head, tail, cache: fed.append(head[0]) or
+                        real(model, head, tail, cache))
+    hf = evaluate("hf", f"pretrained={tiny_folder},dtype=float32,add_bos_token=True", ["luka_fixture_gen"],
+                  task_manager, limit=1)
+    ours = evaluate("luka_bench", f"model={tiny_folder},add_bos_token=True", ["luka_fixture_gen"], task_manager,
+                    limit=1)
+    from transformers import AutoTokenizer
+
+    assert fed == [AutoTokenizer.from_pretrained(tiny_folder).bos_token_id]
+    same_samples(hf["samples"], ours["samples"])
+
+
+def test_trust_remote_code_is_accepted():
+    from luka_bench.lm_eval import LukaBenchLM
+
+    lm = LukaBenchLM.create_from_arg_string("model=tiny_llama,model.num_hidden_layers=1,trust_remote_code=True",
+                                            {"device": "cpu"})
+    assert lm.luka_method == "full"
+    lm.close()
+
+
+def test_several_processes_are_refused_before_the_model_loads(monkeypatch):
+    """``accelerate launch`` / ``torchrun`` with several processes (``WORLD_SIZE``): one line, before any load."""
+    import luka_bench.lm_eval as L
+    from luka_bench.errors import RunConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(L, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(RunConfigError) as e:
+        L.LukaBenchLM.create_from_arg_string("model=tiny_llama", {"device": "cpu"})
+    assert "WORLD_SIZE=2" in str(e.value) and "allowed: 1 process" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bfloat16_log_likelihoods_are_taken_as_the_hf_model_takes_them(tiny_folder, task_manager, one_thread):
+    """dtype=bfloat16 on both: log-softmax in the logits' dtype and summed there, as lm-eval's hf model does."""
+    task = ["luka_fixture_abcd_bytes"]
+    hf = evaluate("hf", f"pretrained={tiny_folder},dtype=bfloat16", task, task_manager, limit=2)
+    ours = evaluate("luka_bench", f"model={tiny_folder},dtype=bfloat16", task, task_manager, limit=2)
+    same_samples(hf["samples"], ours["samples"], tol=1e-3)

@@ -158,7 +158,8 @@ def test_env_names_the_commit_the_process_loaded(tmp_path):
 
 def test_query_aware_runs_on_a_qa_dataset_and_compresses_the_question_too(tmp_path):
     """``query_aware=true`` is a run setting for every QA dataset: the question is prefilled and compressed with
-    the context, so a prefill-only method's cache after the prefill is a quarter of context + question."""
+    the context, so a prefill-only method's cache after the prefill is a quarter of context + question minus the
+    tail (what follows the question's text: at least one token, fed through the compressed cache)."""
     base = ("model=tiny_llama", "data.limit=1", "max_new_tokens=2", "progress=false", "method=streaming_llm",
             "method.budget=0.25")
     plain = R.run(compose(*base), tmp_path / "plain")
@@ -167,7 +168,9 @@ def test_query_aware_runs_on_a_qa_dataset_and_compresses_the_question_too(tmp_pa
     for p, a in zip(read_jsonl(tmp_path / "plain" / "predictions.jsonl"),
                     read_jsonl(tmp_path / "aware" / "predictions.jsonl")):
         assert p["kv_tokens_prefill"][0] == math.ceil(0.25 * p["context_tokens"])
-        assert a["kv_tokens_prefill"][0] == math.ceil(0.25 * (a["context_tokens"] + a["question_tokens"]))
+        assert p["tail_tokens"] == p["question_tokens"] and 1 <= a["tail_tokens"] < a["question_tokens"]
+        assert a["kv_tokens_prefill"][0] == math.ceil(
+            0.25 * (a["context_tokens"] + a["question_tokens"] - a["tail_tokens"]))
     with pytest.raises(Exception, match="query_aware='yes' must be true, false or null"):
         R.run(compose(*base, "query_aware=yes"), tmp_path / "bad")
 

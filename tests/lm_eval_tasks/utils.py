@@ -19,6 +19,10 @@ def load_mc(**kwargs):
     return _load("mc")
 
 
+def load_abcd(**kwargs):
+    return _load("abcd")
+
+
 def load_ppl(**kwargs):
     return _load("ppl")
 
