@@ -12,7 +12,9 @@ them runs unchanged on both and the tests can reach them with mocks of ``torch.c
 - ``synchronize(device)``: wait for the device (CUDA), nothing elsewhere;
 - ``rss_bytes(key)`` / ``reset_peak_rss()`` / ``release_memory()``: the process's resident set (``VmRSS``) and its
   high-water mark (``VmHWM``), the mark's reset (Linux >= 4.0), and freeing what Python and the allocator hold —
-  the CPU's peak memory, which has no allocator counter.
+  the CPU's peak memory, which has no allocator counter;
+- ``memory_mark(device)`` / ``peak_growth(device, mark)``: the peak growth of memory over a span — the device
+  allocator's (CUDA) or the process's resident set (CPU) — over what was in use at the mark.
 
 This module imports no other module of the package (the engine's ``warm_up`` uses it).
 """
@@ -127,3 +129,22 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def memory_mark(device) -> int:
+    """Start a peak measurement on ``device``: the high-water mark reset (the allocator's on CUDA, the process RSS's on
+    the CPU) and the bytes in use now returned, for ``peak_growth``."""
+    if _cuda(device):
+        dev = torch.device(device)
+        torch.cuda.reset_peak_memory_stats(dev)
+        return int(torch.cuda.memory_allocated(dev))
+    reset_peak_rss()
+    return rss_bytes()
+
+
+def peak_growth(device, mark: int) -> int:
+    """The peak bytes in use since ``memory_mark`` over what was in use at it (CUDA: allocated; CPU: resident — the
+    whole process, so other threads' allocations count too)."""
+    if _cuda(device):
+        return int(torch.cuda.max_memory_allocated(torch.device(device))) - mark
+    return rss_bytes("VmHWM") - mark

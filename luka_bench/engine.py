@@ -112,13 +112,17 @@ class Prefilled:
 @torch.no_grad()
 def timed_prefill(model, ids: list[int] | torch.Tensor, cache: MethodCache) -> dict:
     """``prefill`` timed (device synchronised), with what the cache holds after the method's compression:
-    ``prefill_s``, ``kv_bytes_prefill``, ``kv_bytes_full_prefill``, ``kv_tokens_prefill``."""
+    ``prefill_s``, ``kv_bytes_prefill``, ``kv_bytes_full_prefill``, ``kv_tokens_prefill``, and the memory the prefill
+    needed at its peak over what was in use before it, ``prefill_peak_growth_bytes`` (CUDA: the allocator's; CPU:
+    the process's resident set: the cache, the activations and what the method computes for its scores)."""
     sync(model.device)
+    mark = D.memory_mark(model.device)
     t0 = time.perf_counter()
     prefill(model, ids, cache)
     sync(model.device)
     return {"prefill_s": time.perf_counter() - t0, "kv_bytes_prefill": cache.held_bytes(),
-            "kv_bytes_full_prefill": cache.full_bytes(), "kv_tokens_prefill": cache.held_tokens()}
+            "kv_bytes_full_prefill": cache.full_bytes(), "kv_tokens_prefill": cache.held_tokens(),
+            "prefill_peak_growth_bytes": D.peak_growth(model.device, mark)}
 
 
 @torch.no_grad()

@@ -132,6 +132,11 @@ def kv_summary(records: list[dict]) -> dict:
     dev = [r["device_peak_bytes"] for r in records if r.get("device_peak_bytes") is not None]
     if dev:
         out["device_peak_bytes"] = max(dev)
+    # what the prefill needed at its peak over what was in use before it (CUDA allocator / CPU resident set): where
+    # a method that compresses after the whole prefill would show all layers' full caches (issue 50)
+    grow = [r["prefill_peak_growth_bytes"] for r in records if r.get("prefill_peak_growth_bytes") is not None]
+    if grow:
+        out["prefill_peak_growth_bytes"] = max(grow)
     # The same ratio right after the context prefill and the method's compression (QA only): what every
     # evicting method's budget bounds, SnapKV's included (it compresses the context once and then keeps the
     # question and the answer, so its decode-peak kv_ratio is above its budget by design; methods/snapkv.md).

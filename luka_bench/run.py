@@ -91,7 +91,9 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
                     "latency_breakdown": E.breakdown(gen.step_timings, gen.step_s),
                     "kv_bytes_prefill": info["kv_bytes_prefill"],
                     "kv_bytes_full_prefill": info["kv_bytes_full_prefill"],
-                    "kv_tokens_prefill": info["kv_tokens_prefill"], **E.memory(a.cache), **(gen.attended or {}),
+                    "kv_tokens_prefill": info["kv_tokens_prefill"],
+                    "prefill_peak_growth_bytes": info["prefill_peak_growth_bytes"], **E.memory(a.cache),
+                    **(gen.attended or {}),
                     "evidence_kept": info["evidence_kept"], "device_peak_bytes": a.device_peak_bytes, "meta": q.meta,
                 }
 

@@ -186,3 +186,91 @@ def test_describe_names_every_setting():
     assert d.startswith("snapkv(budget=0.125, window=16, kernel=5, pooling=avg, question_aware=False")
     lay = Layered(rules=[{"layers": "first:2", "method": KNorm(budget=0.5)}]).describe()
     assert "first:2: knorm(budget=0.5)" in lay and "default=full(budget=1)" in lay
+
+
+# -- head-wise budgets: a layer's budget split across its KV heads ----------------------------------------------------
+
+class HeadKNormPolicy(ScorerPolicy):
+    """KNorm's score with the capacities a test gives per KV head (``Heads.caps``: a function of cap and n)."""
+
+    def score(self, store, start, stop):
+        return -store.keys[:, :, start:stop].float().norm(dim=-1)
+
+    def protected(self, store, cap):
+        return self.method.sinks, self.method.recent
+
+    def head_capacities(self, store, cap):
+        return None if self.method.caps is None else self.method.caps(cap, store.n)
+
+
+class Heads(KVMethod):
+    name = "heads"
+    policy_class = HeadKNormPolicy
+
+    def __init__(self, budget, caps=None, sinks=0, recent=0):
+        super().__init__(budget=budget)
+        self.caps, self.sinks, self.recent = caps, sinks, recent
+
+
+def replay(method, k, v, q, steps):
+    """A one-layer cache replayed without a model: prefill k/v [1, Hkv, n, D] (queries q [1, Hq, n, D]), compress,
+    then ``steps`` decode tokens (the last ones of k/v/q beyond n). Returns (outputs of the decode steps, store)."""
+    from luka_bench.methods.base import LayerInfo
+    from luka_bench.methods.cache import MethodCache, replay_forward
+
+    n = k.shape[2] - steps
+    info = LayerInfo(0, 1, q.shape[1], k.shape[1], k.shape[3])
+    cache = MethodCache(method, [info], reference_length=n, manual=True)
+    replay_forward(cache, 0, k[:, :, :n], v[:, :, :n], q[:, :, :n], 0.125)
+    cache.end_prefill()
+    outs = [replay_forward(cache, 0, k[:, :, t: t + 1], v[:, :, t: t + 1], q[:, :, t: t + 1], 0.125)
+            for t in range(n, n + steps)]
+    return torch.cat(outs, 2), cache.stores[0]
+
+
+def kv_q(hkv=3, g=2, n=64, steps=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(1, hkv, n + steps, 16, generator=gen) for _ in range(2))
+    return k, v, torch.randn(1, hkv * g, n + steps, 16, generator=gen)
+
+
+def test_head_budgets_all_equal_are_todays_results_bit_for_bit():
+    k, v, q = kv_q()
+    same, s1 = replay(Heads(0.25, caps=lambda cap, n: torch.full((1, 3), cap)), k, v, q, 3)
+    uniform, s2 = replay(Heads(0.25), k, v, q, 3)
+    assert torch.equal(same, uniform) and torch.equal(s1.positions, s2.positions)
+    assert s1.head_mask() is None and s1.held_per_head() == s1.n == 16 + 3
+
+
+@pytest.mark.parametrize("sinks,recent", [(0, 0), (2, 4)])
+def test_a_head_given_the_whole_context_attends_as_full_attention(sinks, recent):
+    k, v, q = kv_q(seed=1)
+    n, steps, g = 64, 3, 2
+    out, store = replay(Heads(0.25, caps=lambda cap, m: torch.tensor([[m, cap // 2, 2 * cap]]), sinks=sinks,
+                              recent=recent), k, v, q, steps)
+    # every head holds exactly its capacity (then the decode steps' tokens)
+    held = store.head_mask().sum(-1)[0].tolist()
+    assert held == [n + steps, 8 + steps, 32 + steps]
+    full = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, n:], k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), scale=0.125,
+        attn_mask=torch.ones(steps, n + steps, dtype=torch.bool).tril(n))
+    torch.testing.assert_close(out[:, :g], full[:, :g], rtol=1e-5, atol=1e-6)  # head 0's query heads: exact
+    assert not torch.allclose(out[:, g:], full[:, g:], atol=1e-3)  # the others attend over less
+    # each head's own tokens: the lowest-norm ones outside its protected sinks/recent, in time order
+    norms = k[0, :, :n].norm(dim=-1)
+    for h, keep in enumerate([n, 8, 32]):
+        pos = store.positions[0, h][store.head_mask()[0, h]].tolist()[: keep]
+        mid = torch.arange(sinks, n - recent)
+        best = mid[torch.sort(-norms[h, sinks: n - recent], descending=True, stable=True).indices[: keep - sinks - recent]]
+        assert pos == list(range(sinks)) + sorted(best.tolist()) + list(range(n - recent, n)), h
+
+
+def test_head_budgets_count_what_each_head_holds():
+    k, v, q = kv_q(seed=2)
+    _, store = replay(Heads(0.25, caps=lambda cap, m: torch.tensor([[4, 16, 28]])), k, v, q, 2)
+    per_token_head = store.token_bytes() // 3  # one token of one KV head (keys + values)
+    assert store.n == 28 + 2  # the storage is the longest head's wide
+    assert store.held_bytes() == (4 + 16 + 28 + 3 * 2) * per_token_head
+    assert store.held_per_head() == (4 + 16 + 28) / 3 + 2
+    assert store.allocated_bytes() > store.held_bytes()  # the unused slots of the shorter heads are still allocated
+    assert store.policy.attended_count(store) == store.held_per_head()

@@ -98,3 +98,27 @@ def test_methods_that_need_the_whole_prefill_keep_it_and_say_so(tiny_llama):
     assert full_layers_alive(model, aware, question_ids=[5, 6, 7]) == layers
     assert full_layers_alive(model, SnapKV(budget=0.2, window=8, question_aware=True)) == 1  # no question: local
     assert full_layers_alive(model, LaserKV(budget=0.25, block_size=N, divisor=4)) == layers
+
+
+def test_every_qa_run_records_its_prefill_peak(tmp_path):
+    """The prefill's peak growth (CPU: the process's resident set over what it held before the prefill) reaches
+    every record and metrics.json, beside kv_bytes."""
+    from conftest import compose
+    from luka_bench import run as R
+    from test_run import read_jsonl
+
+    out = R.run(compose("model=tiny_llama", "method=snapkv", "data.limit=1", "max_new_tokens=2", "progress=false"),
+                tmp_path)
+    recs = read_jsonl(tmp_path / "predictions.jsonl")
+    assert recs and all(isinstance(r["prefill_peak_growth_bytes"], int) and r["prefill_peak_growth_bytes"] >= 0
+                        for r in recs)
+    assert out["prefill_peak_growth_bytes"] == max(r["prefill_peak_growth_bytes"] for r in recs)
+
+
+def test_the_peak_growth_of_a_span_is_measured_on_the_cpu():
+    from luka_bench import device as D
+
+    mark = D.memory_mark("cpu")
+    x = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+    del x
+    assert D.peak_growth("cpu", mark) >= 60 << 20

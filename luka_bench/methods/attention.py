@@ -36,6 +36,9 @@ class HeldKV(Protocol):
     @property
     def device(self) -> torch.device: ...
 
+    def head_mask(self) -> torch.Tensor | None:
+        """Optional: [B, Hkv, n] True where the head holds the slot (head-wise budgets), None when all do."""
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Attention primitives shared by the methods (pure torch).
@@ -135,8 +138,13 @@ def group_apply(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def exact_attention(store: HeldKV, query: torch.Tensor, scaling: float,
                     sliding_window: int | None = None) -> torch.Tensor:
-    """Exact attention of the last query chunk over everything the store holds."""
+    """Exact attention of the last query chunk over everything the store holds — each KV head over its own tokens
+    where head-wise budgets left some heads holding fewer (``head_mask``)."""
     mask = chunk_mask(store, query.shape[2], sliding_window)
+    held = store.head_mask() if hasattr(store, "head_mask") else None  # a bare HeldKV has no head-wise budgets
+    if held is not None:  # [B, Hkv, n] -> [B, Hq, 1 or Lq, n], with the chunk's causal mask where there is one
+        held = held[:, :, None, :].repeat_interleave(query.shape[1] // held.shape[1], dim=1)
+        mask = held if mask is None else held & mask
     return sdpa(query, store.keys, store.values, scaling, mask)
 
 

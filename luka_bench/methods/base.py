@@ -157,6 +157,10 @@ class Store(HeldKV, Protocol):
 
     def keep(self, index: torch.Tensor) -> None: ...
 
+    def keep_heads(self, index: torch.Tensor, held: torch.Tensor) -> None: ...
+
+    def held_per_head(self) -> float: ...
+
     def keep_ends(self, head: int, tail: int) -> None: ...
 
     def evict_into(self, slot: torch.Tensor, sources: dict[str, torch.Tensor] | None = None) -> None: ...
@@ -253,7 +257,7 @@ class LayerPolicy:
         host would sync every step; the harness resolves all of them at once); a policy that knows the count
         without building the mask overrides it (it must equal the mask's count: see LuKA clustered's test)."""
         mask = self.attended(store)
-        return float(store.n) if mask is None else mask.sum() / (mask.shape[0] * mask.shape[1])
+        return store.held_per_head() if mask is None else mask.sum() / (mask.shape[0] * mask.shape[1])
 
     def attended_extra(self) -> int | torch.Tensor:
         """Entries held outside the store that the last ``attend`` call read, per KV head (LuKA's unrefined

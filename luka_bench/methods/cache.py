@@ -173,7 +173,7 @@ class MethodCache:
                 continue
             # entries held besides the store are read as entries too
             row.append((s.policy.attended_count(s), s.policy.attended_extra(), s.token_bytes(),
-                        s.n + s.policy.extra_entries()))
+                        s.held_per_head() + s.policy.extra_entries()))
         self._attended_pending.append(row)
 
     def _resolve_attended(self) -> tuple[list[float], list[float], list[float]]:
@@ -343,7 +343,7 @@ class MethodCache:
         stores = [s for s in self.stores if s._k is not None]
         if not stores:
             return {}
-        fair = sum(s.n + s.policy.extra_entries() for s in stores) / len(stores)
+        fair = sum(s.held_per_head() + s.policy.extra_entries() for s in stores) / len(stores)
         seen = sum(s.seen for s in stores) / len(stores)
         out: dict[str, float] = {"fair_entries": fair, "fair_ratio": fair / seen if seen else 0.0,
                                  "real_bytes": float(self.held_bytes())}

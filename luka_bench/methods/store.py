@@ -11,6 +11,9 @@ import torch
 from .base import LayerPolicy, PromptCache
 
 
+UNHELD = "unheld"  # per-token state of head-wise budgets: True on a slot its head does not hold (``keep_heads``)
+
+
 def _stackable(k: torch.Tensor, v: torch.Tensor) -> bool:
     return k.shape == v.shape and k.dtype == v.dtype and k.device == v.device
 
@@ -75,6 +78,10 @@ class KVStore:
         self._slot_at: tuple[int, int] = (0, 0)  # (seen, n) before that step: ``static_slot_at``
         self.n = 0
         self.seen = 0
+        # head-wise budgets (``keep_heads``): a KV head may hold fewer tokens than the store's n; the slots it does
+        # not hold are masked out of attention (``head_mask``) and left out of every count. ``_unheld``: those slots
+        # over all batch rows and heads (a host number, known when they were made); 0 = every head holds n
+        self._unheld = 0
         self.compressed_in_forward = False  # the policy's after_prefill ran inside the prefill's last forward
         self.pos_shift = 0  # seen - the position the next token gets (StreamingLLM's positions=cache); 0: logical
 
@@ -250,6 +257,29 @@ class KVStore:
         self.n = need
         self.seen += L
 
+    def keep_heads(self, index: torch.Tensor, held: torch.Tensor) -> None:
+        """Head-wise budgets: keep, per KV head, the tokens at ``index`` [B, Hkv, m] whose entry of ``held`` [B, Hkv, m]
+        (bool) is True — a head holding fewer than m fills its other entries with any slot (they are masked). The
+        store's storage is m slots wide (the longest head's count); attention reads each head's own tokens only
+        (``head_mask``), and ``held_bytes``, ``held_per_head`` and the attended counts count what each head holds.
+        One host read of the count (a prefill-time compression, not a decode step)."""
+        self.keep(index)
+        unheld = ~held
+        self.aux(UNHELD, dtype=torch.bool)[:, :, : self.n] = unheld
+        self._unheld = int(unheld.sum())
+
+    def head_mask(self) -> torch.Tensor | None:
+        """[B, Hkv, n] bool, True where the head holds the slot; None when every head holds all n (no head-wise
+        budget in play): attention then needs no mask for it."""
+        return None if not self._unheld else ~self.aux(UNHELD, dtype=torch.bool)
+
+    def held_per_head(self) -> float:
+        """Tokens held per KV head, mean over batch rows and heads (``n`` unless head-wise budgets differ)."""
+        if not self._unheld:
+            return float(self.n)
+        b, h = self._k.shape[:2]
+        return self.n - self._unheld / (b * h)
+
     def keep(self, index: torch.Tensor) -> None:
         """Keep only the held tokens at ``index`` (into the current ``n`` tokens): [m] for all heads alike, or
         [B, Hkv, m] per KV head. Order is preserved as given; pass sorted indices to keep time order. Storage
@@ -278,6 +308,13 @@ class KVStore:
             for name, a in aux.items():
                 self._aux[name][:, :, :m] = a
         self.n = m
+        self._recount_unheld()
+
+    def _recount_unheld(self) -> None:
+        """Head-wise budgets: the slots a head does not hold moved with the kept ones; count them again (a host read:
+        only a store that has such slots pays it)."""
+        if self._unheld:
+            self._unheld = int(self._aux[UNHELD][:, :, : self.n].sum())
 
     def evict_into(self, slot: torch.Tensor, sources: dict[str, torch.Tensor] | None = None) -> None:
         """Drop one held token per KV head, ``slot`` [B, Hkv] (int64, any slot before the last), by moving the
@@ -309,6 +346,7 @@ class KVStore:
             else:
                 window.index_put_(index, rows.select(2, n - 1))
         self.n = n - 1
+        self._recount_unheld()
 
     def head_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """([B, 1], [1, Hkv]) int64: the batch and head indices that, with a slot per head [B, Hkv], address one
@@ -345,6 +383,7 @@ class KVStore:
             else:
                 window.index_copy_(ax, slot, t.narrow(ax, n - 1, 1))
         self.n = n - 1
+        self._recount_unheld()
 
     def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the held tokens at ``index`` [B, Hkv, m] (per KV head; any order, repeats allowed):
@@ -421,6 +460,7 @@ class KVStore:
             for t, ax in self._token_tensors():
                 t.narrow(ax, head, tail).copy_(t.narrow(ax, drop_to, tail).clone())
             self.n = head + tail
+            self._recount_unheld()
             return
         index = torch.cat([torch.arange(head, device=self.device),
                            torch.arange(drop_to, self.n, device=self.device)])
@@ -432,8 +472,12 @@ class KVStore:
         return b * h * (dk + self._v.shape[-1]) * self._k.element_size()
 
     def held_bytes(self) -> int:
-        """Bytes of keys and values actually held (the live part of the storage)."""
-        return 0 if self._k is None else self.n * self.token_bytes()
+        """Bytes of keys and values actually held (the live part of the storage; with head-wise budgets, each
+        head's own tokens: ``allocated_bytes`` counts the slots a shorter head leaves unused)."""
+        if self._k is None:
+            return 0
+        b, h = self._k.shape[:2]
+        return (self.n * b * h - self._unheld) * self.token_bytes() // (b * h)
 
     def allocated_bytes(self) -> int:
         if self._k is None:
@@ -488,6 +532,7 @@ class KVStore:
         self._k[:, :, start:stop, :rot] = out.to(k.dtype)
 
     def reset(self) -> None:
+        self._unheld = 0
         self._k = self._v = self._pos = self._kv = self._pos_due = self._pos_run = None
         self._aux = {}
         self._aux_unzeroed = set()
