@@ -274,3 +274,45 @@ def test_head_budgets_count_what_each_head_holds():
     assert store.held_per_head() == (4 + 16 + 28) / 3 + 2
     assert store.allocated_bytes() > store.held_bytes()  # the unused slots of the shorter heads are still allocated
     assert store.policy.attended_count(store) == store.held_per_head()
+
+
+# -- paged key summaries ----------------------------------------------------------------------------------------------
+
+def test_paged_key_summaries_follow_the_pages_as_they_close():
+    from luka_bench.methods.pages import PagedKeys
+
+    k, v, q = kv_q(n=37, steps=12, seed=3)
+    summary, start, size = PagedKeys(size=8, start=2), 2, 8
+    from luka_bench.methods.base import LayerInfo
+    from luka_bench.methods.cache import MethodCache, replay_forward
+
+    cache = MethodCache(Full(), [LayerInfo(0, 1, 6, 3, 16)], reference_length=37, manual=True)
+    replay_forward(cache, 0, k[:, :, :37], v[:, :, :37], q[:, :, :37], 0.125)
+    cache.end_prefill()
+    store = cache.stores[0]
+    assert summary.update(store) == 4 and summary.update(store) == 0  # slots 2..33: 4 closed pages
+    added = []
+    for t in range(37, 49):
+        replay_forward(cache, 0, k[:, :, t: t + 1], v[:, :, t: t + 1], q[:, :, t: t + 1], 0.125)
+        added.append(summary.update(store))
+    assert added == [1 if (n - start) % size == 0 else 0 for n in range(38, 50)]  # closes when n - start hits 8m
+    assert summary.pages == (49 - start) // size == 5
+    pages = k[:, :, start: start + summary.pages * size].reshape(1, 3, summary.pages, size, 16)
+    torch.testing.assert_close(summary.mean, pages.mean(3))
+    assert torch.equal(summary.min, pages.amin(3)) and torch.equal(summary.max, pages.amax(3))
+    assert summary.nbytes() == 3 * pages.mean(3).nbytes
+
+
+@pytest.mark.parametrize("size", [1, 4, 16])
+def test_quests_page_bound_is_never_below_a_keys_logit_and_exact_for_pages_of_one(size):
+    from luka_bench.methods.pages import PagedKeys
+
+    k, v, q = kv_q(n=64, steps=0, seed=size)
+    summary = PagedKeys(size=size)
+    summary.update(type("S", (), {"n": 64, "keys": k})())
+    qg = q[:, :, -1].reshape(1, 3, 2, 16)  # the last query of each query head, by KV group
+    bound = summary.bound(qg)  # [1, 3, 2, pages]
+    logits = torch.einsum("bhgd,bhnd->bhgn", qg, k).reshape(1, 3, 2, 64 // size, size)
+    assert (bound >= logits.amax(-1) - 1e-5).all()
+    if size == 1:
+        torch.testing.assert_close(bound, logits[..., 0], rtol=1e-5, atol=1e-5)
