@@ -231,6 +231,9 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--table-from", nargs="+", default=None, metavar="JSON",
+                    help="measure nothing: merge earlier --json outputs (a later file's (method, N) replacing an "
+                         "earlier one's) into the table (--markdown) and the plot (--plot)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
     ap.add_argument("--plot", default=None)
@@ -241,6 +244,16 @@ def main() -> None:
     if args.kvpress_child:
         p, n, model_dir, ids_file = args.kvpress_child
         print(json.dumps(measure_kvpress(p, int(n), model_dir, ids_file, args.budget, args.threads)))
+        return
+    if args.table_from:
+        merged: dict = {}
+        for f in args.table_from:
+            for r in json.loads(Path(f).read_text())["rows"]:
+                merged[(r["method"], r["n"])] = r
+        rows = list(merged.values())
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        lengths = sorted({r["n"] for r in rows})
+        write_outputs(rows, methods, lengths, args)
         return
     known = sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
     bad = [m for m in args.methods if m.removesuffix(AFTER) not in known]
@@ -268,7 +281,11 @@ def main() -> None:
             if args.json:
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.json).write_text(json.dumps({"rows": rows, "runs": raw}, indent=1))
-    md = table(rows, methods, args.lengths)
+    write_outputs(rows, methods, args.lengths, args)
+
+
+def write_outputs(rows: list[dict], methods: list[str], lengths: list[int], args) -> None:
+    md = table(rows, methods, lengths)
     print(md)
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)

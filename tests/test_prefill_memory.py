@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from luka_bench.methods.entropy_ols import EntropyOLS
 from luka_bench.methods.full import Full
 from luka_bench.methods.h2o import H2O
 from luka_bench.methods.hf import attach
@@ -24,6 +25,7 @@ METHODS = {
     "h2o": lambda: H2O(budget=0.2),
     "h2o_on_top": lambda: H2O(budget=0.2, recent_budget="on_top", min_recent=8, recent_fraction=0.0),
     "knorm": lambda: KNorm(budget=0.2),
+    "entropy_ols": lambda: EntropyOLS(budget=0.25, bin_size=8, rank=2),
     "knorm_full_layers": lambda: KNorm(budget=0.2, full_layers=1),
     "layered": lambda: Layered(rules=[{"layers": "0", "method": SnapKV(budget=0.2, window=8)}],
                                default=KNorm(budget=0.3)),
@@ -80,7 +82,7 @@ def full_layers_alive(model, method, question_ids=None) -> int:
     return most[0]
 
 
-@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "knorm"])
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "knorm", "entropy_ols"])
 def test_one_full_layer_cache_at_a_time_during_a_compressing_prefill(name, tiny_llama):
     model = tiny_llama.model
     layers = model.config.num_hidden_layers

@@ -135,6 +135,10 @@ def fit_linear_map(q: torch.Tensor, target: torch.Tensor, rank: int):
 # ---------------------------------------------------------------------------------------------------------
 
 class EntropyOLSPolicy(LayerPolicy):
+    # its compaction reads only this layer's store and the reference queries its attend kept: it runs inside the
+    # forward that ends the prefill, right after this layer's attention (one layer's full cache alive at a time)
+    layer_local_prefill = True
+
     def __init__(self, method: "EntropyOLS", info):
         super().__init__(method, info)
         self.sk = self.sv = self.sb = None  # synthetic keys [B, Hkv, S, D], values, biases [B, Hkv, S] (fp32)
