@@ -183,7 +183,7 @@ def table(rows: list[dict], methods: list[str], lengths: list[int]) -> str:
             if r is None:
                 cells += ["—", "—"]
                 continue
-            rng = f"{r['min'] / 1e9:.2f}–{r['max'] / 1e9:.2f}"
+            rng = f"{r['min'] / 1e9:.3f}–{r['max'] / 1e9:.3f}"
             cells += [f"{r['median'] / 1e9:.3f} ({rng})",
                       f"{r['median'] / f['median']:.2f}" if f and f["median"] else "—"]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
@@ -201,7 +201,8 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
         pts = sorted((r["n"], r["median"] / 1e9) for r in rows if r["method"] == m)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m,
-                    linestyle="--" if m == "full" else "-", color="black" if m == "full" else None)
+                    linestyle="--" if m == "full" else ":" if m.startswith(KVPRESS) else "-",
+                    color="black" if m == "full" else None)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("peak memory growth over the prefill + 2 steps (GB)")
     ax.set_title("Prefill peak per method (median over processes)")
