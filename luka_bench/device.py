@@ -135,9 +135,8 @@ def memory_mark(device) -> int:
     """Start a peak measurement on ``device``: the high-water mark reset (the allocator's on CUDA, the process RSS's on
     the CPU) and the bytes in use now returned, for ``peak_growth``."""
     if _cuda(device):
-        dev = torch.device(device)
-        torch.cuda.reset_peak_memory_stats(dev)
-        return int(torch.cuda.memory_allocated(dev))
+        reset_peak(device)
+        return int(torch.cuda.memory_allocated(torch.device(device)))
     reset_peak_rss()
     return rss_bytes()
 
@@ -145,6 +144,5 @@ def memory_mark(device) -> int:
 def peak_growth(device, mark: int) -> int:
     """The peak bytes in use since ``memory_mark`` over what was in use at it (CUDA: allocated; CPU: resident — the
     whole process, so other threads' allocations count too)."""
-    if _cuda(device):
-        return int(torch.cuda.max_memory_allocated(torch.device(device))) - mark
-    return rss_bytes("VmHWM") - mark
+    peak = peak_allocated(device)
+    return (rss_bytes("VmHWM") if peak is None else peak) - mark

@@ -154,8 +154,9 @@ class Layered(KVMethod):
         return all(m.compresses_in_forward(view) for m, view in self._views(cache))
 
     def after_forward(self, cache) -> None:
-        for m, view in self._views(cache):
-            m.after_forward(view)
+        for m in self.methods():  # every forward, decode steps too: a view only for a method with the hook
+            if type(m).after_forward is not KVMethod.after_forward:
+                m.after_forward(LayerView(cache, m))
 
     def prefill_chunk(self) -> int:
         sizes = {m.prefill_chunk() for m in self.methods()} - {0}
