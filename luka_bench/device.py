@@ -144,5 +144,6 @@ def memory_mark(device) -> int:
 def peak_growth(device, mark: int) -> int:
     """The peak bytes in use since ``memory_mark`` over what was in use at it (CUDA: allocated; CPU: resident — the
     whole process, so other threads' allocations count too)."""
-    peak = peak_allocated(device)
-    return (rss_bytes("VmHWM") if peak is None else peak) - mark
+    if _cuda(device):  # read directly: the per-item peak (``peak_allocated``) is read apart from it
+        return int(torch.cuda.max_memory_allocated(torch.device(device))) - mark
+    return rss_bytes("VmHWM") - mark
