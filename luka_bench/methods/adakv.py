@@ -1,0 +1,95 @@
+"""AdaKV (Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM
+Inference", 2024) on SnapKV's scores: a layer's budget is split across its KV heads by where the highest scores
+are, each head guaranteed a floor; each head then keeps its own top tokens plus the window. Method card:
+methods/adakv.md.
+
+With ``B' = capacity - window`` scored tokens per head on average and ``H`` KV heads, the layer's ``H * B'`` best
+scores over all its heads are counted per head (``n_h``), then
+
+- ``rule: paper`` (the authors' FFY0/AdaKV ``AdaptiveSnapKVCluster``): head h keeps ``round((1 - alpha) n_h +
+  int(alpha B'))`` scored tokens (sums to ``H B'`` within ``H / 2``: the rounding);
+- ``rule: kvpress`` (``AdaKVPress``): each head's top ``int(alpha * capacity)`` tokens (the window counts among them)
+  are safe; the rest of the ``H * capacity`` is the layer's highest other scores (sums to ``H B'`` exactly).
+
+The store holds a different number of tokens per head (``KVStore.keep_heads``): attention and every memory figure
+count what each head holds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from luka_bench.methods.base import LayerPolicy, MethodConfigError
+from luka_bench.methods.snapkv import SnapKV, SnapKVPolicy
+
+RULES = ("paper", "kvpress")
+
+
+def head_counts(scores: torch.Tensor, room: int, alpha: float, rule: str, window: int = 0) -> torch.Tensor:
+    """Scored tokens each KV head keeps, [B, H] (int64), from the scores [B, H, m] of a layer's scored tokens, ``room``
+    (= B') of them per head on average, floor fraction ``alpha``, under ``rule`` (module docstring; ``window``: the
+    protected tokens each head keeps besides, which kvpress's safe count includes)."""
+    b, h, m = scores.shape
+    s = scores.float()
+    if rule == "kvpress":
+        safe = int((room + window) * alpha)
+        if alpha > 0:
+            safe = max(1, safe)
+        safe = min(max(0, safe - window), room)  # the window is kvpress's top-scored part of the safe set
+        if safe:
+            s = s.scatter(-1, s.topk(safe, dim=-1).indices, float("inf"))
+    top = s.reshape(b, h * m).topk(h * room, dim=-1).indices // m  # the head of each of the layer's best scores
+    n = torch.zeros(b, h, dtype=torch.long, device=scores.device).scatter_add_(-1, top, torch.ones_like(top))
+    if rule == "paper":
+        n = torch.round(n * (1 - alpha) + int(room * alpha)).long()
+    return n.clamp_(0, m)
+
+
+class AdaKVPolicy(SnapKVPolicy):
+    def __init__(self, method, info):
+        super().__init__(method, info)
+        self._memo: tuple | None = None  # (start, stop, scores) while compressing: scored once for counts and picks
+
+    def score(self, store, start: int, stop: int) -> torch.Tensor:
+        if self._memo is None or self._memo[:2] != (start, stop):
+            self._memo = (start, stop, super().score(store, start, stop))
+        return self._memo[2]
+
+    def head_capacities(self, store, cap: int) -> torch.Tensor | None:
+        recent = self.protected(store, cap)[1]
+        room = cap - recent
+        if room <= 0:
+            return None
+        m = self.method
+        return recent + head_counts(self.score(store, 0, store.n - recent), room, m.alpha, m.rule, recent)
+
+    def compress(self, store) -> bool:
+        try:
+            return super().compress(store)
+        finally:
+            self._memo = None
+
+
+@dataclass
+class AdaKV(SnapKV):
+    """SnapKV's scores (window, kernel, pooling as there; defaults the AdaKV authors' experiments: window 32,
+    kernel 7, max pooling) with the layer's budget split across KV heads. alpha: each head's floor, a fraction of
+    the per-head budget (0.2: the authors' experiments; kvpress's AdaKVPress also 0.2); rule: paper | kvpress."""
+
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+    alpha: float = 0.2
+    rule: str = "paper"
+
+    name: ClassVar[str] = "adakv"
+    policy_class: ClassVar[type[LayerPolicy]] = AdaKVPolicy
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1:
+            raise MethodConfigError(f"method.alpha={self.alpha!r} must be a number in [0, 1] (paper: 0.2; 1 = SnapKV)")
+        if self.rule not in RULES:
+            raise MethodConfigError(f"method.rule={self.rule!r} is unknown; allowed: {', '.join(RULES)}")

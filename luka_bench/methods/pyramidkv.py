@@ -1,0 +1,76 @@
+"""PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling", 2024):
+SnapKV's scores with per-layer capacities that fall linearly from the first layer to the last. Method card:
+methods/pyramidkv.md.
+
+``budget_rule: paper`` (the authors' KVCache-Factory ``PyramidKVCluster``, integer arithmetic): with ``B`` the
+uniform capacity of a layer (``ceil(budget * context)``, window included) and ``w`` the window, layer ``l`` of ``L``
+keeps ``max - l * step`` scored tokens plus the window, where ``min = (B - w) // beta``, ``max = 2 (B - w) - min``
+(``max`` capped at ``context - w``, ``min`` then raised to keep the sum), ``step = (max - min) // (L - 1)``. A
+context under ``2 (B - w)`` tokens takes uniform SnapKV (``B`` per layer); one under ``B`` is not compressed.
+``budget_rule: kvpress`` (``PyramidKVPress``): the same pyramid in real numbers around ``budget * context`` (window
+included in each layer's count, rounded), and uniform SnapKV unless ``context >= max >= min >= window``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from luka_bench.methods.base import LayerPolicy, MethodConfigError
+from luka_bench.methods.snapkv import SnapKV, SnapKVPolicy
+
+RULES = ("paper", "kvpress")
+
+
+def layer_capacity(rule: str, n: int, cap: int, budget: float, window: int, beta: float, layer: int,
+                   layers: int) -> int:
+    """Tokens layer ``layer`` of ``layers`` keeps (window included) after a prefill of ``n`` tokens whose uniform
+    capacity is ``cap`` (``ceil(budget * n)``), under ``rule`` (see the module docstring)."""
+    if rule == "paper":
+        room = cap - window  # scored tokens of a uniform layer
+        if n < cap or room <= 0 or n < 2 * room:
+            return cap  # the reference's fallbacks: no compression / uniform SnapKV
+        lo = int(room // beta)
+        hi = 2 * room - lo
+        if hi >= n - window:
+            hi = n - window
+            lo = 2 * room - hi
+        step = (hi - lo) // (layers - 1) if layers > 1 else 0
+        return hi - layer * step + window
+    room = n * budget  # kvpress: max_capacity_prompt - window = n (1 - compression_ratio)
+    lo = room / beta
+    hi = 2 * room - lo
+    if hi >= n - window:
+        hi = n - window
+        lo = 2 * room - hi
+    if not (n >= hi >= lo >= window):
+        return max(1, round(n * budget))
+    step = (hi - lo) / (layers - 1) if layers > 1 else 0.0
+    return round(hi - layer * step)
+
+
+class PyramidKVPolicy(SnapKVPolicy):
+    def capacity(self, store) -> int:
+        m, cap = self.method, super().capacity(store)
+        if m.budget >= 1.0:
+            return cap
+        return layer_capacity(m.budget_rule, store.n, cap, m.budget, m.window, m.beta, self.info.layer_idx,
+                              self.info.num_layers)
+
+
+@dataclass
+class PyramidKV(SnapKV):
+    """SnapKV (window, kernel, pooling as there) with pyramidal per-layer capacities. beta: the pyramid's
+    steepness (the first layer's scored tokens / the last's ~ 2 beta - 1); budget_rule: paper | kvpress."""
+
+    beta: float = 20
+    budget_rule: str = "paper"
+
+    name: ClassVar[str] = "pyramidkv"
+    policy_class: ClassVar[type[LayerPolicy]] = PyramidKVPolicy
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or self.beta < 1:
+            raise MethodConfigError(f"method.beta={self.beta!r} must be a number >= 1 (paper: 20; 1 = SnapKV)")
+        if self.budget_rule not in RULES:
+            raise MethodConfigError(f"method.budget_rule={self.budget_rule!r} is unknown; allowed: {', '.join(RULES)}")

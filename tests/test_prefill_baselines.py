@@ -1,0 +1,163 @@
+"""The LASER-KV paper's prefill baselines on the scorer base (issue 49): PyramidKV's per-layer capacities, AdaKV's
+per-head budgets, FINCH's question window with re-rotated keys; each against its paper's invariants."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from luka_bench.methods.adakv import AdaKV, head_counts
+from luka_bench.methods.base import MethodConfigError
+from luka_bench.methods.full import Full
+from luka_bench.methods.pyramidkv import PyramidKV, layer_capacity
+from luka_bench.methods.snapkv import SnapKV, pool_scores, window_scores
+
+from test_method_contract import ids_of, kept_positions, prefill
+from test_methods_core import method_logits
+
+
+# -- PyramidKV ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,budget,window,layers", [(8192, 0.125, 64, 30), (4096, 0.05, 8, 32), (2000, 0.3, 64, 24),
+                                                    (700, 0.2, 16, 3)])
+def test_pyramid_capacities_sum_to_the_uniform_total_and_fall_with_depth(n, budget, window, layers):
+    cap = math.ceil(budget * n)
+    caps = [layer_capacity("paper", n, cap, budget, window, 20, layer, layers) for layer in range(layers)]
+    assert all(a >= b for a, b in zip(caps, caps[1:])), caps
+    assert caps[0] > caps[-1]
+    # the reference's integer step rounds down: the sum is never below the uniform total, and above it by less
+    # than one step's rounding per layer pair
+    assert layers * cap <= sum(caps) <= layers * cap + layers * (layers - 1) // 2, (sum(caps), layers * cap)
+    # the last layer keeps about (B - w) / beta scored tokens (the integer step leaves up to L - 1 more)
+    lo = (cap - window) // 20 if caps[0] - window < n - window else 2 * (cap - window) - (n - window)
+    assert lo <= caps[-1] - window < lo + layers
+    kv = [layer_capacity("kvpress", n, cap, budget, window, 20, layer, layers) for layer in range(layers)]
+    assert all(a >= b for a, b in zip(kv, kv[1:]))
+    assert abs(sum(kv) / layers - n * budget) <= 0.5  # kvpress's own test: the mean is the budget (rounding apart)
+
+
+def test_pyramid_fallbacks_are_the_references():
+    # a context under the capacity: nothing to compress; under 2 (B - w): uniform SnapKV
+    assert layer_capacity("paper", 100, 120, 0.9, 8, 20, 0, 4) == 120
+    assert {layer_capacity("paper", 100, 60, 0.6, 8, 20, layer, 4) for layer in range(4)} == {60}
+    # kvpress: uniform unless context >= max >= min >= window (roughly beta * window tokens kept per layer)
+    assert {layer_capacity("kvpress", 4096, 512, 0.125, 64, 20, layer, 30) for layer in range(30)} == {512}
+    assert len({layer_capacity("kvpress", 65536, 8192, 0.125, 64, 20, layer, 30) for layer in range(30)}) > 1
+
+
+def test_pyramidkv_keeps_its_layer_capacities_with_snapkv_scores(tiny_llama):
+    ids = ids_of(160, 1)
+    m = PyramidKV(budget=0.25, window=8, beta=4)
+    cache, _ = prefill(tiny_llama.model, m, ids)
+    want = [layer_capacity("paper", 160, 40, 0.25, 8, 4, layer, 3) for layer in range(3)]
+    assert [s.n for s in cache.stores] == want and want[0] > want[-1]
+    # the window is kept by every layer and head
+    for layer in kept_positions(cache):
+        for head in layer:
+            assert set(range(152, 160)) <= set(head)
+
+
+def test_pyramidkv_at_beta_one_is_snapkv(tiny_gqa3):
+    ids = ids_of(150, 2)
+    a, _ = prefill(tiny_gqa3.model, PyramidKV(budget=0.3, window=8, beta=1), ids)
+    b, _ = prefill(tiny_gqa3.model, SnapKV(budget=0.3, window=8), ids)
+    assert kept_positions(a) == kept_positions(b)
+
+
+def test_pyramidkv_with_the_whole_budget_equals_full(tiny_llama):
+    ids = ids_of(80, 4)
+    ref, _ = method_logits(tiny_llama.model, Full(), ids, 60)
+    got, c = method_logits(tiny_llama.model, PyramidKV(budget=1.0, window=8), ids, 60)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("bad", [{"beta": 0.5}, {"beta": "x"}, {"budget_rule": "steep"}])
+def test_pyramidkv_bad_settings_are_one_line_errors(bad):
+    with pytest.raises(MethodConfigError) as e:
+        PyramidKV(**bad)
+    assert "\n" not in str(e.value) and str(next(iter(bad.values()))) in str(e.value)
+
+
+# -- AdaKV ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rule", ["paper", "kvpress"])
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 0.5])
+def test_adakv_head_budgets_sum_to_the_layers_and_respect_the_floor(rule, alpha):
+    g = torch.Generator().manual_seed(3)
+    h, m, room, window = 8, 300, 40, 16
+    scores = torch.rand(2, h, m, generator=g) ** torch.linspace(1, 8, h)[None, :, None]  # heads of unequal spread
+    n = head_counts(scores, room, alpha, rule, window)
+    total = n.sum(-1)
+    if rule == "paper":
+        assert ((total - h * room).abs() <= h / 2).all(), total
+        assert (n >= round(int(room * alpha) * 1.0) - 0.5).all() if alpha else True
+    else:
+        assert (total == h * room).all(), total
+        floor = max(0, max(1, int((room + window) * alpha)) - window) if alpha else 0
+        assert (n >= floor).all()
+    if alpha < 1:
+        assert (n != room).any()  # the budget moved between heads
+
+
+def test_adakv_at_alpha_one_is_snapkv(tiny_gqa3):
+    ids = ids_of(150, 5)
+    kw = dict(budget=0.3, window=8, kernel=5, pooling="max")
+    for rule in ("paper", "kvpress"):
+        a, _ = prefill(tiny_gqa3.model, AdaKV(alpha=1.0, rule=rule, **kw), ids)
+        b, _ = prefill(tiny_gqa3.model, SnapKV(**kw), ids)
+        assert kept_positions(a) == kept_positions(b), rule
+
+
+def _scores_before(cache):
+    """Each layer's pooled SnapKV scores of its non-window tokens, from the uncompressed cache."""
+    out = []
+    for s in cache.stores:
+        p, m = s.policy, s.policy.method
+        sc = window_scores(p.q_window, s.keys, p.scaling)[:, :, : s.n - m.window]
+        out.append(pool_scores(sc, m.kernel, m.pooling)[0])
+    return out
+
+
+@pytest.mark.parametrize("rule", ["paper", "kvpress"])
+def test_adakv_heads_keep_their_own_top_tokens_and_memory_counts_them(tiny_gqa3, rule):
+    ids = ids_of(200, 6)
+    m = AdaKV(budget=0.2, window=8, alpha=0.2, rule=rule)
+    cache, before = prefill(tiny_gqa3.model, m, ids, before_compression=_scores_before)
+    cap = math.ceil(0.2 * 200)
+    differ = False
+    for store, sc in zip(cache.stores, before):
+        held = store.head_mask()[0] if store.head_mask() is not None else torch.ones_like(store.positions[0], dtype=bool)
+        counts = held.sum(-1)
+        want = 8 + head_counts(sc[None], cap - 8, 0.2, rule, 8)[0]
+        assert counts.tolist() == want.tolist()
+        differ |= len(set(counts.tolist())) > 1
+        for h in range(sc.shape[0]):
+            got = sorted(store.positions[0, h][held[h]].tolist())
+            k = int(counts[h]) - 8
+            top = torch.sort(sc[h], descending=True, stable=True).indices[:k].tolist()
+            assert got == sorted(top + list(range(192, 200))), (h, rule)
+        # memory counts what each head holds, not the padded width
+        assert store.held_per_head() == pytest.approx(counts.float().mean().item())
+    assert differ  # head-wise budgets in play
+
+
+def test_adakv_with_the_whole_budget_equals_full(tiny_llama):
+    ids = ids_of(80, 7)
+    ref, _ = method_logits(tiny_llama.model, Full(), ids, 60)
+    got, _ = method_logits(tiny_llama.model, AdaKV(budget=1.0), ids, 60)
+    assert torch.equal(got, ref)
+
+
+def test_adakv_changes_the_logits_when_it_drops(tiny_gqa3):
+    ids = ids_of(120, 8)
+    ref, _ = method_logits(tiny_gqa3.model, Full(), ids, 100)
+    got, _ = method_logits(tiny_gqa3.model, AdaKV(budget=0.25, window=8), ids, 100)
+    assert not torch.allclose(got[:, 95:], ref[:, 95:], atol=1e-3)
+
+
+@pytest.mark.parametrize("bad", [{"alpha": 1.5}, {"alpha": -0.1}, {"rule": "fair"}])
+def test_adakv_bad_settings_are_one_line_errors(bad):
+    with pytest.raises(MethodConfigError) as e:
+        AdaKV(**bad)
+    assert "\n" not in str(e.value) and str(next(iter(bad.values()))) in str(e.value)
