@@ -148,7 +148,8 @@ class KV:
         model = self.model
         eos = E.eos_token_ids(model, self.tokenizer)
         aware = q if (q and question_aware and not query_aware) else None
-        cache = self.new_cache(reference_length=len(head), question_ids=aware)
+        cache = self.new_cache(reference_length=len(head), question_ids=aware,
+                               question_span=max(0, len(head) - len(ctx)) if query_aware else 0)
         info = E.timed_prefill(model, head, cache)
         gen = E.greedy_answer(model, self.tokenizer, cache, tail_ids, max_new_tokens, eos, tuple(stop_strings))
         mem = E.memory(cache)

@@ -457,7 +457,8 @@ def answer_example(lm, attached, plan: ExamplePlan, todo: list[QuestionPlan], eo
         for qp in todo:
             D.reset_peak(model.device)
             head, tail = with_tail(plan.context_ids + qp.ids[: len(qp.ids) - qp.tail], qp.ids[len(qp.ids) - qp.tail:])
-            cache, info = _prefill(lm, attached, plan, head, None, cache_kw)
+            span = max(0, len(head) - len(plan.context_ids))  # the question's tokens at the end of the prefill
+            cache, info = _prefill(lm, attached, plan, head, None, {**cache_kw, "question_span": span})
             gen = greedy_answer(model, lm.tokenizer, cache, tail, qp.max_new_tokens, eos_ids, stop_strings)
             yield Answered(qp, gen, cache, info, D.peak_allocated(model.device))
         return

@@ -243,6 +243,10 @@ class LukaBenchLM(HFLM):
             model_s["device"] = device
         self.luka_model, self.luka_method = str(model), str(method)
         built = lb.method(self.luka_method, **method_s)  # checked before the model loads
+        if built.question_in_prompt:  # lm-eval's requests do not say where a question starts in the context
+            raise RunConfigError(f"--model_args method={self.luka_method}: it needs the question's span inside the "
+                                 "compressed prompt, which lm-eval's requests do not give; allowed: any other "
+                                 "method (run it with the runner's query_aware=true)")
         loaded = load(self.luka_model, model_s)
         self.loaded = loaded
         bs = hf.pop("batch_size", 1)

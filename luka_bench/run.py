@@ -227,6 +227,12 @@ def prepare(cfg: DictConfig, run_dir: str | Path) -> Prepared:
     check_settings(cfg)
     method = build(cfg, "method")  # validates its settings first: cheap failures before the model loads
     task = build(cfg, "data")
+    if method.question_in_prompt and (task.kind != "qa" or not cfg.get("query_aware")):
+        from luka_bench.methods.base import MethodConfigError
+        from luka_bench.methods.finch import NEEDS_QUESTION
+
+        raise MethodConfigError(f"{NEEDS_QUESTION}; got a {task.kind} dataset with query_aware="
+                                f"{str(bool(cfg.get('query_aware'))).lower()}")
     model = build(cfg, "model")
     if hasattr(model, "check"):
         model.check()

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 import luka_bench.run as R
+from luka_bench.config import build
+from luka_bench.methods.base import MethodConfigError
 from conftest import CONF, compose
 
 METHODS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
@@ -38,12 +40,22 @@ def test_every_data_config_says_how_to_shrink_itself(data):
     assert cfg.data.get("limit") is not None, "the tests line must bound data.limit"
 
 
+# settings a method needs to run at all: FINCH's observation window is the question, inside the compressed prompt
+NEEDS = {"finch": ["query_aware=true"]}
+
+
 @pytest.mark.parametrize("data", DATA)
 @pytest.mark.parametrize("method", METHODS)
 def test_method_runs_on_dataset(method, data, tmp_path):
     over = [f"method={method}", f"data={data}", "model=tiny_llama", "max_new_tokens=3", "progress=false",
-            *shrink(data)]
-    m = R.run(compose(*over), tmp_path / "run")
+            *NEEDS.get(method, []), *shrink(data)]
+    cfg = compose(*over)
+    if method in NEEDS and build(cfg, "data").kind != "qa":  # no question to put in the prompt: refused up front
+        with pytest.raises(MethodConfigError, match="query_aware=true") as e:
+            R.run(cfg, tmp_path / "run")
+        assert "\n" not in str(e.value) and not (tmp_path / "run" / "predictions.jsonl").exists()
+        return
+    m = R.run(cfg, tmp_path / "run")
     assert m["complete"] and m["n_examples"] >= 1
     headline = m["headline"]
     assert m[headline] is not None and math.isfinite(m[headline])

@@ -65,6 +65,20 @@ PAPER = {
         "kernel": (5, "kvpress SnapKVPress: kernel 5"),
         "pooling": ("avg", "SnapKV reference code / kvpress: average pooling"),
     },
+    "pyramidkv": {
+        "window": (64, "KVCache-Factory PyramidKVCluster / kvpress PyramidKVPress: window 64"),
+        "kernel": (5, "PyramidKVCluster: kernel 5"),
+        "pooling": ("avg", "PyramidKVCluster: avgpool"),
+        "beta": (20, "PyramidKV: beta 20"),
+        "budget_rule": ("paper", "KVCache-Factory's integer pyramid and fallbacks"),
+    },
+    "adakv": {
+        "window": (32, "AdaKV experiments/LongBench/pred.py: window 32"),
+        "kernel": (7, "AdaKV experiments: kernel 7"),
+        "pooling": ("max", "AdaKV experiments: maxpool"),
+        "alpha": (0.2, "AdaKV experiments: floor_alpha 0.2"),
+        "rule": ("paper", "AdaptiveSnapKVCluster: round((1 - alpha) n_h + alpha B')"),
+    },
     "streaming_llm": {"sink": (4, "StreamingLLM: 4 attention sinks")},
     "h2o": {
         "recent_fraction": (0.5, "H2O: half heavy hitters, half recent"),
@@ -96,7 +110,8 @@ def test_paper_defaults_in_the_configs_and_the_classes(name):
             assert node == value, f"{type(built).__name__}().{key} = {node!r}; paper: {value!r} ({source})"
 
 
-CLASS_DEFAULTS_ARE_PAPER = ("lychee", "luka_clustered", "laser_kv", "snapkv", "streaming_llm", "h2o")
+CLASS_DEFAULTS_ARE_PAPER = ("lychee", "luka_clustered", "laser_kv", "snapkv", "streaming_llm", "h2o", "pyramidkv",
+                            "adakv")
 
 
 def yaml_paper_claims(path) -> list[str]:

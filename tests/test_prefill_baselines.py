@@ -9,6 +9,7 @@ import torch
 
 from luka_bench.methods.adakv import AdaKV, head_counts
 from luka_bench.methods.base import MethodConfigError
+from luka_bench.methods.finch import Finch
 from luka_bench.methods.full import Full
 from luka_bench.methods.pyramidkv import PyramidKV, layer_capacity
 from luka_bench.methods.snapkv import SnapKV, pool_scores, window_scores
@@ -160,4 +161,92 @@ def test_adakv_changes_the_logits_when_it_drops(tiny_gqa3):
 def test_adakv_bad_settings_are_one_line_errors(bad):
     with pytest.raises(MethodConfigError) as e:
         AdaKV(**bad)
+    assert "\n" not in str(e.value) and str(next(iter(bad.values()))) in str(e.value)
+
+
+# -- FINCH ----------------------------------------------------------------------------------------------------
+
+def _finch_prefill(model, method, ids, span, before=None):
+    from luka_bench.methods.hf import attach
+
+    with attach(model, method) as a, torch.no_grad():
+        c = a.new_cache(reference_length=ids.shape[1], question_span=span, manual=True)
+        model(ids, past_key_values=c)
+        seen = before(c) if before else None
+        c.end_prefill()
+    return c, seen
+
+
+def _finch_reference(cache):
+    """Each layer's FINCH scores from the uncompressed cache, written out from the definition: per query head h of
+    KV head h // g, each question query (position p) attends causally over the keys; its row is multiplied by p; sum
+    over queries and over the group's heads."""
+    out = []
+    for s in cache.stores:
+        q, k = s.policy.q_question[0].double(), s.keys[0].double()  # [Hq, w, D], [Hkv, n, D]
+        hq, w, _ = q.shape
+        n, g = k.shape[1], hq // k.shape[0]
+        sc = torch.zeros(k.shape[0], n, dtype=torch.double)
+        for h in range(hq):
+            for i in range(w):
+                p = n - w + i
+                a = torch.softmax((k[h // g, : p + 1] @ q[h, i]) * s.policy.scaling, dim=0)
+                sc[h // g, : p + 1] += a * p
+        out.append(sc)
+    return out
+
+
+@pytest.mark.parametrize("chunk", [0, 40])
+def test_finch_keeps_the_question_and_the_best_scored_context(tiny_gqa3, chunk):
+    ids, span = ids_of(130, 9), 12
+    m = Finch(budget=0.25, chunk=chunk, rerotate=False)
+    cache, ref = _finch_prefill(tiny_gqa3.model, m, ids, span, before=_finch_reference)
+    for store, sc in zip(cache.stores, ref):
+        for h in range(sc.shape[0]):
+            got = sorted(store.positions[0, h].tolist())
+            s = sc[h].clone()
+            s[130 - span:] = float("inf")
+            want = []
+            for a in range(0, 130, chunk or 130):
+                c = min(chunk or 130, 130 - a)
+                keep = max(math.ceil(0.25 * c - 1e-9), sum(1 for t in range(a, a + c) if t >= 130 - span))
+                want += (a + torch.sort(s[a: a + c], descending=True, stable=True).indices[:keep]).tolist()
+            assert got == sorted(want), (h, chunk)
+            assert set(range(130 - span, 130)) <= set(got)
+
+
+def test_finch_rerotates_kept_keys_to_consecutive_positions(tiny_llama):
+    """Layer 0's keys depend only on the token and its position: after the re-rotation each kept key equals the key
+    a fresh prefill of the kept tokens alone gives at its new position; the next token takes position kept."""
+    from luka_bench.methods.hf import attach
+
+    model = tiny_llama.model
+    ids, span = ids_of(100, 10), 10
+    cache, _ = _finch_prefill(model, Finch(budget=0.3), ids, span)
+    store = cache.stores[0]
+    assert store.get_seq_length() == store.n == 30
+    for h in range(store.keys.shape[1]):
+        kept = store.positions[0, h].sort().values
+        with attach(model, Full()) as a, torch.no_grad():
+            c = a.new_cache()
+            model(ids[:, kept], past_key_values=c)
+        assert torch.allclose(store.keys[0, h], c.stores[0].keys[0, h], atol=2e-5), h
+
+
+def test_finch_with_the_whole_budget_equals_full(tiny_llama):
+    ids, span = ids_of(70, 11), 8
+    a, _ = _finch_prefill(tiny_llama.model, Finch(budget=1.0), ids, span)
+    assert all(s.n == 70 and s.pos_shift == 0 for s in a.stores)
+
+
+def test_finch_without_the_question_in_the_prompt_is_a_one_line_error(tiny_llama):
+    with pytest.raises(MethodConfigError) as e:
+        _finch_prefill(tiny_llama.model, Finch(), ids_of(50, 1), 0)
+    assert "query_aware=true" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [{"chunk": -1}, {"normalize": "yes"}, {"full_layers": 2}])
+def test_finch_bad_settings_are_one_line_errors(bad):
+    with pytest.raises(MethodConfigError) as e:
+        Finch(**bad)
     assert "\n" not in str(e.value) and str(next(iter(bad.values()))) in str(e.value)

@@ -104,6 +104,7 @@ class PromptCache(Protocol):
     phase: str  # "prefill" | "decode" | "scratch"
     reference_length: int
     question_ids: list[int] | None
+    question_span: int  # the prefill's last tokens that are the question (query-aware protocol); 0: none
     token_ids: list[int]
     state: dict
     model: Any
@@ -175,7 +176,7 @@ class Store(HeldKV, Protocol):
 
     def static_slot_at(self, offset: int) -> torch.Tensor: ...
 
-    def rotate_keys(self, start: int, stop: int, delta: int) -> None: ...
+    def rotate_keys(self, start: int, stop: int, delta: int | torch.Tensor) -> None: ...
 
 
 class MethodConfigError(OneLineError, ValueError):
@@ -295,6 +296,9 @@ class KVMethod:
     # the first ``full_layers`` layers keep every token and attend exactly (LycheeCluster's full first layers, the
     # dense first layers of Quest and ClusterKV): one setting every method has (``policies.layer_policy`` obeys it)
     full_layers: int = 0
+    # True for a method that needs the question inside the compressed prompt (FINCH: the question is its observation
+    # window): the runner refuses it unless ``query_aware=true`` on a QA dataset, lm-eval refuses it
+    question_in_prompt: ClassVar[bool] = False
 
     name: ClassVar[str] = "base"
     # True if the method wants to act on sliding-window layers too (default: they keep exact windowed attention).

@@ -23,10 +23,12 @@ class MethodCache:
 
     def __init__(self, method: KVMethod, infos: list[LayerInfo], model=None, *,
                  reference_length: int | None = None, question_ids: list[int] | None = None, prefill_chunk: int = 0,
-                 observer=None, manual: bool = False, cuda_events: bool = False):
+                 observer=None, manual: bool = False, cuda_events: bool = False, question_span: int = 0):
         """``reference_length``: the length the budget is a fraction of (QA: the context; perplexity: the
         document); None: the first forward's length. ``question_ids``: the question's token ids, for
         question-aware prefill compression (several questions on one context: concatenated in order).
+        ``question_span``: the prefill's last tokens that are the question (the query-aware protocol: question and
+        context compressed together; FINCH's observation window), 0 when the question is not in the prefill.
         ``prefill_chunk``: the prefill goes through the model in chunks of this size (the method's own
         ``prefill_chunk()`` wins; 0: at once). ``observer``: see below. ``manual``: the caller says when the
         prefill ends (``end_prefill``) and sizes the forwards itself; otherwise the first forward is the prefill.
@@ -45,6 +47,7 @@ class MethodCache:
         # the forward under way ends the prefill and its layers compress inside it (``KVMethod.compresses_in_forward``)
         self.in_forward = False
         self.question_ids: list[int] | None = list(question_ids) if question_ids is not None else None
+        self.question_span = int(question_span or 0)
         self.state: dict = {}  # per-prompt, cross-layer method state (copied by clone)
         self.peak_bytes = 0  # bytes held at most during the decode phase (see _note)
         self._timings: dict[str, float] = {}  # seconds per component, summed (methods add: span / add_span)

@@ -510,20 +510,26 @@ class KVStore:
         # the cache when a policy re-assigns positions (pos_shift, with rotate_keys)
         return self.seen - self.pos_shift
 
-    def rotate_keys(self, start: int, stop: int, delta: int) -> None:
+    def rotate_keys(self, start: int, stop: int, delta: int | torch.Tensor) -> None:
         """Move the held keys ``start:stop`` (stored after RoPE) by ``delta`` positions in place: RoPE rotations
         compose, R(p + delta) k = R(delta) R(p) k, so a key rotated for position p becomes the key for p + delta
         (the model's own rotary embedding gives cos/sin of ``delta``; its attention scaling divided out; the
-        rotate-half layout of Llama / Qwen / Mistral / Gemma; a partial rotary dimension rotates only its part)."""
-        if stop <= start or delta == 0:
+        rotate-half layout of Llama / Qwen / Mistral / Gemma; a partial rotary dimension rotates only its part).
+        ``delta``: one number for all, or one per key [B, Hkv, stop - start] (FINCH's re-rotation to new positions)."""
+        per_key = isinstance(delta, torch.Tensor)
+        if stop <= start or (not per_key and delta == 0):
             return
         model = self.cache.model
         rope = getattr(getattr(model, "model", model), "rotary_emb", None)
         if rope is None:
             raise RuntimeError(f"{type(model).__name__} has no model.rotary_emb: keys cannot be re-rotated")
         k = self._k[:, :, start:stop]
-        pid = torch.full((1, 1), delta, device=k.device, dtype=torch.long)
-        cos, sin = rope(k.float(), pid)  # [1, 1, rot]
+        if per_key:
+            cos, sin = rope(k.float(), delta.to(k.device, torch.long).reshape(1, -1))  # [1, B*Hkv*m, rot]
+            cos, sin = cos.reshape(*k.shape[:3], -1), sin.reshape(*k.shape[:3], -1)
+        else:
+            pid = torch.full((1, 1), delta, device=k.device, dtype=torch.long)
+            cos, sin = rope(k.float(), pid)  # [1, 1, rot]
         scale = float(getattr(rope, "attention_scaling", 1.0) or 1.0)
         cos, sin = cos.float() / scale, sin.float() / scale
         rot, half = cos.shape[-1], cos.shape[-1] // 2
