@@ -250,3 +250,30 @@ def test_finch_bad_settings_are_one_line_errors(bad):
     with pytest.raises(MethodConfigError) as e:
         Finch(**bad)
     assert "\n" not in str(e.value) and str(next(iter(bad.values()))) in str(e.value)
+
+
+def test_finch_windows_the_question_under_the_query_aware_protocol(tiny_llama, monkeypatch, one_thread):
+    """``answer_example(query_aware=True)`` (the runner's) and ``KV.generate(..., query_aware=True)`` (the library's):
+    FINCH's window is the question's tokens — the prefill's last ``len(question) - tail`` — and it keeps them."""
+    import luka_bench as lb
+    from luka_bench import engine as E
+    from luka_bench.methods.finch import FinchPolicy
+
+    from test_tail_rule import _plan, _prompt
+
+    spans = []
+    real = FinchPolicy.after_prefill
+    monkeypatch.setattr(FinchPolicy, "after_prefill", lambda self, store: spans.append(
+        (store.cache.question_span, store.n)) or real(self, store))
+    ctx, q = _prompt(5, 200), _prompt(6, 14)
+    plan, qp = _plan(ctx, q, 4)
+    with lb.attach(tiny_llama.model, lb.method("finch", budget=0.2)) as kv:
+        got = next(E.answer_example(tiny_llama, kv.attached, plan, [qp], set(), (), query_aware=True))
+    assert spans[0] == (10, 210) and got.generation.tail_tokens == 4
+    assert all(set(range(200, 210)) <= set(s.positions[0, 0].tolist()) for s in got.cache.stores)
+    spans.clear()
+    with lb.attach(tiny_llama.model, lb.method("finch", budget=0.25), tiny_llama.tokenizer, chat_template=False) as kv:
+        ans = kv.generate("x" * 300, question="\nQuestion: what is it?", answer_prefix="\nAnswer:", max_new_tokens=2,
+                          query_aware=True)
+    n_prefix = len(tiny_llama.tokenizer("\nAnswer:", add_special_tokens=False).input_ids)
+    assert spans[0][0] == ans.question_tokens - n_prefix > 0
