@@ -10,8 +10,8 @@ kvpress runs in a venv of its own (it pins an older transformers: ``python3 -m v
 once to a folder and the essays' first ``--tokens`` token ids written to a file (``scripts/bench_memory.py``'s
 export); the kvpress interpreter runs this file with ``--kvpress-child``: one forward of the ids under
 ``with press(model):`` into a ``DynamicCache`` — kvpress compresses each layer in its attention's forward hook — and
-the kept positions are recovered by matching each kept value row to the uncompressed cache's (values are never
-re-rotated; AdaKV masks instead of dropping: its kept set is what ``masked_key_indices`` leaves). Our side: the
+the kept positions are recovered by matching each kept key row to the uncompressed cache's (post-RoPE keys are
+unique per position; none of the compared presses re-rotates; AdaKV masks instead of dropping: its kept set is what ``masked_key_indices`` leaves). Our side: the
 same ids through ``luka_bench`` with the method's kvpress-equivalent settings, then ``store.positions``.
 
 Pairs (ours ↔ kvpress), budget b = 1 - compression_ratio, chosen so that ``b * tokens`` is an integer (kvpress
@@ -73,7 +73,9 @@ def kvpress_child(name: str, model_dir: str, ids_file: str, tokens: int, budget:
             model.model(ids, past_key_values=cache)
     kept = []
     for layer in range(len(cache.layers)):
-        v_all, v = full.layers[layer].values[0].double(), cache.layers[layer].values[0].double()
+        # keys, not values: a value depends on the token alone in the first layer (a repeated token's rows are
+        # equal), a key carries its position (RoPE); none of these presses re-rotates (finch: rerotate_keys=False)
+        v_all, v = full.layers[layer].keys[0].double(), cache.layers[layer].keys[0].double()
         w = torch.randn(v_all.shape[-1], dtype=torch.double, generator=torch.Generator().manual_seed(0))
         heads = []
         for h in range(v_all.shape[0]):
