@@ -128,3 +128,142 @@ def test_tova_settings_are_checked():
         TOVA(decode="yes")
     with pytest.raises(MethodConfigError, match="protect_last=1"):
         TOVA(protect_last=1)
+
+
+# -- ExpectedAttention -----------------------------------------------------------------------------------------------
+
+def llama_rope(positions, d, theta):
+    """Llama's rotation angles written out: position p, pair i (entries i and i + d/2) turns by p * theta^(-2i/d)."""
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    return positions.double()[:, None] * inv[None, :]  # [P, d/2]
+
+
+def rotate(x, ang):
+    """x [..., P, d] rotated pair-wise by ang [P, d/2] (entries i and i + d/2 form a pair)."""
+    h = x.shape[-1] // 2
+    a, b = x[..., :h], x[..., h:]
+    return torch.cat([a * ang.cos() - b * ang.sin(), a * ang.sin() + b * ang.cos()], dim=-1)
+
+
+def expected_direct(q_pre, k, v, n_sink, future, theta, eps=0.0):
+    """kvpress's ExpectedAttention written out in float64: pre-RoPE queries q_pre [Hq, N, d], cached (post-RoPE)
+    keys k and values v [Hkv, N, d]. Scores [Hkv, N - n_sink] of the keys after the sinks."""
+    hq, n, d = q_pre.shape
+    g = hq // k.shape[0]
+    qs = q_pre[:, n_sink:].double()
+    mu = qs.mean(1)  # [Hq, d]
+    cov = torch.einsum("hni,hnj->hij", qs - mu[:, None], qs - mu[:, None]) / qs.shape[1]
+    ang = llama_rope(torch.arange(n, n + future), d, theta)  # the next `future` positions
+    eye = torch.eye(d, dtype=torch.float64)
+    r = rotate(eye.T[None].expand(future, d, d).transpose(1, 2), ang[:, None, :]).mean(0)  # mean_p R(p), columns
+    r = r.T  # r[:, j] = mean_p R(p) e_j
+    mu, cov = mu @ r.T, r @ cov @ r.T
+    keys = k[:, n_sink:].double().repeat_interleave(g, 0)  # [Hq, m, d]
+    logits = torch.einsum("hd,hmd->hm", mu, keys) / math.sqrt(d) + \
+        torch.einsum("hmi,hij,hmj->hm", keys, cov, keys) / (2 * d)
+    s = torch.softmax(logits, -1).view(k.shape[0], g, -1).mean(1)
+    return (s + eps) * v[:, n_sink:].double().norm(dim=-1)
+
+
+def test_averaged_rope_and_unrotation_are_the_inverse_of_llamas_rope():
+    from luka_bench.methods.expected_attention import averaged_rope, unrotate
+
+    d, theta = 8, 10000.0
+    ang = llama_rope(torch.arange(5, 12), d, theta)
+    cos, sin = torch.cat([ang.cos()] * 2, -1).float(), torch.cat([ang.sin()] * 2, -1).float()
+    x = torch.randn(1, 2, 7, d)
+    post = rotate(x.double(), ang).float()
+    torch.testing.assert_close(unrotate(post, cos, sin), x, rtol=1e-5, atol=1e-5)
+    r = averaged_rope(cos, sin, d)
+    y = torch.randn(d)
+    want = rotate(y.double()[None].expand(7, d), ang).mean(0)
+    torch.testing.assert_close(r.double() @ y.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_expected_attention_scores_equal_the_formula_on_a_model(tiny_gqa3):
+    """The policy's scores after a (chunked) prefill equal the formula recomputed from the pre-RoPE queries (captured at
+    q_proj), the cached keys and values, and the kept set is its top-k per KV head after the sinks."""
+    from luka_bench.methods.expected_attention import ExpectedAttention, ExpectedAttentionPolicy
+
+    model = tiny_gqa3.model
+    cfg = model.config
+    hq, d = cfg.num_attention_heads, cfg.head_dim
+    got, pre, before = {}, {}, {}
+
+    class Spy(ExpectedAttentionPolicy):
+        def score(self, store, start, stop):
+            before[self.info.layer_idx] = (store.keys[0].clone(), store.values[0].clone())
+            got[self.info.layer_idx] = s = super().score(store, start, stop)
+            return s
+
+    class SpyEA(ExpectedAttention):
+        policy_class = Spy
+
+    hooks = [layer.self_attn.q_proj.register_forward_hook(
+        lambda mod, inp, out, i=i: pre.setdefault(i, []).append(out[0].view(-1, hq, d).transpose(0, 1)))
+        for i, layer in enumerate(model.model.layers)]
+    ids = ids_of(80, 11)
+    method = SpyEA(budget=0.3, n_future_positions=64)
+    try:
+        from luka_bench.methods.hf import attach
+
+        with attach(model, method) as a, torch.no_grad():
+            c = a.new_cache(reference_length=80, manual=True)
+            model(ids[:, :50], past_key_values=c)  # two prefill chunks: the moments merge
+            model(ids[:, 50:], past_key_values=c)
+            c.end_prefill()
+    finally:
+        for h in hooks:
+            h.remove()
+    theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]
+    cap = math.ceil(0.3 * 80)
+    for layer, store in enumerate(c.stores):
+        k, v = before[layer]
+        want = expected_direct(torch.cat(pre[layer], 1), k, v, 4, 64, theta)
+        torch.testing.assert_close(got[layer][0].double(), want, rtol=2e-4, atol=1e-7)
+        for h in range(k.shape[0]):
+            top = 4 + torch.sort(want[h], descending=True, stable=True).indices[: cap - 4]
+            assert sorted(store.positions[0, h].tolist()) == list(range(4)) + sorted(top.tolist()), (layer, h)
+
+
+def test_expected_attention_covariance_and_vnorm_switches_on_random_tensors():
+    from luka_bench.methods.expected_attention import expected_scores
+
+    gen = torch.Generator().manual_seed(4)
+    mu, k, v = torch.randn(1, 6, 8, generator=gen), torch.randn(1, 2, 30, 8, generator=gen), \
+        torch.randn(1, 2, 30, 8, generator=gen)
+    a = torch.randn(1, 6, 8, 8, generator=gen)
+    cov = a @ a.transpose(-1, -2) / 8
+    full = expected_scores(mu, cov, k, v, True, 0.1)
+    kk = k[0].repeat_interleave(3, 0).double()
+    logits = torch.einsum("hd,hmd->hm", mu[0].double(), kk) / math.sqrt(8) + \
+        torch.einsum("hmi,hij,hmj->hm", kk, cov[0].double(), kk) / 16
+    want = (torch.softmax(logits, -1).view(2, 3, 30).mean(1) + 0.1) * v[0].double().norm(dim=-1)
+    torch.testing.assert_close(full[0].double(), want, rtol=1e-5, atol=1e-7)
+    plain = expected_scores(mu, None, k, v, False)
+    want = torch.softmax(torch.einsum("hd,hmd->hm", mu[0].double(), kk) / math.sqrt(8), -1).view(2, 3, 30).mean(1)
+    torch.testing.assert_close(plain[0].double(), want, rtol=1e-5, atol=1e-7)
+
+
+def test_expected_attention_budget_one_is_full_and_sinks_are_kept(tiny_llama):
+    from luka_bench.methods.expected_attention import ExpectedAttention
+
+    ids = ids_of(60, 12)
+    ref, _ = method_logits(tiny_llama.model, Full(), ids, 40)
+    got, c = method_logits(tiny_llama.model, ExpectedAttention(budget=1.0), ids, 40)
+    assert torch.equal(got, ref) and all(s.n == 60 for s in c.stores)
+    got, c = method_logits(tiny_llama.model, ExpectedAttention(budget=0.25), ids, 40)
+    assert not torch.allclose(got[:, 35:], ref[:, 35:], atol=1e-3)
+    for layer in kept_positions(c):
+        assert all(h[:4] == [0, 1, 2, 3] for h in layer)
+
+
+def test_expected_attention_settings_are_checked():
+    from luka_bench.methods.expected_attention import ExpectedAttention
+
+    with pytest.raises(MethodConfigError, match="n_future_positions=0"):
+        ExpectedAttention(n_future_positions=0)
+    with pytest.raises(MethodConfigError, match="n_sink=-1"):
+        ExpectedAttention(n_sink=-1)
+    with pytest.raises(MethodConfigError, match="use_vnorm='no'"):
+        ExpectedAttention(use_vnorm="no")
