@@ -267,3 +267,114 @@ def test_expected_attention_settings_are_checked():
         ExpectedAttention(n_sink=-1)
     with pytest.raises(MethodConfigError, match="use_vnorm='no'"):
         ExpectedAttention(use_vnorm="no")
+
+
+# -- DuoAttention ------------------------------------------------------------------------------------------------------
+
+def write_pattern(folder, gates) -> str:
+    """A pattern in the reference's format: ``full_attention_heads.tsv``, one row of tab-separated gates per layer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "full_attention_heads.tsv").write_text(
+        "\n".join("\t".join(f"{g:.6f}" for g in row) for row in gates) + "\n", encoding="utf-8")
+    return str(folder)
+
+
+def test_duo_with_no_streaming_head_is_full_attention(tiny_llama, tmp_path):
+    from luka_bench.methods.duo_attention import DuoAttention
+
+    path = write_pattern(tmp_path / "p", [[0.2, 0.9], [0.5, 0.1], [0.7, 0.3]])
+    ids = ids_of(60, 13)
+    ref, _ = method_logits(tiny_llama.model, Full(), ids, 40)
+    got, c = method_logits(tiny_llama.model, DuoAttention(pattern_path=path, head_compression_ratio=0.0, sink=4,
+                                                          recent=8), ids, 40)
+    assert torch.equal(got, ref)
+    assert all(s.n == 60 and s.head_mask() is None for s in c.stores)
+
+
+def test_duo_with_only_streaming_heads_is_streaming_llm_bit_for_bit(tiny_llama, tmp_path):
+    from luka_bench.methods.duo_attention import DuoAttention
+    from luka_bench.methods.streaming_llm import StreamingLLM
+
+    path = write_pattern(tmp_path / "p", [[0.2, 0.9], [0.5, 0.1], [0.7, 0.3]])
+    ids = ids_of(60, 14)
+    sink, recent, ref_len = 4, 8, 1200  # StreamingLLM's capacity ceil(budget * 1200) = sink + recent at every step
+    want, cw = method_logits(tiny_llama.model, StreamingLLM(budget=(sink + recent) / ref_len, sink=sink), ids, 40,
+                             reference_length=ref_len)
+    got, cg = method_logits(tiny_llama.model, DuoAttention(pattern_path=path, head_compression_ratio=1.0, sink=sink,
+                                                           recent=recent), ids, 40)
+    assert torch.equal(got, want)
+    assert kept_positions(cg) == kept_positions(cw)
+    assert all(s.n == sink + recent for s in cg.stores)
+
+
+def test_duo_mixed_layers_free_memory_per_head_and_attend_over_what_each_head_holds(tmp_path):
+    """One layer, KV head 1 streaming, heads 0 and 2 retrieval, replayed without a model: the decode steps' outputs are
+    full attention for the retrieval heads' query heads and attention over sinks + recent window for the streaming
+    head's; the held counts, the bytes and the attended counts count each head's own tokens."""
+    from luka_bench.methods.duo_attention import DuoAttention
+
+    path = write_pattern(tmp_path / "p", [[0.9, 0.1, 0.8]])
+    k, v, q = kvq(hkv=3, g=2, n=50, seed=15)
+    n, steps, sink, recent, g = 44, 6, 3, 7, 2
+    info = LayerInfo(0, 1, 6, 3, 8)
+    cache = MethodCache(DuoAttention(pattern_path=path, head_compression_ratio=1 / 3, sink=sink, recent=recent),
+                        [info], reference_length=n, manual=True)
+    replay_forward(cache, 0, k[:, :, :n], v[:, :, :n], q[:, :, :n], 0.25)
+    cache.end_prefill()
+    store = cache.stores[0]
+    per_head = store.token_bytes() // 3
+    for t in range(n, n + steps):
+        out = replay_forward(cache, 0, k[:, :, t: t + 1], v[:, :, t: t + 1], q[:, :, t: t + 1], 0.25)
+        seen = t + 1
+        held = store.head_mask()[0].sum(-1).tolist()
+        assert held == [seen, sink + recent, seen]
+        assert store.held_bytes() == (2 * seen + sink + recent) * per_head
+        assert store.held_per_head() == pytest.approx((2 * seen + sink + recent) / 3)
+        assert float(store.policy.attended_count(store)) == pytest.approx(store.held_per_head())
+        mask = store.head_mask()[0, 1]
+        assert store.positions[0, 1][mask].tolist() == list(range(sink)) + list(range(seen - recent, seen))
+        kf, vf = k[:, :, :seen].repeat_interleave(g, 1), v[:, :, :seen].repeat_interleave(g, 1)
+        full = torch.nn.functional.scaled_dot_product_attention(q[:, :, t: t + 1], kf, vf, scale=0.25)
+        # the step attends before the window moves on (as StreamingLLM's steps): its sinks, the window it held, itself
+        keep = torch.tensor(list(range(sink)) + list(range(seen - 1 - recent, seen)))
+        stream = torch.nn.functional.scaled_dot_product_attention(q[:, :, t: t + 1], kf[:, :, keep], vf[:, :, keep],
+                                                                  scale=0.25)
+        torch.testing.assert_close(out[:, [0, 1, 4, 5]], full[:, [0, 1, 4, 5]], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out[:, [2, 3]], stream[:, [2, 3]], rtol=1e-5, atol=1e-6)
+
+
+def test_duo_binarises_the_lowest_gates_of_the_whole_model(tmp_path):
+    from luka_bench.methods.duo_attention import DuoAttention, streaming_heads
+
+    gates = torch.tensor([[0.2, 0.9], [0.5, 0.1], [0.7, 0.3]], dtype=torch.float64)
+    assert streaming_heads(gates, 0.5).tolist() == [[True, False], [False, True], [False, True]]
+    assert streaming_heads(gates, 0.0).sum() == 0 and streaming_heads(gates, 1.0).all()
+    # clipped to [0, 1] as the reference: -3 and 0 tie at 0, the earlier (layer-major) goes first
+    path = write_pattern(tmp_path / "p", [[-3.0, 2.0], [0.0, 0.5]])
+    m = DuoAttention(pattern_path=path + "/full_attention_heads.tsv", head_compression_ratio=0.25)
+    assert m.streaming_row(LayerInfo(0, 2, 4, 2, 8)) == [True, False]
+    assert m.streaming_row(LayerInfo(1, 2, 4, 2, 8)) == [False, False]
+
+
+def test_duo_needs_a_pattern_of_the_models_shape(tmp_path):
+    from luka_bench.methods.duo_attention import DuoAttention
+
+    with pytest.raises(MethodConfigError, match="neither is set"):
+        DuoAttention()
+    with pytest.raises(MethodConfigError, match="no such file"):
+        DuoAttention(pattern_path=str(tmp_path / "nope"))
+    with pytest.raises(MethodConfigError, match="budget=0.5"):
+        DuoAttention(pattern_seed=0, budget=0.5)
+    with pytest.raises(MethodConfigError, match="head_compression_ratio=1.5"):
+        DuoAttention(pattern_seed=0, head_compression_ratio=1.5)
+    m = DuoAttention(pattern_path=write_pattern(tmp_path / "p", [[0.1, 0.2]]))
+    with pytest.raises(MethodConfigError, match="1 layers x 2 KV heads; the model has 3 x 2"):
+        m.check_layer(LayerInfo(0, 3, 4, 2, 8))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "full_attention_heads.tsv").write_text("0.1\tx\n")
+    with pytest.raises(MethodConfigError, match="not a tab-separated matrix"):
+        DuoAttention(pattern_path=str(tmp_path / "bad"))
+    # a synthetic pattern is drawn for whatever shape the model has, the same for the same seed
+    a, b = DuoAttention(pattern_seed=3), DuoAttention(pattern_seed=3)
+    info = LayerInfo(1, 4, 8, 4, 8)
+    assert a.streaming_row(info) == b.streaming_row(info)
