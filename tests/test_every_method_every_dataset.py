@@ -51,10 +51,26 @@ VARIANTS = {m: "babilong" for m in METHODS if "\ndefaults:" in (CONF / "method" 
 PAIRS = [(m, d) for m in METHODS for d in DATA if VARIANTS.get(m, d) == d]
 
 
+def duo_pattern(tmp_path: Path) -> list[str]:
+    """DuoAttention needs a learned head pattern, and none ships for the offline models (its config errors without
+    one): a synthetic one in the reference's format (``full_attention_heads.tsv``, layers x KV heads) for the tiny
+    model, and a window the short test prompts exceed."""
+    model = compose("model=tiny_llama").model
+    rows = [[(7 * i + 3 * j) % 10 / 10 for j in range(model.num_key_value_heads)]
+            for i in range(model.num_hidden_layers)]
+    (tmp_path / "full_attention_heads.tsv").write_text("\n".join("\t".join(map(str, r)) for r in rows) + "\n")
+    return [f"method.pattern_path={tmp_path / 'full_attention_heads.tsv'}", "method.sink=4", "method.recent=32"]
+
+
+# files a method needs to run at all, written into the test's tmp_path: the overrides that name them
+NEEDS_FILES = {"duo_attention": duo_pattern}
+
+
 @pytest.mark.parametrize("method,data", PAIRS)
 def test_method_runs_on_dataset(method, data, tmp_path):
     over = [f"method={method}", f"data={data}", "model=tiny_llama", "max_new_tokens=3", "progress=false",
-            *NEEDS.get(method, []), *shrink(data)]
+            *NEEDS.get(method, []), *shrink(data),
+            *(NEEDS_FILES[method](tmp_path) if method in NEEDS_FILES else [])]
     cfg = compose(*over)
     if method in NEEDS and build(cfg, "data").kind != "qa":  # no question to put in the prompt: refused up front
         with pytest.raises(MethodConfigError, match="query_aware=true") as e:

@@ -268,6 +268,18 @@ class KVStore:
         self.aux(UNHELD, dtype=torch.bool)[:, :, : self.n] = unheld
         self._unheld = int(unheld.sum())
 
+    def unhold(self, start: int, stop: int, heads: torch.Tensor, count: int) -> None:
+        """Head-wise budgets without moving a token: the heads flagged in ``heads`` [B, Hkv] (bool) stop holding the
+        slots ``start:stop`` (masked out of their attention, left out of every count, as ``keep_heads``'s unheld
+        slots); ``count`` is the number of flagged heads over all batch rows (a host number the caller knows: no
+        read of ``heads``). One in-place op, no host sync (DuoAttention's streaming heads: sinks + recent window).
+        The slots stay allocated: a head holding more (a retrieval head) keeps the storage that wide."""
+        if stop <= start:
+            return
+        unheld = self.aux(UNHELD, dtype=torch.bool)
+        unheld[:, :, start:stop] |= heads[:, :, None]
+        self._unheld += (stop - start) * count
+
     def head_mask(self) -> torch.Tensor | None:
         """[B, Hkv, n] bool, True where the head holds the slot; None when every head holds all n (no head-wise
         budget in play): attention then needs no mask for it."""
@@ -364,24 +376,29 @@ class KVStore:
         kv = [(self._kv, 3)] if self._kv is not None else [(self._k, 2), (self._v, 2)]
         return [*kv, (self._pos, 2), *((a, 2) for a in self._aux.values())]
 
-    def move_last_into(self, slot: torch.Tensor, start: int = 0) -> None:
+    def move_last_into(self, slot: torch.Tensor, start: int = 0, may_be_last: bool = False) -> None:
         """Drop the held token at slot ``start + slot`` (``slot``: a one-element int64 device tensor, all heads
         alike; the slot before the last) by moving the newest held token, the last slot, into it: one copy of its
         keys and values (stacked storage), one of its position and of each aux; ``n`` shrinks by one. A decode
         step's eviction at a slot the device chose: fixed-size copies, no shift, no host sync. The held tokens are
         no longer in time order; positions (and keys: cached after RoPE) move with their tokens, so attention is
-        unchanged, and a policy that needs time order reads ``positions``."""
+        unchanged, and a policy that needs time order reads ``positions``.
+
+        ``may_be_last``: ``slot`` may also be the last slot itself (the newest token is the one dropped, TOVA's
+        decode step): the newest token is copied first (one copy more per storage tensor), so that it can be
+        written onto itself; ``n`` shrinking then drops it."""
         self._settle_run()
         n = self.n
         due, self._pos_due = self._pos_due, None
         for t, ax in self._token_tensors():
             # written through a view that ends before the source slot: an in-place copy whose source overlaps
-            # its destination is refused
-            window = t.narrow(ax, start, n - 1 - start)
+            # its destination is refused (with ``may_be_last`` the view reaches it and the source is a copy)
+            window = t.narrow(ax, start, n - start if may_be_last else n - 1 - start)
             if t is self._pos and due is not None:  # a decode step's token: its position goes straight there
                 _write_position(window, due, self.cache, slot)
             else:
-                window.index_copy_(ax, slot, t.narrow(ax, n - 1, 1))
+                src = t.narrow(ax, n - 1, 1)
+                window.index_copy_(ax, slot, src.clone() if may_be_last else src)
         self.n = n - 1
         self._recount_unheld()
 

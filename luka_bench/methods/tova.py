@@ -1,0 +1,159 @@
+"""TOVA: Token Omission Via Attention (Oren, Hassid, Yarden, Adi, Schwartz, "Transformers are Multi-State RNNs",
+2024; reference code schwartz-lab-NLP/TOVA, ``src/tova_cache.py``).
+
+At every forward through the cache (the end of the prefill and every later step), a layer holding more than its
+capacity keeps the ``capacity`` tokens that the **last query** attends to most, the attention weights (fp32 softmax
+per query head) **averaged over all query heads of the layer** — one kept set per layer, identical for every KV
+head (GQA: the mean runs over all ``num_attention_heads`` query heads, not per group). The others are evicted
+physically. The newest token is scored like any other and may itself be evicted (the reference does not protect it).
+
+Settings that give kvpress's ``TOVAPress`` instead: ``decode: false`` (compress once, after the context prefill; later
+tokens are appended and kept) and ``protect_last: true`` (the last token is always kept: kvpress pads its score with
+the maximum + 1, ``tova_press.py``).
+
+Budget: ``capacity = ceil(budget * max(seen, reference_length))`` tokens per layer (the project's rule, ``base``),
+the protected last token included. The reference's ``cache_size`` is a fixed token count; here it follows the budget.
+
+Decode steps (``decode: true``): a step that puts the layer one token over its capacity drops the token of least
+score, the latest of equal ones (a top-k keeps the earlier: ``attention.top_indices``), by moving the newest token
+into its slot (``KVStore.move_last_into``; with the newest token itself the victim, it stays where it is and is
+dropped). Scores come from the step's own attention (output and weights of one fp32 softmax), the
+victim from one argmax over a key made of the score's bits and the position, as H2O's: fixed shapes, no host sync.
+A chunk of several tokens (a question), or a step several tokens over, keeps the top ``capacity`` by the chunk's
+last query (``_keep_top``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from luka_bench.methods.attention import exact_attention, group_apply, group_logits, top_indices
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
+from luka_bench.methods.scorer import ScorerPolicy
+
+
+def last_query_scores(q_last: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """TOVA's score of every held token: the attention weight the last query q_last [B, Hq, 1, D] gives it, fp32
+    softmax per query head, summed over all query heads of the layer (the mean times Hq: the same order). keys [B,
+    Hkv, n, D]. Returns [B, n] float32."""
+    b, hq, _, d = q_last.shape
+    hkv = keys.shape[1]
+    w = torch.softmax(group_logits(q_last.reshape(b, hkv, hq // hkv, 1, d), keys, scaling), dim=-1)
+    return w.sum(dim=(1, 2, 3))
+
+
+class TOVAPolicy(ScorerPolicy):
+    """The prefill compression on the scorer base (``score``: the last prompt query's head-averaged attention,
+    the same for every KV head); the later forwards' eviction is TOVA's own (``attend`` + ``after_step``)."""
+
+    moves_tokens_every_step = True  # an eviction per decode step (decode: true)
+
+    def __init__(self, method, info):
+        super().__init__(method, info)
+        self.moves_tokens_every_step = bool(method.decode and method.budget < 1.0)
+        self._q_last: torch.Tensor | None = None  # the last query of the latest forward [B, Hq, 1, D]
+        self._step_scores: torch.Tensor | None = None  # a decode step's scores [B, n] (from its attention)
+        self.scaling = 1.0
+
+    def _evicts(self, store) -> bool:
+        """Whether this forward ends over capacity (host numbers only): only then are scores computed."""
+        return store.n > self.capacity(store)
+
+    def attend(self, store, query, scaling):
+        phase, lq = store.cache.phase, query.shape[2]
+        self.scaling = scaling
+        if phase == "scratch" or self.method.budget >= 1.0:
+            return exact_attention(store, query, scaling)
+        if phase == "decode" and lq == 1 and self.method.decode and self._evicts(store):
+            # the step's output and its query's weights from one fp32 softmax (``attention_with_mass``'s decode
+            # path, the weights summed over all query heads of the layer at once)
+            b, hq, _, d = query.shape
+            hkv = store.keys.shape[1]
+            w = torch.softmax(group_logits(query.view(b, hkv, hq // hkv, 1, d), store.keys, scaling), dim=-1)
+            self._step_scores = w.sum(dim=(1, 2, 3))  # [B, n]
+            return group_apply(w, store.values).view(b, hq, 1, -1)
+        if phase == "prefill" or (self.method.decode and lq > 1):  # a decode step's own scores: above
+            self._q_last = query[:, :, -1:].detach().clone()  # a copy: a slice keeps the whole chunk alive
+        return exact_attention(store, query, scaling)
+
+    # -- the prefill, on the scorer base ------------------------------------------------------------------------------
+    def protected(self, store, cap: int) -> tuple[int, int]:
+        return 0, 1 if self.method.protect_last else 0
+
+    def score(self, store, start: int, stop: int) -> torch.Tensor:
+        s = last_query_scores(self._q_last, store.keys, self.scaling)[:, start:stop]
+        return s[:, None].expand(-1, store.keys.shape[1], -1)  # one set for every KV head
+
+    def after_prefill(self, store) -> None:
+        try:
+            if self._q_last is not None:
+                self.compress(store)
+        finally:
+            self._q_last = None
+
+    # -- later forwards (decode: true) ---------------------------------------------------------------------------------
+    def after_step(self, store) -> None:
+        scores, self._step_scores = self._step_scores, None
+        q, self._q_last = self._q_last, None
+        if not self.method.decode or store.n <= self.capacity(store):
+            return
+        if scores is not None and store.n == self.capacity(store) + 1:
+            self._drop_one(store, scores)
+        else:
+            if scores is None:
+                scores = last_query_scores(q, store.keys, self.scaling)
+            self._keep_top(store, scores)
+
+    def _drop_one(self, store, scores: torch.Tensor) -> None:
+        """One token over capacity (a decode step): the token of least score goes — among equal ones the latest,
+        as a stable top-k keeps the earlier —, told by one argmax over ``position - 2^32 * bits(score)``
+        (non-negative float32s order as their bits; positions < 2^31), the newest token's position read as the
+        largest (it is the latest; its own is not written yet). ``protect_last``: the newest token is not a
+        candidate. Then the newest token moves into the victim's slot (or, being the victim, is dropped)."""
+        n = store.n
+        last = not self.method.protect_last
+        pos = store.positions_before(n - 1)[0, 0]  # every KV head holds the same tokens in the same slots
+        if last:
+            pos = F.pad(pos, (0, 1), value=(1 << 31) - 1)
+        else:
+            scores = scores[:, : n - 1]
+        key = torch.sub(pos, scores[0].contiguous().view(torch.int32), alpha=1 << 32)
+        store.move_last_into(key.argmax().view(1), may_be_last=last)
+
+    def _keep_top(self, store, scores: torch.Tensor) -> None:
+        """Keep the top ``capacity`` tokens by ``scores`` [B, n] (the last one too with ``protect_last``), ties to the
+        earlier token by position (decode steps leave the slots out of time order), in time order."""
+        n, cap = store.n, self.capacity(store)
+        order = store.positions[0, 0].argsort()  # time order of the slots (the same for every head)
+        keep_last = 1 if self.method.protect_last else 0
+        if keep_last:  # the newest token (the last slot, the last in time order) is kept whatever its score
+            order = order[: n - 1]
+        top = order[top_indices(scores[0, order], cap - keep_last)]
+        if keep_last:
+            top = torch.cat([top, torch.full((1,), n - 1, dtype=top.dtype, device=top.device)])
+        store.keep(top)
+
+
+@dataclass
+class TOVA(KVMethod):
+    """decode: evict at every forward through the cache (true: the reference's TOVA) or only once after the prefill
+    (false: kvpress's TOVAPress); protect_last: never evict the newest token (true: kvpress; false: the reference)."""
+
+    budget: float = 0.125
+    decode: bool = True
+    protect_last: bool = False
+
+    name: ClassVar[str] = "tova"
+    policy_class: ClassVar[type[LayerPolicy]] = TOVAPolicy
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.decode, bool):
+            raise MethodConfigError(f"method.decode={self.decode!r} must be true (TOVA: evict at every step) or false "
+                                    "(kvpress TOVAPress: prefill only)")
+        if not isinstance(self.protect_last, bool):
+            raise MethodConfigError(f"method.protect_last={self.protect_last!r} must be true (kvpress) or false "
+                                    "(TOVA's reference)")
