@@ -188,7 +188,8 @@ def test_fixed_shape_step_equals_the_step_at_python_slots(tiny_gqa3, monkeypatch
     pages and gives the same logits as with the slot a Python number, through a storage growth and a clone; the
     storage stays whole pages."""
     (fixed, grew), (plain, _) = fixed_and_python_slots(
-        monkeypatch, tiny_gqa3.model, lambda: Quest(token_budget=32, page_size=8, full_layers=1), [QuestPolicy, StaticExactPolicy],
+        monkeypatch, tiny_gqa3.model, lambda: Quest(token_budget=32, page_size=8, full_layers=1),
+        [QuestPolicy, StaticExactPolicy],
         ids_of(160, 5), 40, 100, lambda c: [s.policy.pid.clone() for s in c.stores
                                             if isinstance(s.policy, QuestPolicy) and s.policy.pid is not None])
     assert grew

@@ -91,7 +91,7 @@ class QuestPolicy(LayerPolicy):
             return exact_attention(store, query, scaling)
         self._fit(store, query, c, k)
         b, hq, _, d = query.shape
-        hkv = store.keys.shape[1]
+        hkv = store.storage()[0].shape[1]  # not store.keys: a view sliced at n, a number that changes every step
         g, bh = hq // hkv, b * hkv
         # the bound of every candidate page for every query head (fp32)
         score = page_bound(query.reshape(bh, g, d), self.paged.max[:, :, :c].reshape(bh, c, d),
@@ -126,7 +126,7 @@ class QuestPolicy(LayerPolicy):
         if self._layout is None or self._layout[0] != c:
             self.layout_events += 1
         b, hq = query.shape[:2]
-        hkv = store.keys.shape[1]
+        hkv = store.storage()[0].shape[1]
         bh, g = b * hkv, hq // hkv
         self._off = (torch.arange(bh, device=query.device) * (cap // self.method.page_size)).view(bh, 1, 1)
         self._last = torch.full((bh, g, 1), c, dtype=torch.long, device=query.device)
