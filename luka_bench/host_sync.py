@@ -190,8 +190,9 @@ class SyncCounter(TorchDispatchMode):
 
 def events(cache) -> list[int]:
     """Host-side decisions each layer has taken so far: entropy_ols flushes (``flushes`` in its report), lychee
-    chunks indexed (``M``). A decode step's events are the layers whose count grew (one flush round or one index
-    update of a layer is one event, however many bins or chunks it handles)."""
+    chunks indexed (``M``), Quest's page closings (``layout_events``). A decode step's events are the layers whose
+    count grew (one flush round or one index update of a layer is one event, however many bins or chunks it
+    handles)."""
     out = []
     for s in cache.stores:
         n = 0
@@ -199,6 +200,7 @@ def events(cache) -> list[int]:
             n += int(s.policy.report(s).get("flushes", 0))
             if type(s.policy).__name__ == "LycheePolicy":
                 n += int(s.policy.M)
+            n += int(getattr(s.policy, "layout_events", 0))  # a paged policy's page closings (Quest)
         out.append(n)
     return out
 
@@ -311,6 +313,7 @@ def sync_method_config(name: str, overrides: dict | None = None):
     small = {"luka_clustered": {"tail": 32, "compress_every": 8},
              "lychee": {"token_budget": 96, "buffer": 16, "sink": 4, "full_layers": 1},
              "oracle_topk": {"token_budget": 64},
+             "quest": {"token_budget": 64, "full_layers": 1},
              "laser_kv": {"block_size": 128},
              "luka_mixed": {"default": {"tail": 32, "compress_every": 8}},
              "luka_lined": {"min_recent": 16},

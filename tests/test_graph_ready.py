@@ -15,7 +15,9 @@ device too and attends over the cover's fixed-width tail region with the free sl
 cover and mask are remade in the compression step itself). LycheeCluster between chunk closings: the torch path
 (what CUDA runs; the CPU's C++ op is turned off here) reads the recent tokens from a region of fixed width with its
 free slots masked, takes the budget left to the chunks as a device tensor, and its exact ``full_layers`` read the
-storage's whole capacity masked (``StaticExactPolicy``)."""
+storage's whole capacity masked (``StaticExactPolicy``). Quest between page closings: the pages are gathered from the
+storage's whole capacity (whole pages), the candidate pages and the last page's index fixed until the next closing,
+the last page's free slots masked."""
 from __future__ import annotations
 
 import pytest
@@ -37,6 +39,7 @@ CASES = [
     pytest.param("luka_lined", id="luka_lined"),
     pytest.param("luka_mixed", id="luka_mixed"),
     pytest.param("oracle_topk", id="oracle_topk"),
+    pytest.param("quest", id="quest"),
     pytest.param("luka_clustered", id="luka_clustered"),
     pytest.param("lychee", id="lychee"),
 ]

@@ -224,6 +224,9 @@ class LayerPolicy:
     # at a slot held on the device (``KVStore.static_slot``), so consecutive steps dispatch the same ops on the same
     # shapes until the storage grows (the graph-ready steady state, tests/test_graph_ready.py).
     static_decode: bool = False
+    # The store's storage capacity is a multiple of this (a paged policy reading whole pages of the storage, Quest:
+    # the page holding the newest token then lies inside the storage even when it is not full, ``KVStore.pages``)
+    storage_multiple: int = 1
     # True for a policy whose ``after_prefill`` needs only its own store and what its ``attend`` kept: in the forward
     # that ends the prefill it runs right after the layer's attention (``KVMethod.compresses_in_forward``), so that
     # the layer's full keys and values are freed before the next layer runs — one layer's full cache alive at a

@@ -230,6 +230,8 @@ class KVStore:
         need = self.n + L
         if self._k is None or need > self._k.shape[2]:
             cap = need if self._k is None else max(need, int(self._k.shape[2] * self.GROWTH) + 16)
+            a = self.policy.storage_multiple
+            cap = -(-cap // a) * a  # whole pages (``LayerPolicy.storage_multiple``)
             self._allocate(key_states, value_states, cap)
         if L == 1 and self.policy.static_decode and self.n >= self._aux_zero_from:
             # a decode step written at a slot the device holds (the step's position less the tokens dropped before

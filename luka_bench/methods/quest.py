@@ -1,0 +1,197 @@
+"""Quest: query-aware page selection at decode time (Tang et al., "Quest: Query-Aware Sparsity for Efficient
+Long-Context LLM Inference", ICML 2024; reference code mit-han-lab/Quest @ 01c1623).
+
+Every raw token is held (``budget`` must be 1.0). The held tokens are cut into pages of ``page_size`` consecutive
+slots from position 0 (the store only appends, so slot order is time order); per page the per-channel minimum m
+and maximum M of its post-RoPE keys are kept (``PagedKeys``, closed as pages fill during the decode). At every
+decode step, on every layer from ``full_layers`` on, each QUERY head q scores every page by Quest's upper bound
+of q.k over the page (paper Alg. 1; ``evaluation/quest_attention.py`` L146-184)
+
+    bound(q, page) = sum_d max(q_d * M_d, q_d * m_d)   (computed as relu(q).M + min(q, 0).m, fp32)
+
+and attends exactly over ``K = min(max(3, token_budget // page_size), n_pages)`` pages (reference L56) with
+``n_pages = ceil(held / page_size)``: the page holding the newest token (the last page, incomplete unless the held
+count is a multiple of ``page_size``) is always one of them, as in the reference's CUDA path (``page_budget`` is
+"the real page budget including the last page", ``quest/utils/controller.py``), and the other K - 1 are the
+closed pages with the largest bound. (The reference's PyTorch evaluation path lets the last page compete instead;
+its partial page's bound is taken over the tokens it has.)
+
+GQA: the reference ``repeat_kv``'s the keys and selects per query head; so do we. Each query head reads its own
+K pages (at most K * page_size tokens), so a KV head's tokens read are the union of its g query heads' sets: up to
+g times the budget. ``attended`` / ``attended_count`` report that union per KV head (the distinct tokens a kernel
+must load); the gather moves each query head's pages, g * K * page_size rows per KV head.
+
+Full attention: the prefill, multi-token chunks (the question), a layer holding at most ``token_budget`` tokens
+(budget >= the sequence), a step where K covers every page, and the first ``full_layers`` layers (2, reference
+L84; there by a global counter fixed at 32, so that on a model with fewer than 32 layers the dense layers are the
+counter's ids 0-1, i.e. none of the model's layers: we keep the model's first two).
+
+Shapes: query [B, Hq, 1, D]; keys/values [B, Hkv, n, D]; page bounds [B * Hkv, g, pages]; pages read [B * Hkv, g,
+K]. The decode step is fixed-shape and free of host syncs, as ``oracle_topk``'s static path: the step's token is
+written at a slot held on the device (``static_decode``), the pages are gathered from the storage's whole
+capacity (a multiple of ``page_size``: ``storage_multiple``) in one ``index_select`` of page rows, and the last
+page's free slots are masked by an additive mask opened by one ``index_fill_`` per step for all layers
+(``MethodCache.held_mask``). What changes only when a page closes (the number of candidate pages, the last page's
+index, the mask's layout) is rebuilt then: an event (``layout_events``), one per layer every ``page_size`` steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from luka_bench.methods.attention import exact_attention, sdpa
+from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError
+from luka_bench.methods.pages import PagedKeys
+
+
+def page_bound(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound of q.k over each page, sum_d max(q_d * M_d, q_d * m_d), for queries q [R, g, D] (the
+    query heads of each KV head's group, R = batch x KV heads) and the pages' per-channel maxima ``hi`` and minima
+    ``lo`` [R, P, D]: [R, g, P] fp32. As two GEMMs, relu(q).M + min(q, 0).m (the positive part of q takes the
+    maximum, the negative part the minimum): no [R, g, P, D] product is made, as ``PagedKeys.bound`` makes."""
+    q = q.float()
+    score = torch.bmm(q.clamp(min=0), hi.float().transpose(1, 2))
+    return torch.baddbmm(score, q.clamp(max=0), lo.float().transpose(1, 2))
+
+
+def quest_pages(n: int, page_size: int, token_budget: int) -> int:
+    """Pages a decode step reads with ``n`` held tokens (the reference's count; the last page included)."""
+    n_pages = -(-n // page_size)
+    return min(max(3, token_budget // page_size), n_pages)
+
+
+class QuestPolicy(LayerPolicy):
+    static_decode = True  # the decode step's token at a slot held on the device; shapes fixed between page closings
+
+    def __init__(self, method: "Quest", info: LayerInfo):
+        super().__init__(method, info)
+        self.storage_multiple = method.page_size
+        self.paged = PagedKeys(method.page_size)
+        self.layout_events = 0  # page closings seen by the decode step (host_sync.events / launches.event_count)
+        self._layout: tuple | None = None  # (candidate pages C, storage capacity, pages read K) the tensors below fit
+        self._off: torch.Tensor | None = None  # [B * Hkv, 1, 1] first page row of each head in the page view
+        self._last: torch.Tensor | None = None  # [B * Hkv, g, 1] the last page's index (C), per query head
+        self.pid: torch.Tensor | None = None  # the last sparse step's pages read [B * Hkv, g, K] (None: all read)
+        self.n_read = 0  # tokens held at that step
+
+    # -- the decode step -------------------------------------------------------------------------------------
+    def attend(self, store, query, scaling):
+        m = self.method
+        n = store.n
+        if query.shape[2] != 1 or store.cache.phase != "decode" or n <= m.token_budget:
+            self.pid = None
+            return exact_attention(store, query, scaling)
+        ps = m.page_size
+        c = (n - 1) // ps  # closed pages before the last one: the candidates
+        k = quest_pages(n, ps, m.token_budget)
+        if k > c:  # every page read
+            self.pid = None
+            return exact_attention(store, query, scaling)
+        self._fit(store, query, c, k)
+        b, hq, _, d = query.shape
+        hkv = store.storage()[0].shape[1]  # not store.keys: a view sliced at n, a number that changes every step
+        g, bh = hq // hkv, b * hkv
+        # the bound of every candidate page for every query head (fp32)
+        score = page_bound(query.reshape(bh, g, d), self.paged.max[:, :, :c].reshape(bh, c, d),
+                           self.paged.min[:, :, :c].reshape(bh, c, d))  # [B * Hkv, g, C]
+        top = torch.topk(score, k - 1, dim=-1).indices  # [B * Hkv, g, K - 1]
+        self.pid = pid = torch.cat([top, self._last], dim=-1)  # + the last page: [B * Hkv, g, K]
+        self.n_read = n
+        rows = (pid + self._off).view(-1)
+        w = k * ps
+        pages = store.pages(0, ps)  # [2, B * Hkv, capacity / ps, ps * D]: keys and values of whole pages
+        if pages is not None:
+            kv = pages.reshape(2, -1, pages.shape[-1]).index_select(1, rows).view(2, b, hq, w, d)
+            ksel, vsel = kv[0], kv[1]
+        else:  # keys and values stored apart (their shapes or dtypes differ)
+            K, V = store.storage()
+            ksel = K.reshape(-1, ps * d).index_select(0, rows).view(b, hq, w, d)
+            vsel = V.reshape(-1, ps * V.shape[-1]).index_select(0, rows).view(b, hq, w, V.shape[-1])
+        # the last page's slots from n on are free: masked (0 on the K - 1 full pages read and the held slots)
+        held = (k - 1) * ps + n - c * ps
+        slot = None if store.static_slot is None else store.static_slot_at((k - 1) * ps - c * ps)
+        mask = store.cache.held_mask("quest", w, held, slot, 1, query.dtype, query.device).view(1, 1, 1, w)
+        return sdpa(query, ksel, vsel, scaling, mask)
+
+    def _fit(self, store, query, c: int, k: int) -> None:
+        """Close the pages completed since the last call and remake what depends on the page layout and the
+        storage's capacity (an event step: a page closed; or the storage grew)."""
+        cap = store.storage()[0].shape[2]
+        if self._layout == (c, cap, k):
+            return
+        if self.paged.pages < c:
+            self.paged.update(store)
+        if self._layout is None or self._layout[0] != c:
+            self.layout_events += 1
+        b, hq = query.shape[:2]
+        hkv = store.storage()[0].shape[1]
+        bh, g = b * hkv, hq // hkv
+        self._off = (torch.arange(bh, device=query.device) * (cap // self.method.page_size)).view(bh, 1, 1)
+        self._last = torch.full((bh, g, 1), c, dtype=torch.long, device=query.device)
+        self._layout = (c, cap, k)
+
+    # -- what the last step read -------------------------------------------------------------------------------
+    def _page_union(self) -> torch.Tensor:
+        """[B * Hkv, pages of the step] bool: the pages any query head of the group read."""
+        bh, g, k = self.pid.shape
+        pages = (self.n_read - 1) // self.method.page_size + 1
+        return torch.zeros(bh, pages, dtype=torch.bool, device=self.pid.device).scatter_(
+            1, self.pid.view(bh, g * k), True)
+
+    def attended(self, store):
+        """The union over each KV head's query heads of the tokens read [B, Hkv, n] (None: everything)."""
+        if self.pid is None:
+            return None
+        ps, n = self.method.page_size, self.n_read
+        b, hkv = store.keys.shape[:2]
+        u = self._page_union()
+        return u[:, :, None].expand(*u.shape, ps).reshape(b, hkv, -1)[:, :, :n]
+
+    def attended_count(self, store):
+        if self.pid is None:
+            return float(store.n)
+        ps, n = self.method.page_size, self.n_read
+        bh, g, k = self.pid.shape
+        free = ((n - 1) // ps + 1) * ps - n  # the last page's free slots (always read)
+        if g == 1:  # one query head per KV head: K pages, known on the host
+            return float(k * ps - free)
+        return DeviceCount(self._page_union().sum(), ps / bh, -float(free))
+
+    def extra_bytes(self) -> int:
+        return self.paged.nbytes()
+
+    def report(self, store) -> dict[str, float]:
+        return {"pages_summarised": float(self.paged.pages)}
+
+
+@dataclass
+class Quest(KVMethod):
+    """token_budget: tokens read per decode step, per layer and QUERY head, in whole pages (the reference's page
+    count min(max(3, token_budget // page_size), pages held), the newest token's page included); page_size: tokens
+    per page (the reference's chunk_size); full_layers: first layers with full attention (reference: 2).
+    ``budget`` must be 1.0: every raw token is held."""
+
+    budget: float = 1.0
+    token_budget: int = 1024
+    page_size: int = 16
+    full_layers: int = 2
+
+    name: ClassVar[str] = "quest"
+    policy_class: ClassVar[type[LayerPolicy]] = QuestPolicy
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.budget != 1.0:
+            raise MethodConfigError(
+                f"method.budget={self.budget:g} is not used by quest (allowed: 1.0): it holds every token; "
+                "the tokens read per step are method.token_budget")
+        for key in ("page_size", "token_budget"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise MethodConfigError(f"method.{key}={v!r} must be an integer >= 1")
+        if self.token_budget < self.page_size:
+            raise MethodConfigError(
+                f"method.token_budget={self.token_budget} is below method.page_size={self.page_size}; allowed: "
+                "token_budget >= page_size (the budget is read in whole pages, e.g. method.token_budget=1024)")
