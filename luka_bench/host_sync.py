@@ -51,6 +51,12 @@ _ALWAYS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique
 from luka_bench.device import _HOST_SIDE, host_side  # noqa: E402,F401
 
 
+
+def question_span(method, prompt_len: int) -> dict:
+    """Cache settings for a method that needs the question inside the prompt (FINCH): the prompt's last 16 tokens
+    (at most half of it) stand for the question; {} for every other method."""
+    return {"question_span": min(16, prompt_len // 2)} if getattr(method, "question_in_prompt", False) else {}
+
 def _is_bool_index(args) -> bool:
     idx = args[1] if len(args) > 1 else None
     return isinstance(idx, (list, tuple)) and any(
@@ -245,7 +251,7 @@ def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool =
     ids = ids.to(dev)
     out = []
     with hf.attach(model, method, tokenizer) as att:
-        cache = att.new_cache(reference_length=prompt_len)
+        cache = att.new_cache(reference_length=prompt_len, **question_span(method, prompt_len))
         cache.add_tokens(host_ids[:prompt_len])
         model(input_ids=ids[:, :prompt_len], past_key_values=cache, use_cache=True, logits_to_keep=1)  # the prefill
         before = events(cache)
@@ -309,7 +315,16 @@ def sync_method_config(name: str, overrides: dict | None = None):
     from omegaconf import OmegaConf
 
     root = Path(__file__).resolve().parent.parent / "conf" / "method"
-    cfg = OmegaConf.create({"method": OmegaConf.load(root / f"{name}.yaml")})  # ${method.*} interpolations
+    def load(stem: str):  # (config, the base it varies): a variant (``defaults: [<base>]``, laser_kv_exact) on its base
+        raw = OmegaConf.load(root / f"{stem}.yaml")
+        base = raw.pop("defaults", None)
+        if not base:
+            return raw, stem
+        under, root_name = load(base[0])
+        return OmegaConf.merge(under, raw), root_name
+
+    loaded, base_name = load(name)
+    cfg = OmegaConf.create({"method": loaded})  # ${method.*} interpolations
     small = {"luka_clustered": {"tail": 32, "compress_every": 8},
              "lychee": {"token_budget": 96, "buffer": 16, "sink": 4, "full_layers": 1},
              "oracle_topk": {"token_budget": 64},
@@ -322,8 +337,8 @@ def sync_method_config(name: str, overrides: dict | None = None):
              # no learned pattern ships for the tiny models: synthetic gates (half the heads streaming), a window
              # the 400-token prompt exceeds
              "duo_attention": {"pattern_seed": 0, "sink": 4, "recent": 64}}
-    if name in small:
-        cfg = OmegaConf.merge(cfg, {"method": small[name]})
+    if name in small or base_name in small:
+        cfg = OmegaConf.merge(cfg, {"method": small.get(name, small.get(base_name))})
     if overrides:
         cfg = OmegaConf.merge(cfg, {"method": overrides})
     if name in ("luka_mixed", "h2o_outer"):

@@ -31,8 +31,14 @@ BUDGET = {"full": 2, "snapkv": 2, "knorm": 2, "laser_kv": 2, "streaming_llm": 4,
           # tova: measured 8.75 (the step's weights from one explicit fp32 softmax, their sum, the victim's argmax
           # over a bits-and-position key, the newest token moved — copied first, as it may be the victim itself)
           "tova": 9,
-          # prefill-only, as knorm and snapkv: nothing on a decode step (adakv: a head mask in the attention)
-          "expected_attention": 2, "pyramidkv": 2, "adakv": 2, "finch": 2,
+          # prefill-only, as knorm and snapkv: nothing on a decode step
+          "expected_attention": 2, "pyramidkv": 2, "finch": 2,
+          # adakv: measured 3.75 — its head-wise budgets' mask in the step's attention: the held mask (a bitwise_not
+          # of the unheld flags) and SDPA's own bool-to-additive conversion (where + 2 scalar_tensor); an additive
+          # mask kept in the store would save those 4
+          "adakv": 4,
+          # the LASER-KV paper's rows (laser_kv with another alpha): prefill-only as laser_kv
+          "laser_kv_exact": 2, "laser_kv_magicpig": 2, "laser_kv_mp25": 2, "laser_kv_mp50": 2,
           # duo_attention (synthetic pattern, half the heads streaming): measured 4 — a mixed layer's head mask in
           # the attention and the streaming heads' one slot unheld per step; a streaming-only layer is StreamingLLM's
           "duo_attention": 4}

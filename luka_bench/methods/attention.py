@@ -142,6 +142,12 @@ def exact_attention(store: HeldKV, query: torch.Tensor, scaling: float,
     where head-wise budgets left some heads holding fewer (``head_mask``)."""
     mask = chunk_mask(store, query.shape[2], sliding_window)
     held = store.head_mask() if hasattr(store, "head_mask") else None  # a bare HeldKV has no head-wise budgets
+    if held is not None and mask is None and query.shape[2] == 1:  # a decode step: the group's query heads folded
+        b, hq, _, d = query.shape  # into the query axis, as sdpa's unmasked step; the mask broadcasts over them
+        hkv = held.shape[1]
+        out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), store.keys, store.values,
+                                             attn_mask=held[:, :, None, :], scale=scaling)
+        return out.view(b, hq, 1, out.shape[-1])
     if held is not None:  # [B, Hkv, n] -> [B, Hq, 1 or Lq, n], with the chunk's causal mask where there is one
         held = held[:, :, None, :].repeat_interleave(query.shape[1] // held.shape[1], dim=1)
         mask = held if mask is None else held & mask
