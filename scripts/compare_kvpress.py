@@ -20,7 +20,9 @@ floors, we ceil):
 - ``pyramidkv`` (``budget_rule=kvpress``) ↔ ``PyramidKVPress`` (window 64, kernel 5, beta 20);
 - ``adakv`` (``rule=kvpress``, window 64, kernel 5, avg, alpha 0.2) ↔ ``AdaKVPress(SnapKVPress(), 0.2)``;
 - ``finch`` (``rerotate=false``, the last ``--question`` tokens the question) ↔ ``FinchPress`` with that window
-  (its delimiter detection bypassed: the window size set directly).
+  (its delimiter detection bypassed: the window size set directly);
+- ``tova`` (``decode=false, protect_last=true``) ↔ ``TOVAPress``; ``expected_attention`` ↔ ``ExpectedAttentionPress``
+  (defaults: 512 future positions, 4 sinks, covariance, ‖v‖).
 A head is identical when both keep the same set; the script prints, per method, identical heads / all heads, and for
 the others how many positions differ and whether the differing tokens sit at a near-tie of the score (the two
 transformers versions and attention kernels differ in the last bits of the keys).
@@ -34,7 +36,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAIRS = ("knorm", "snapkv", "pyramidkv", "adakv", "finch")
+PAIRS = ("knorm", "snapkv", "pyramidkv", "adakv", "finch", "tova", "expected_attention")
 OURS = {
     "knorm": ["method=knorm"],
     "snapkv": ["method=snapkv", "method.window=64", "method.kernel=5", "method.pooling=avg"],
@@ -43,6 +45,8 @@ OURS = {
     "adakv": ["method=adakv", "method.window=64", "method.kernel=5", "method.pooling=avg", "method.alpha=0.2",
               "method.rule=kvpress"],
     "finch": ["method=finch", "method.rerotate=false"],
+    "tova": ["method=tova", "method.decode=false", "method.protect_last=true"],
+    "expected_attention": ["method=expected_attention"],
 }
 
 
@@ -60,6 +64,8 @@ def kvpress_child(name: str, model_dir: str, ids_file: str, tokens: int, budget:
         "pyramidkv": lambda: K.PyramidKVPress(compression_ratio=ratio, window_size=64, kernel_size=5, beta=20),
         "adakv": lambda: K.AdaKVPress(K.SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5), 0.2),
         "finch": lambda: K.FinchPress(compression_ratio=ratio, rerotate_keys=False),
+        "tova": lambda: K.TOVAPress(compression_ratio=ratio),
+        "expected_attention": lambda: K.ExpectedAttentionPress(compression_ratio=ratio),
     }[name]()
     if name == "finch":  # the question is the window: its size set directly, the delimiter never found
         press.delimiter_token_id, press.window_size = -1, question
