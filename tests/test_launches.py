@@ -46,7 +46,10 @@ BUDGET = {"full": 2, "snapkv": 2, "knorm": 2, "laser_kv": 2, "streaming_llm": 4,
           # (bmm), sort, the ranked sizes (gather), cumsum, searchsorted, the shift (gather, add, sub), the members
           # (gather), the rows (cat), one index_select of keys and values, the masked SDPA, and the union of the
           # group's picks for the attended count (zeros, scatter_, sum)
-          "clusterkv": 13}
+          "clusterkv": 13,
+          # razor_attention: measured -0.25 — prefill-only; a step is one SDPA whose mask is the layer's per-token bias
+          # (compensation token, dropped slots), which it keeps as the store's per-token state
+          "razor_attention": 2}
 # a step with an event (LuKA's segmentation/compression, entropy_ols's flush, lychee's chunk closing: index update
 # and its decode tables rebuilt) is counted apart, per event (one layer taking it) over a plain step's launches;
 # measured 14.0 (LuKA), 186.0 (entropy_ols), 83.7 (lychee), 10.7 (quest: a page closing, its min/max/mean and the
