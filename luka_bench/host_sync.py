@@ -329,6 +329,9 @@ def sync_method_config(name: str, overrides: dict | None = None):
              "lychee": {"token_budget": 96, "buffer": 16, "sink": 4, "full_layers": 1},
              "oracle_topk": {"token_budget": 64},
              "quest": {"token_budget": 64, "full_layers": 1},
+             "clusterkv": {"token_budget": 64, "sink": 4, "clusters": 16, "full_layers": 1},
+             # a window the 400-token prompt exceeds; a short scoring sequence, not cached on disk
+             "razor_attention": {"local": 64, "score_length": 32, "heads_cache": None},
              "laser_kv": {"block_size": 128},
              "luka_mixed": {"default": {"tail": 32, "compress_every": 8}},
              "luka_lined": {"min_recent": 16},
