@@ -19,6 +19,8 @@ from luka_bench.methods.hf import attach
 from luka_bench.methods import razor_attention as RA
 from luka_bench.methods.razor_attention import RazorAttention, RazorPolicy, echo_induction, measure_scores, top_heads
 
+from test_quest import decode
+
 
 def ids_of(n, seed=0):
     return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
@@ -29,15 +31,6 @@ def maker(cache):
     return lambda m: type(cache)(m, [s.policy.info for s in cache.stores], cache.model)
 
 
-def decode(model, method, ids, prefill, observer=None):
-    steps = []
-    with attach(model, method) as a, torch.no_grad():
-        c = a.new_cache()
-        model(ids[:, :prefill], past_key_values=c)
-        c.observer = observer
-        for t in range(prefill, ids.shape[1]):
-            steps.append(model(ids[:, t: t + 1], past_key_values=c).logits[0, -1])
-    return steps, c
 
 
 # ------------------------------------------------------------------------------------------------ head scores

@@ -185,6 +185,23 @@ class MethodConfigError(OneLineError, ValueError):
     """A method setting is out of range. The message is one line naming the value and what is allowed."""
 
 
+def check_ints(method, **lowest: int) -> None:
+    """One-line MethodConfigError for the first setting of ``method`` named here that is not an integer at least its
+    lowest value (``check_ints(self, token_budget=1, sink=0)``)."""
+    for key, lo in lowest.items():
+        v = getattr(method, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise MethodConfigError(f"method.{key}={v!r} must be an integer >= {lo}")
+
+
+def check_holds_every_token(method, what_it_reads: str) -> None:
+    """One-line MethodConfigError when ``method.budget`` is not 1.0 on a method that holds every raw token (its
+    reads are set elsewhere, ``what_it_reads``: e.g. "the tokens read per step are method.token_budget")."""
+    if method.budget != 1.0:
+        raise MethodConfigError(f"method.budget={method.budget:g} is not used by {method.name} (allowed: 1.0): it "
+                                f"holds every token; {what_it_reads}")
+
+
 @dataclass(frozen=True)
 class LayerInfo:
     """What a policy may know about its layer."""

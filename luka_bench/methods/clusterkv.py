@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from luka_bench.methods.attention import exact_attention, sdpa
-from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
 from luka_bench.methods.kmeans import node_stats, spherical_kmeans
 
 
@@ -206,14 +206,8 @@ class ClusterKV(KVMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.budget != 1.0:
-            raise MethodConfigError(
-                f"method.budget={self.budget:g} is not used by clusterkv (allowed: 1.0): it holds every token; "
-                "the prompt tokens read per step are method.token_budget")
-        for key, lo in dict(token_budget=1, sink=0, clusters=1, iterations=0).items():
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise MethodConfigError(f"method.{key}={v!r} must be an integer >= {lo}")
+        check_holds_every_token(self, "the prompt tokens read per step are method.token_budget")
+        check_ints(self, token_budget=1, sink=0, clusters=1, iterations=0)
         if self.sink >= self.token_budget:
             raise MethodConfigError(
                 f"method.sink={self.sink} is not below method.token_budget={self.token_budget}; allowed: sink < "

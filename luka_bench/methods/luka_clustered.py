@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 import torch
 
 from luka_bench.methods import cpu_kernel
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, check_holds_every_token
 from luka_bench.methods.attention import (attention_with_mass, exact_attention, group_apply, group_logits,
     scatter_add_rows)
 
@@ -649,10 +649,7 @@ class LuKAClustered(KVMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.budget != 1.0:
-            raise MethodConfigError(
-                f"method.budget={self.budget:g} is not used by luka_clustered (allowed: 1.0): it keeps every raw "
-                "token; its attended span is set by method.page_size, method.tail and method.refine")
+        check_holds_every_token(self, "its attended span is set by method.page_size, method.tail and method.refine")
         if isinstance(self.refine, dict) or hasattr(self.refine, "keys"):
             self.refine = Refine(**dict(self.refine))
         r = self.refine

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 from luka_bench.device import host_side, host_to_device
 from luka_bench.methods import cpu_kernel
-from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
 from luka_bench.methods.attention import exact_attention, group_sum
 from luka_bench.methods.kmeans import node_stats, spherical_kmeans  # shared with clusterkv
 
@@ -822,16 +822,9 @@ class Lychee(KVMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.budget != 1.0:
-            raise MethodConfigError(
-                f"method.budget={self.budget:g} is not used by lychee (allowed: 1.0): it keeps every raw token; "
-                "the attended span is method.token_budget (tokens, paper 1024)")
-        ints = dict(token_budget=1, sink=0, buffer=1, min_chunk=1, max_chunk=1, cluster_size=1, max_coarse=1,
-                    kmeans_iters=0)
-        for key, lo in ints.items():
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise MethodConfigError(f"method.{key}={v!r} must be an integer >= {lo}")
+        check_holds_every_token(self, "the attended span is method.token_budget (tokens, paper 1024)")
+        check_ints(self, token_budget=1, sink=0, buffer=1, min_chunk=1, max_chunk=1, cluster_size=1, max_coarse=1,
+                   kmeans_iters=0)
         checks = [
             (self.min_chunk <= self.max_chunk,
              f"method.min_chunk={self.min_chunk} must be <= method.max_chunk={self.max_chunk}"),

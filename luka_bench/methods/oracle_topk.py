@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
 from luka_bench.methods.attention import exact_attention, group_logits, sdpa
 
 
@@ -152,14 +152,8 @@ class OracleTopK(KVMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.budget != 1.0:
-            raise MethodConfigError(
-                f"method.budget={self.budget:g} is not used by oracle_topk (allowed: 1.0): it holds every token; "
-                "the tokens read per step are method.token_budget")
-        for key, lo in dict(token_budget=1, sink=0, recent=0).items():
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise MethodConfigError(f"method.{key}={v!r} must be an integer >= {lo}")
+        check_holds_every_token(self, "the tokens read per step are method.token_budget")
+        check_ints(self, token_budget=1, sink=0, recent=0)
         if self.sink + self.recent > self.token_budget:
             raise MethodConfigError(
                 f"method.sink + method.recent = {self.sink + self.recent} exceeds method.token_budget="

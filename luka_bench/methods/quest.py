@@ -42,7 +42,7 @@ from typing import ClassVar
 import torch
 
 from luka_bench.methods.attention import exact_attention, sdpa
-from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
 from luka_bench.methods.pages import PagedKeys
 
 
@@ -183,14 +183,8 @@ class Quest(KVMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.budget != 1.0:
-            raise MethodConfigError(
-                f"method.budget={self.budget:g} is not used by quest (allowed: 1.0): it holds every token; "
-                "the tokens read per step are method.token_budget")
-        for key in ("page_size", "token_budget"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise MethodConfigError(f"method.{key}={v!r} must be an integer >= 1")
+        check_holds_every_token(self, "the tokens read per step are method.token_budget")
+        check_ints(self, page_size=1, token_budget=1)
         if self.token_budget < self.page_size:
             raise MethodConfigError(
                 f"method.token_budget={self.token_budget} is below method.page_size={self.page_size}; allowed: "

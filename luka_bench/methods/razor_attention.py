@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from luka_bench.methods.attention import chunk_mask, exact_attention, group_apply, group_logits, sdpa
-from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_ints
 
 BIAS = "razor_bias"
 
@@ -252,10 +252,7 @@ class RazorAttention(KVMethod):
                 raise MethodConfigError(f"method.{key}={v!r} must be in [0, 1] (the share of KV heads made retrieval "
                                         "heads; port: induction 0.14, echo 0.01)")
             setattr(self, key, float(v))
-        for key, lo in dict(sink=0, local=0, score_length=2, score_repeats=2, score_seed=0).items():
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise MethodConfigError(f"method.{key}={v!r} must be an integer >= {lo}")
+        check_ints(self, sink=0, local=0, score_length=2, score_repeats=2, score_seed=0)
         c = self.compression_ratio
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not (c == 0 or c >= 1):
             raise MethodConfigError(f"method.compression_ratio={c!r} must be 0 (window = method.local only) or >= 1 "
