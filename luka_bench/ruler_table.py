@@ -132,6 +132,39 @@ def ruler_table(sweep: Path) -> tuple[str, list[dict]]:
     return md, csv
 
 
+def protocol_table(sweep: Path, other: Path, names: tuple[str, str]) -> str:
+    """Per method: its RULER score in ``sweep`` and in ``other`` (the same items run under another protocol, e.g.
+    query-aware against the default) and the paired difference over the items both answered (``sweep`` minus
+    ``other``, SE clustered by example), how many of them changed their score, and each one's difference from full
+    attention in its own sweep."""
+    mine = {m: recs for m, _, recs, _ in runs(sweep)}
+    theirs = {m: recs for m, _, recs, _ in runs(other)}
+
+    def score(recs):
+        d: dict[str, list[float]] = {}
+        for r in recs:
+            d.setdefault(r["meta"]["task"], []).append(float(r["scores"]["ruler"]))
+        if not all(t in d for t in TASKS):
+            return "-"
+        mu, se, _ = task_mean(d, list(TASKS))
+        return f"{mu:.1f}" + (f" ± {se:.1f}" if se is not None else "")
+
+    def paired(a, b):
+        p = paired_difference(a, b, "ruler")
+        return f"{p['mean']:+.1f} ± {p['se']:.1f}" if p["n"] and p["se"] is not None else "-", p["n"]
+
+    a, b = names
+    md = (f"| method | {a} | {b} | {a} − {b}, paired (items) | items whose score changed | − full, {a} | − full, {b} |"
+          "\n|---|--:|--:|--:|--:|--:|--:|\n")
+    for m in [m for m in mine if m in theirs]:
+        diff, n = paired(mine[m], theirs[m])
+        ref = {r["item_id"]: r["scores"]["ruler"] for r in theirs[m]}
+        changed = sum(1 for r in mine[m] if r["item_id"] in ref and r["scores"]["ruler"] != ref[r["item_id"]])
+        vs_full = [paired(x[m], x["full"])[0] if m != "full" and "full" in x else "—" for x in (mine, theirs)]
+        md += f"| {m} | {score(mine[m])} | {score(theirs[m])} | {diff} ({n}) | {changed} | {vs_full[0]} | {vs_full[1]} |\n"
+    return md
+
+
 def niah_table(sweep: Path) -> tuple[str, list[dict]]:
     pooled: dict[str, tuple[bool, list[dict]]] = {}  # a method's runs (e.g. a 1-4K sweep and an 8K one) pooled
     for m, done, recs, _ in runs(sweep):
@@ -164,7 +197,15 @@ def main() -> None:
     p.add_argument("sweep")
     p.add_argument("--niah", action="store_true")
     p.add_argument("--out", required=True)
+    p.add_argument("--against", default=None, help="another sweep of the same items (another protocol): writes "
+                   "protocols.md, each method's score in both and their paired difference")
+    p.add_argument("--names", nargs=2, default=("this sweep", "the other"), metavar=("THIS", "OTHER"))
     a = p.parse_args()
+    if a.against:
+        md = protocol_table(Path(a.sweep), Path(a.against), tuple(a.names))
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "protocols.md").write_text(md, encoding="utf-8")
+        print(md)
     md, rows = (niah_table if a.niah else ruler_table)(Path(a.sweep))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
