@@ -20,7 +20,8 @@ floors, we ceil):
 - ``pyramidkv`` (``budget_rule=kvpress``) ↔ ``PyramidKVPress`` (window 64, kernel 5, beta 20);
 - ``adakv`` (``rule=kvpress``, window 64, kernel 5, avg, alpha 0.2) ↔ ``AdaKVPress(SnapKVPress(), 0.2)``;
 - ``finch`` (``rerotate=false``, the last ``--question`` tokens the question) ↔ ``FinchPress`` with that window
-  (its delimiter detection bypassed: the window size set directly);
+  (its delimiter detection bypassed: the window size set directly); ``finch_chunked``: the same per chunk of 512
+  (``chunk=512`` ↔ ``chunk_length=512``);
 - ``tova`` (``decode=false, protect_last=true``) ↔ ``TOVAPress``; ``expected_attention`` ↔ ``ExpectedAttentionPress``
   (defaults: 512 future positions, 4 sinks, covariance, ‖v‖).
 A head is identical when both keep the same set; the script prints, per method, identical heads / all heads, and for
@@ -36,7 +37,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAIRS = ("knorm", "snapkv", "pyramidkv", "adakv", "finch", "tova", "expected_attention")
+PAIRS = ("knorm", "snapkv", "pyramidkv", "adakv", "finch", "finch_chunked", "tova", "expected_attention")
 OURS = {
     "knorm": ["method=knorm"],
     "snapkv": ["method=snapkv", "method.window=64", "method.kernel=5", "method.pooling=avg"],
@@ -45,6 +46,7 @@ OURS = {
     "adakv": ["method=adakv", "method.window=64", "method.kernel=5", "method.pooling=avg", "method.alpha=0.2",
               "method.rule=kvpress"],
     "finch": ["method=finch", "method.rerotate=false"],
+    "finch_chunked": ["method=finch", "method.rerotate=false", "method.chunk=512"],
     "tova": ["method=tova", "method.decode=false", "method.protect_last=true"],
     "expected_attention": ["method=expected_attention"],
 }
@@ -64,10 +66,11 @@ def kvpress_child(name: str, model_dir: str, ids_file: str, tokens: int, budget:
         "pyramidkv": lambda: K.PyramidKVPress(compression_ratio=ratio, window_size=64, kernel_size=5, beta=20),
         "adakv": lambda: K.AdaKVPress(K.SnapKVPress(compression_ratio=ratio, window_size=64, kernel_size=5), 0.2),
         "finch": lambda: K.FinchPress(compression_ratio=ratio, rerotate_keys=False),
+        "finch_chunked": lambda: K.FinchPress(compression_ratio=ratio, rerotate_keys=False, chunk_length=512),
         "tova": lambda: K.TOVAPress(compression_ratio=ratio),
         "expected_attention": lambda: K.ExpectedAttentionPress(compression_ratio=ratio),
     }[name]()
-    if name == "finch":  # the question is the window: its size set directly, the delimiter never found
+    if name.startswith("finch"):  # the question is the window: its size set directly, the delimiter never found
         press.delimiter_token_id, press.window_size = -1, question
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     ids = torch.tensor([json.loads(Path(ids_file).read_text())[:tokens]])
@@ -111,7 +114,7 @@ def ours(name: str, model: str | None, ids: list[int], budget: float, question: 
     method, model_cfg = config.compose_method(over)
     lm = instantiate(model_cfg).load()
     with attach(lm.model, method, lm.tokenizer) as a, torch.no_grad():
-        cache = a.new_cache(reference_length=len(ids), question_span=question if name == "finch" else 0)
+        cache = a.new_cache(reference_length=len(ids), question_span=question if name.startswith("finch") else 0)
         lm.model(torch.tensor([ids]), past_key_values=cache)
     out = []
     for s in cache.stores:
