@@ -40,6 +40,7 @@ CASES = [
     pytest.param("luka_mixed", id="luka_mixed"),
     pytest.param("oracle_topk", id="oracle_topk"),
     pytest.param("quest", id="quest"),
+    pytest.param("arkvale", id="arkvale"),
     pytest.param("luka_clustered", id="luka_clustered"),
     pytest.param("lychee", id="lychee"),
 ]

@@ -41,12 +41,20 @@ BUDGET = {"full": 2, "snapkv": 2, "knorm": 2, "laser_kv": 2, "streaming_llm": 4,
           "laser_kv_exact": 2, "laser_kv_magicpig": 2, "laser_kv_mp25": 2, "laser_kv_mp50": 2,
           # duo_attention (synthetic pattern, half the heads streaming): measured 4 — a mixed layer's head mask in
           # the attention and the streaming heads' one slot unheld per step; a streaming-only layer is StreamingLLM's
-          "duo_attention": 4}
+          "duo_attention": 4,
+          # arkvale (page_size 16, page_budget 12, topk 6, full_layers 1): measured 11.75 — per sparse layer the digest
+          # scores (2 clamps, bmm, baddbmm, the group's mean), the candidates' bias (add), the top k' (topk), the
+          # device set's key (add, scatter_ of the top k'), the device's M pages (topk), the device set rewritten
+          # (fill_, scatter_), the page ids (cat), rows (add), one index_select of whole pages, the masked SDPA
+          "arkvale": 12}
 # a step with an event (LuKA's segmentation/compression, entropy_ols's flush, lychee's chunk closing: index update
 # and its decode tables rebuilt) is counted apart, per event (one layer taking it) over a plain step's launches;
 # measured 14.0 (LuKA), 186.0 (entropy_ols), 83.7 (lychee), 10.7 (quest: a page closing, its min/max/mean and the
 # page layout remade): the budgets below guard those with a margin.
-EVENT_BUDGET = {"luka_clustered": 16, "luka_mixed": 16, "entropy_ols": 200, "lychee": 100, "quest": 14}
+EVENT_BUDGET = {"luka_clustered": 16, "luka_mixed": 16, "entropy_ols": 200, "lychee": 100, "quest": 14,
+                # arkvale: measured 17.7 (a page closing: its digest box — min, max, centre, spread — and the
+                # candidates' bias, sink and window page ids remade)
+                "arkvale": 22}
 # over budget, not reduced yet: "<count> > <budget>: <the ops that remain>" (per layer, over stock). Every count
 # includes 0.25 per layer (1 per step on these 4 layers) for the step's position counter, advanced in place so
 # that a step carries no Python number (``MethodCache.position_tensor``; tests/test_graph_ready.py), and saves
