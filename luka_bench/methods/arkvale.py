@@ -34,8 +34,9 @@ the top-k.
   holds at most ``page_budget`` pages, the prefill, and a multi-token chunk after it (the question).
 
 Memory: every token stays in the store (the offloaded pages are the "host" copy; on the CPU device and host are the
-same memory), so ``kv_bytes`` counts them; the report says what is where: ``offloaded_bytes`` (keys and values of
-the pages off the device) and ``device_kv_bytes`` (the rest), summed over layers in ``method_stats``.
+same memory), so ``kv_bytes`` counts them; ``method_stats`` says what is where: ``offloaded_bytes`` (keys and
+values of the pages off the device, summed over layers) and ``device_bytes`` (``real_bytes`` less those:
+``MethodCache.method_report``).
 
 Shapes: query [B, Hq, 1, D]; keys/values [B, Hkv, n, D]; digests [B, Hkv, pages, D]; scores and the device set
 [R, pages] with R = B (``layer``) or B * Hkv (``kv_head``); pages read [R, page_budget]. The decode step is
@@ -235,8 +236,7 @@ class ArkValePolicy(LayerPolicy):
 
     def report(self, store) -> dict[str, float]:
         off = self.offloaded_pages(store) * self.method.page_size * store.token_bytes() if store.n else 0
-        return {"pages_offloaded": float(self.offloaded_pages(store)), "offloaded_bytes": float(off),
-                "device_kv_bytes": float(store.held_bytes() + self.extra_bytes() - off)}
+        return {"pages_offloaded": float(self.offloaded_pages(store)), "offloaded_bytes": float(off)}
 
 
 @dataclass
