@@ -331,6 +331,8 @@ def sync_method_config(name: str, overrides: dict | None = None):
              "quest": {"token_budget": 64, "full_layers": 1},
              # 400-token prompt: 25 pages of 16, 12 on the device (sink, window and 9 candidates), 6 must be
              "arkvale": {"page_size": 16, "page_budget": 12, "topk": 6, "full_layers": 1},
+             # 400-token prompt: 48 chunks of 8 before the 2 local ones, 4 outliers, 8 chunks rebuilt per step
+             "shadowkv": {"token_budget": 64, "outliers": 4, "local_chunks": 2},
              "laser_kv": {"block_size": 128},
              "luka_mixed": {"default": {"tail": 32, "compress_every": 8}},
              "luka_lined": {"min_recent": 16},

@@ -41,6 +41,7 @@ CASES = [
     pytest.param("oracle_topk", id="oracle_topk"),
     pytest.param("quest", id="quest"),
     pytest.param("arkvale", id="arkvale"),
+    pytest.param("shadowkv", id="shadowkv"),
     pytest.param("luka_clustered", id="luka_clustered"),
     pytest.param("lychee", id="lychee"),
 ]

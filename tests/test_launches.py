@@ -46,7 +46,12 @@ BUDGET = {"full": 2, "snapkv": 2, "knorm": 2, "laser_kv": 2, "streaming_llm": 4,
           # scores (2 clamps, bmm, baddbmm, the group's mean), the candidates' bias (add), the top k' (topk), the
           # device set's key (add, scatter_ of the top k'), the device's M pages (topk), the device set rewritten
           # (fill_, scatter_), the page ids (cat), rows (add), one index_select of whole pages, the masked SDPA
-          "arkvale": 12}
+          "arkvale": 12,
+          # shadowkv (token_budget 64, outliers 4, local_chunks 2): measured 16.25 — per layer the landmark scores
+          # (matmul, scale, softmax, the group's max), topk, the chunks' positions (gather, add), the rebuilt keys (the
+          # rows of U and of the RoPE table: 2 index_select, one bmm with [SV, rotate_half(SV)], mul, addcmul), the
+          # values (offsets add, index_select), the masked SDPA over outliers + rebuilt + local and tail
+          "shadowkv": 17}
 # a step with an event (LuKA's segmentation/compression, entropy_ols's flush, lychee's chunk closing: index update
 # and its decode tables rebuilt) is counted apart, per event (one layer taking it) over a plain step's launches;
 # measured 14.0 (LuKA), 186.0 (entropy_ols), 83.7 (lychee), 10.7 (quest: a page closing, its min/max/mean and the
