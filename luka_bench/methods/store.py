@@ -4,6 +4,7 @@ tokens with. ``luka_bench.methods.hf`` makes it a transformers cache layer (``Ca
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
@@ -558,8 +559,14 @@ class KVStore:
         if rope is None:
             raise RuntimeError(f"{type(model).__name__} has no model.rotary_emb: keys cannot be re-rotated")
         x = self._k[:1, :1, :1].float() if self._k is not None else torch.zeros(1, device=positions.device)
-        cos, sin = rope(x, positions)  # [1, m, rot]
-        scale = float(getattr(rope, "attention_scaling", 1.0) or 1.0)
+        layer_type = self.policy.info.layer_type
+        if "layer_type" in inspect.signature(rope.forward).parameters:  # one RoPE per layer type (Gemma3)
+            cos, sin = rope(x, positions, layer_type=layer_type)  # [1, m, rot]
+            scale = getattr(rope, f"{layer_type}_attention_scaling", None)
+        else:
+            cos, sin = rope(x, positions)
+            scale = getattr(rope, "attention_scaling", None)
+        scale = float(scale or 1.0)
         cos, sin = cos[0].float() / scale, sin[0].float() / scale
         return (cos, sin, scale) if scaled else (cos, sin)
 
