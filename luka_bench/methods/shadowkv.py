@@ -66,7 +66,7 @@ def rope_table(store, n0: int, dtype: torch.dtype = torch.float32) -> tuple[torc
     """([n0, 2D] (cos, sin) of the model's RoPE at the positions 0..n0-1 as the model applies it — its attention
     scaling included; cos 1 and sin 0 beyond the rotary part — in ``dtype``, the rotary channels): shared by the
     layers of one prompt (``MethodCache.state``)."""
-    key = ("shadowkv_rope", n0, dtype, store.device)
+    key = ("shadowkv_rope", n0, dtype, store.device, store.policy.info.layer_type)  # Gemma3: a RoPE per layer type
     got = store.cache.state.get(key)
     if got is None:
         if dtype != torch.float32:
