@@ -333,6 +333,9 @@ def sync_method_config(name: str, overrides: dict | None = None):
              "arkvale": {"page_size": 16, "page_budget": 12, "topk": 6, "full_layers": 1},
              # 400-token prompt: 48 chunks of 8 before the 2 local ones, 4 outliers, 8 chunks rebuilt per step
              "shadowkv": {"token_budget": 64, "outliers": 4, "local_chunks": 2},
+             "clusterkv": {"token_budget": 64, "sink": 4, "clusters": 16, "full_layers": 1},
+             # a window the 400-token prompt exceeds; a short scoring sequence, not cached on disk
+             "razor_attention": {"local": 64, "score_length": 32, "heads_cache": None},
              "laser_kv": {"block_size": 128},
              "luka_mixed": {"default": {"tail": 32, "compress_every": 8}},
              "luka_lined": {"min_recent": 16},

@@ -63,7 +63,13 @@ def duo_pattern(tmp_path: Path) -> list[str]:
 
 
 # files a method needs to run at all, written into the test's tmp_path: the overrides that name them
-NEEDS_FILES = {"duo_attention": duo_pattern}
+def razor_cache(tmp_path: Path) -> list[str]:
+    """RazorAttention caches its measured head scores on disk: in the test's folder, not the user's; a window the short
+    test prompts exceed and a short scoring sequence."""
+    return [f"method.heads_cache={tmp_path / 'razor_heads'}", "method.local=32", "method.score_length=32"]
+
+
+NEEDS_FILES = {"duo_attention": duo_pattern, "razor_attention": razor_cache}
 
 
 @pytest.mark.parametrize("method,data", PAIRS)

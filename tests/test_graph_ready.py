@@ -42,6 +42,7 @@ CASES = [
     pytest.param("quest", id="quest"),
     pytest.param("arkvale", id="arkvale"),
     pytest.param("shadowkv", id="shadowkv"),
+    pytest.param("clusterkv", id="clusterkv"),
     pytest.param("luka_clustered", id="luka_clustered"),
     pytest.param("lychee", id="lychee"),
 ]

@@ -51,7 +51,15 @@ BUDGET = {"full": 2, "snapkv": 2, "knorm": 2, "laser_kv": 2, "streaming_llm": 4,
           # (matmul, scale, softmax, the group's max), topk, the chunks' positions (gather, add), the rebuilt keys (the
           # rows of U and of the RoPE table: 2 index_select, one bmm with [SV, rotate_half(SV)], mul, addcmul), the
           # values (offsets add, index_select), the masked SDPA over outliers + rebuilt + local and tail
-          "shadowkv": 17}
+          "shadowkv": 17,
+          # clusterkv: measured 12.5 with ``full_layers: 1`` of these 4 layers — per sparse layer the ranking GEMM
+          # (bmm), sort, the ranked sizes (gather), cumsum, searchsorted, the shift (gather, add, sub), the members
+          # (gather), the rows (cat), one index_select of keys and values, the masked SDPA, and the union of the
+          # group's picks for the attended count (zeros, scatter_, sum)
+          "clusterkv": 13,
+          # razor_attention: measured -0.25 — prefill-only; a step is one SDPA whose mask is the layer's per-token bias
+          # (compensation token, dropped slots), which it keeps as the store's per-token state
+          "razor_attention": 2}
 # a step with an event (LuKA's segmentation/compression, entropy_ols's flush, lychee's chunk closing: index update
 # and its decode tables rebuilt) is counted apart, per event (one layer taking it) over a plain step's launches;
 # measured 14.0 (LuKA), 186.0 (entropy_ols), 83.7 (lychee), 10.7 (quest: a page closing, its min/max/mean and the
@@ -59,7 +67,10 @@ BUDGET = {"full": 2, "snapkv": 2, "knorm": 2, "laser_kv": 2, "streaming_llm": 4,
 EVENT_BUDGET = {"luka_clustered": 16, "luka_mixed": 16, "entropy_ols": 200, "lychee": 100, "quest": 14,
                 # arkvale: measured 17.7 (a page closing: its digest box — min, max, centre, spread — and the
                 # candidates' bias, sink and window page ids remade)
-                "arkvale": 22}
+                "arkvale": 22,
+                # clusterkv: measured 225.0 — its one event per layer and prompt, the k-means (20 Lloyd steps) at the
+                # first decode step
+                "clusterkv": 250}
 # over budget, not reduced yet: "<count> > <budget>: <the ops that remain>" (per layer, over stock). Every count
 # includes 0.25 per layer (1 per step on these 4 layers) for the step's position counter, advanced in place so
 # that a step carries no Python number (``MethodCache.position_tensor``; tests/test_graph_ready.py), and saves

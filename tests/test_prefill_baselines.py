@@ -277,3 +277,61 @@ def test_finch_windows_the_question_under_the_query_aware_protocol(tiny_llama, m
                           query_aware=True)
     n_prefix = len(tiny_llama.tokenizer("\nAnswer:", add_special_tokens=False).input_ids)
     assert spans[0][0] == ans.question_tokens - n_prefix > 0
+
+
+# -- the LASER-KV paper's tables as experiments ---------------------------------------------------------------
+
+def test_laser_budget_is_laser_kvs_held_fraction():
+    from luka_bench.methods.laser_kv import held_tokens
+    from luka_bench.results import laser_equal_budget
+
+    for length, block in (("16k", 4096), ("64k", 4096), ("2k", 512)):
+        n = int(length[:-1]) * 1000 - 300
+        assert laser_equal_budget(length, block) == pytest.approx(held_tokens(n, block, 0.25, 4) / n, abs=1e-6)
+    assert 0.1 < laser_equal_budget("16k", 4096) < 0.3
+    with pytest.raises(ValueError, match="allowed: 1k"):
+        laser_equal_budget("sixteen", 4096)
+
+
+@pytest.mark.parametrize("table,rows", [("laser_table1", ["full", "finch", "pyramidkv", "snapkv", "exact",
+                                                          "magicpig", "mp25", "mp50", "laser_kv"]),
+                                        ("laser_table2", ["full", "finch_4k", "pyramidkv", "snapkv", "laser_kv"])])
+def test_laser_experiments_compose_every_row(table, rows):
+    """Every row of both tables composes into its method, BABILong QA1/2/3/5/6, the paper's model; baselines hold
+    LASER-KV's fraction and compress the question with the context; the LASER-KV rows keep the paper's S."""
+    import yaml
+
+    from luka_bench import config
+    from luka_bench.config import build
+    from luka_bench.results import laser_equal_budget
+
+    exp = yaml.safe_load((config.CONF_DIR / "experiment" / f"{table}.yaml").read_text())
+    assert exp["hydra"]["sweeper"]["params"]["+laser_row"].split(",") == rows
+    for row in rows:
+        cfg = config.compose([f"+experiment={table}", f"+laser_row={row}", "data.length=16k"], run_names=True)
+        m = build(cfg, "method")
+        assert cfg.model.name == "llama31_8b_instruct" and cfg.data.task == "qa1,qa2,qa3,qa5,qa6"
+        assert cfg.laser_row == row
+        if row in ("snapkv", "pyramidkv", "finch", "finch_4k"):
+            assert m.budget == laser_equal_budget("16k", 4096) and cfg.query_aware is True
+        elif row != "full":
+            assert m.name == "laser_kv" and m.block_size == 4096 and m.budget == 0.25
+    assert build(config.compose([f"+experiment={table}", f"+laser_row={rows[1]}", "data.length=16k"],
+                                run_names=True), "method").chunk == (1024 if table == "laser_table1" else 4096)
+
+
+def test_laser_tables_reads_a_sweep(tmp_path):
+    import luka_bench.run as R
+    from luka_bench import config
+    from luka_bench.laser_tables import table
+
+    for row in ("full", "snapkv"):
+        cfg = config.compose(["+experiment=laser_table1", f"+laser_row={row}", "model=tiny_llama", "data.length=1k",
+                              "data.source=synthetic", "data.task=[qa1,qa2]", "data.limit=1", "laser_block=256",
+                              "max_new_tokens=2", "progress=false"], run_names=True)
+        R.run(cfg, tmp_path / "sweep" / row)
+    text = table(tmp_path / "sweep", 1)
+    lines = [x for x in text.splitlines() if x.startswith("| ")]
+    assert lines[1].startswith("| Full Attention |") and lines[2].startswith("| SnapKV |")
+    assert "(n=1)" in lines[1] and lines[1].count(" - ") == 3  # qa3, qa5, qa6 not run
+    assert "58 / 19 / 33 / 90 / 68" in lines[1]  # the paper's row beside, for the layout
