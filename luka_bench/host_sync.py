@@ -329,6 +329,10 @@ def sync_method_config(name: str, overrides: dict | None = None):
              "lychee": {"token_budget": 96, "buffer": 16, "sink": 4, "full_layers": 1},
              "oracle_topk": {"token_budget": 64},
              "quest": {"token_budget": 64, "full_layers": 1},
+             # 400-token prompt: 25 pages of 16, 12 on the device (sink, window and 9 candidates), 6 must be
+             "arkvale": {"page_size": 16, "page_budget": 12, "topk": 6, "full_layers": 1},
+             # 400-token prompt: 48 chunks of 8 before the 2 local ones, 4 outliers, 8 chunks rebuilt per step
+             "shadowkv": {"token_budget": 64, "outliers": 4, "local_chunks": 2},
              "clusterkv": {"token_budget": 64, "sink": 4, "clusters": 16, "full_layers": 1},
              # a window the 400-token prompt exceeds; a short scoring sequence, not cached on disk
              "razor_attention": {"local": 64, "score_length": 32, "heads_cache": None},

@@ -42,6 +42,16 @@ BUDGET = {"full": 2, "snapkv": 2, "knorm": 2, "laser_kv": 2, "streaming_llm": 4,
           # duo_attention (synthetic pattern, half the heads streaming): measured 4 — a mixed layer's head mask in
           # the attention and the streaming heads' one slot unheld per step; a streaming-only layer is StreamingLLM's
           "duo_attention": 4,
+          # arkvale (page_size 16, page_budget 12, topk 6, full_layers 1): measured 11.75 — per sparse layer the digest
+          # scores (2 clamps, bmm, baddbmm, the group's mean), the candidates' bias (add), the top k' (topk), the
+          # device set's key (add, scatter_ of the top k'), the device's M pages (topk), the device set rewritten
+          # (fill_, scatter_), the page ids (cat), rows (add), one index_select of whole pages, the masked SDPA
+          "arkvale": 12,
+          # shadowkv (token_budget 64, outliers 4, local_chunks 2): measured 16.25 — per layer the landmark scores
+          # (matmul, scale, softmax, the group's max), topk, the chunks' positions (gather, add), the rebuilt keys (the
+          # rows of U and of the RoPE table: 2 index_select, one bmm with [SV, rotate_half(SV)], mul, addcmul), the
+          # values (offsets add, index_select), the masked SDPA over outliers + rebuilt + local and tail
+          "shadowkv": 17,
           # clusterkv: measured 12.5 with ``full_layers: 1`` of these 4 layers — per sparse layer the ranking GEMM
           # (bmm), sort, the ranked sizes (gather), cumsum, searchsorted, the shift (gather, add, sub), the members
           # (gather), the rows (cat), one index_select of keys and values, the masked SDPA, and the union of the
@@ -55,6 +65,9 @@ BUDGET = {"full": 2, "snapkv": 2, "knorm": 2, "laser_kv": 2, "streaming_llm": 4,
 # measured 14.0 (LuKA), 186.0 (entropy_ols), 83.7 (lychee), 10.7 (quest: a page closing, its min/max/mean and the
 # page layout remade): the budgets below guard those with a margin.
 EVENT_BUDGET = {"luka_clustered": 16, "luka_mixed": 16, "entropy_ols": 200, "lychee": 100, "quest": 14,
+                # arkvale: measured 17.7 (a page closing: its digest box — min, max, centre, spread — and the
+                # candidates' bias, sink and window page ids remade)
+                "arkvale": 22,
                 # clusterkv: measured 225.0 — its one event per layer and prompt, the k-means (20 Lloyd steps) at the
                 # first decode step
                 "clusterkv": 250}

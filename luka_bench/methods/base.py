@@ -180,6 +180,8 @@ class Store(HeldKV, Protocol):
 
     def rotate_keys(self, start: int, stop: int, delta: int | torch.Tensor) -> None: ...
 
+    def rope_cos_sin(self, positions: torch.Tensor, scaled: bool = False) -> tuple[torch.Tensor, ...]: ...
+
 
 class MethodConfigError(OneLineError, ValueError):
     """A method setting is out of range. The message is one line naming the value and what is allowed."""

@@ -342,7 +342,10 @@ class MethodCache:
         """FAIR and REAL accounting now, for every method: ``fair_entries`` = held tokens + entries held outside
         the store (``LayerPolicy.extra_entries``), mean per layer; ``fair_ratio`` = that over the mean logical
         length; ``real_bytes`` = bytes of everything held (``held_bytes``: store + ``extra_bytes``); plus each
-        policy's own ``report`` numbers: ``*_bytes`` summed over layers, the others averaged per layer."""
+        policy's own ``report`` numbers: ``*_bytes`` summed over layers, the others averaged per layer. Where policies
+        report ``offloaded_bytes`` (bytes held off the device: ArkVale's offloaded pages, ShadowKV's values),
+        ``device_bytes`` = ``real_bytes`` - ``offloaded_bytes`` - ``harness_only_bytes`` (bytes the store holds for the
+        harness that the method itself would not hold at all: ShadowKV's exact keys of the factored prompt)."""
         stores = [s for s in self.stores if s._k is not None]
         if not stores:
             return {}
@@ -353,6 +356,8 @@ class MethodCache:
         for s in stores:
             for k, v in s.policy.report(s).items():
                 out[k] = out.get(k, 0.0) + float(v) / (1 if k.endswith("_bytes") else len(stores))
+        if "offloaded_bytes" in out:  # a method that offloads (ArkVale, ShadowKV): what of real_bytes is on the device
+            out["device_bytes"] = out["real_bytes"] - out["offloaded_bytes"] - out.get("harness_only_bytes", 0.0)
         return out
 
     def clone(self) -> "MethodCache":

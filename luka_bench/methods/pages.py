@@ -1,7 +1,9 @@
-"""Paged key summaries: per page of consecutive held tokens, the per-channel mean, minimum and maximum of its keys
-(post-RoPE, as the store holds them), kept up to date as pages close during the decode — what page-level retrieval
-reads (Quest's upper bound of q.k over a page from its min/max; ArkVale's digest box; a page's mean key as
-LuKA's and LycheeCluster's summaries start from).
+"""Paged key summaries: per page of consecutive held tokens, per-channel statistics of its keys (post-RoPE, as the
+store holds them) — by default the mean, minimum and maximum; ArkVale's digest box (``lo``, ``hi``) on request —
+kept up to date as pages close during the decode: what page-level retrieval reads (Quest's upper bound of q.k over
+a page from its min/max; ArkVale's digest box; a page's mean key as LuKA's and LycheeCluster's summaries start
+from). Also the two page-level operations the paged decode steps share: ``page_bound`` (the sign-trick score of a
+query against a per-channel box) and ``gather_pages`` (whole pages of the storage, keys and values, in one copy).
 
 ``PagedKeys(size, start)`` summarises the store's slots ``start, start + size, ...`` in slot order; for a store that
 only appends (Quest, ArkVale, LycheeCluster keep every raw token) slot order is time order. ``update(store)``
@@ -16,33 +18,82 @@ import torch
 from .base import Store
 
 
+STATS = ("mean", "min", "max", "lo", "hi")
+
+
+def page_bound(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """sum_d max(q_d * hi_d, q_d * lo_d) for queries q [R, g, D] (the query heads of each row's group, R = batch x
+    KV heads) and each page's per-channel box ``hi`` / ``lo`` [R, P, D]: [R, g, P] fp32. With the box the page's
+    min/max this is Quest's upper bound of q.k over the page; with ArkVale's shrunk box (``lo`` / ``hi``) it is its
+    digest score, no bound. As two GEMMs, relu(q).hi + min(q, 0).lo (the positive part of q takes the upper end,
+    the negative part the lower): no [R, g, P, D] product is made, as ``PagedKeys.bound`` makes."""
+    q = q.float()
+    score = torch.bmm(q.clamp(min=0), hi.float().transpose(1, 2))
+    return torch.baddbmm(score, q.clamp(max=0), lo.float().transpose(1, 2))
+
+
+def gather_pages(store: Store, rows: torch.Tensor, page_size: int, b: int, h: int, w: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of whole pages of ``page_size`` slots from the store's storage (slot 0 on; its capacity a
+    multiple of the page size: ``LayerPolicy.storage_multiple``): ``rows`` [b * h * w / page_size] are page ids in
+    the storage flattened to [B * Hkv * capacity / page_size] pages; returns ([b, h, w, D], [b, h, w, Dv]). One
+    ``index_select`` of page rows for keys and values together where they are stored stacked."""
+    pages = store.pages(0, page_size)  # [2, B * Hkv, capacity / ps, ps * D]
+    if pages is not None:
+        d = pages.shape[-1] // page_size
+        kv = pages.reshape(2, -1, pages.shape[-1]).index_select(1, rows).view(2, b, h, w, d)
+        return kv[0], kv[1]
+    K, V = store.storage()  # keys and values stored apart (their shapes or dtypes differ)
+    d, dv = K.shape[-1], V.shape[-1]
+    return (K.reshape(-1, page_size * d).index_select(0, rows).view(b, h, w, d),
+            V.reshape(-1, page_size * dv).index_select(0, rows).view(b, h, w, dv))
+
+
 class PagedKeys:
-    """Per-page mean / min / max of a store's keys (see the module docstring)."""
+    """Per-page statistics of a store's keys (see the module docstring). ``stats``: which ones are kept, of
+    ``mean``, ``min``, ``max`` (Quest, summaries) and ``lo``, ``hi`` (ArkVale's digest: the per-channel centre
+    c = (min + max) / 2 minus / plus the mean absolute deviation mean_t |k_t - c| of the page's keys,
+    ``source/arkvale/infer_state.py`` L448-462)."""
 
     GROWTH = 1.25
 
-    def __init__(self, size: int, start: int = 0):
+    def __init__(self, size: int, start: int = 0, stats: tuple[str, ...] = ("mean", "min", "max")):
         if size < 1:
             raise ValueError(f"page size {size} must be >= 1")
+        bad = [s for s in stats if s not in STATS]
+        if bad or not stats:
+            raise ValueError(f"page statistics {bad or stats} are not among {STATS}")
         self.size, self.start = int(size), int(start)
+        self.stats = tuple(stats)
         self.pages = 0  # pages summarised
-        self._buf: torch.Tensor | None = None  # [3, B, Hkv, capacity, D]: mean, min, max
+        self._buf: torch.Tensor | None = None  # [len(stats), B, Hkv, capacity, D]
 
-    def _view(self, i: int) -> torch.Tensor:
-        return self._buf[i, :, :, : self.pages]
+    def _view(self, name: str) -> torch.Tensor:
+        if name not in self.stats:
+            raise AttributeError(f"this PagedKeys keeps {self.stats}, not {name!r}")
+        return self._buf[self.stats.index(name), :, :, : self.pages]
 
     @property
     def mean(self) -> torch.Tensor:
         """[B, Hkv, pages, D] (the keys' dtype)."""
-        return self._view(0)
+        return self._view("mean")
 
     @property
     def min(self) -> torch.Tensor:
-        return self._view(1)
+        return self._view("min")
 
     @property
     def max(self) -> torch.Tensor:
-        return self._view(2)
+        return self._view("max")
+
+    @property
+    def lo(self) -> torch.Tensor:
+        """ArkVale's digest, lower end: centre - mean |k - centre| [B, Hkv, pages, D]."""
+        return self._view("lo")
+
+    @property
+    def hi(self) -> torch.Tensor:
+        return self._view("hi")
 
     def update(self, store: Store) -> int:
         """Summarise the pages of ``store`` completed since the last call; returns how many were added."""
@@ -56,14 +107,26 @@ class PagedKeys:
         pages = k.reshape(b, h, new, self.size, d)
         if self._buf is None or full > self._buf.shape[3]:
             cap = max(full, int((0 if self._buf is None else self._buf.shape[3]) * self.GROWTH) + 8)
-            buf = k.new_zeros(3, b, h, cap, d)
+            buf = k.new_zeros(len(self.stats), b, h, cap, d)
             if self._buf is not None:
                 buf[:, :, :, : self.pages] = self._buf[:, :, :, : self.pages]
             self._buf = buf
-        out = self._buf[:, :, :, self.pages: full]
-        torch.mean(pages, dim=3, out=out[0])
-        torch.amin(pages, dim=3, out=out[1])
-        torch.amax(pages, dim=3, out=out[2])
+        out = dict(zip(self.stats, self._buf[:, :, :, self.pages: full]))
+        if "mean" in out:
+            torch.mean(pages, dim=3, out=out["mean"])
+        box = "lo" in out or "hi" in out
+        ends = []
+        for name, op in (("min", torch.amin), ("max", torch.amax)):
+            if name in out:
+                ends.append(op(pages, dim=3, out=out[name]))
+            elif box:
+                ends.append(op(pages, dim=3))
+        if box:  # ArkVale's box, in fp32
+            centre = (ends[0].float() + ends[1].float()) / 2
+            spread = (pages.float() - centre[:, :, :, None]).abs().mean(dim=3)
+            for name, t in (("lo", centre - spread), ("hi", centre + spread)):
+                if name in out:
+                    out[name].copy_(t)
         self.pages = full
         return new
 
@@ -77,4 +140,4 @@ class PagedKeys:
 
     def nbytes(self) -> int:
         """Bytes of the summaries held (the index's memory, for ``extra_bytes``)."""
-        return 0 if self._buf is None else 3 * self._buf[0, :, :, : self.pages].nbytes
+        return 0 if self._buf is None else len(self.stats) * self._buf[0, :, :, : self.pages].nbytes

@@ -43,17 +43,7 @@ import torch
 
 from luka_bench.methods.attention import exact_attention, sdpa
 from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
-from luka_bench.methods.pages import PagedKeys
-
-
-def page_bound(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """Quest's upper bound of q.k over each page, sum_d max(q_d * M_d, q_d * m_d), for queries q [R, g, D] (the
-    query heads of each KV head's group, R = batch x KV heads) and the pages' per-channel maxima ``hi`` and minima
-    ``lo`` [R, P, D]: [R, g, P] fp32. As two GEMMs, relu(q).M + min(q, 0).m (the positive part of q takes the
-    maximum, the negative part the minimum): no [R, g, P, D] product is made, as ``PagedKeys.bound`` makes."""
-    q = q.float()
-    score = torch.bmm(q.clamp(min=0), hi.float().transpose(1, 2))
-    return torch.baddbmm(score, q.clamp(max=0), lo.float().transpose(1, 2))
+from luka_bench.methods.pages import PagedKeys, gather_pages, page_bound  # noqa: F401 (page_bound: re-exported)
 
 
 def quest_pages(n: int, page_size: int, token_budget: int) -> int:
@@ -101,14 +91,7 @@ class QuestPolicy(LayerPolicy):
         self.n_read = n
         rows = (pid + self._off).view(-1)
         w = k * ps
-        pages = store.pages(0, ps)  # [2, B * Hkv, capacity / ps, ps * D]: keys and values of whole pages
-        if pages is not None:
-            kv = pages.reshape(2, -1, pages.shape[-1]).index_select(1, rows).view(2, b, hq, w, d)
-            ksel, vsel = kv[0], kv[1]
-        else:  # keys and values stored apart (their shapes or dtypes differ)
-            K, V = store.storage()
-            ksel = K.reshape(-1, ps * d).index_select(0, rows).view(b, hq, w, d)
-            vsel = V.reshape(-1, ps * V.shape[-1]).index_select(0, rows).view(b, hq, w, V.shape[-1])
+        ksel, vsel = gather_pages(store, rows, ps, b, hq, w)  # [B, Hq, w, D]: each query head's pages
         # the last page's slots from n on are free: masked (0 on the K - 1 full pages read and the held slots)
         held = (k - 1) * ps + n - c * ps
         slot = None if store.static_slot is None else store.static_slot_at((k - 1) * ps - c * ps)

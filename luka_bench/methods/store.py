@@ -4,6 +4,7 @@ tokens with. ``luka_bench.methods.hf`` makes it a transformers cache layer (``Ca
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
@@ -538,23 +539,36 @@ class KVStore:
         per_key = isinstance(delta, torch.Tensor)
         if stop <= start or (not per_key and delta == 0):
             return
-        model = self.cache.model
-        rope = getattr(getattr(model, "model", model), "rotary_emb", None)
-        if rope is None:
-            raise RuntimeError(f"{type(model).__name__} has no model.rotary_emb: keys cannot be re-rotated")
         k = self._k[:, :, start:stop]
         if per_key:
-            cos, sin = rope(k.float(), delta.to(k.device, torch.long).reshape(1, -1))  # [1, B*Hkv*m, rot]
+            cos, sin = self.rope_cos_sin(delta.to(k.device, torch.long).reshape(1, -1))  # [B*Hkv*m, rot]
             cos, sin = cos.reshape(*k.shape[:3], -1), sin.reshape(*k.shape[:3], -1)
         else:
-            pid = torch.full((1, 1), delta, device=k.device, dtype=torch.long)
-            cos, sin = rope(k.float(), pid)  # [1, 1, rot]
-        scale = float(getattr(rope, "attention_scaling", 1.0) or 1.0)
-        cos, sin = cos.float() / scale, sin.float() / scale
+            cos, sin = self.rope_cos_sin(torch.full((1, 1), delta, device=k.device, dtype=torch.long))  # [1, rot]
         rot, half = cos.shape[-1], cos.shape[-1] // 2
         x = k[..., :rot].float()
         out = x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
         self._k[:, :, start:stop, :rot] = out.to(k.dtype)
+
+    def rope_cos_sin(self, positions: torch.Tensor, scaled: bool = False) -> tuple[torch.Tensor, ...]:
+        """The model's rotary embedding at ``positions`` [1, m] (int64): (cos, sin) [m, rot] fp32 with its attention
+        scaling divided out (a pure rotation; the rotate-half layout of Llama / Qwen / Mistral / Gemma; ``rot`` the
+        rotary part of the head dimension). ``scaled``: (cos, sin, scaling) as the model applies them, unscaled."""
+        model = self.cache.model
+        rope = getattr(getattr(model, "model", model), "rotary_emb", None)
+        if rope is None:
+            raise RuntimeError(f"{type(model).__name__} has no model.rotary_emb: keys cannot be re-rotated")
+        x = self._k[:1, :1, :1].float() if self._k is not None else torch.zeros(1, device=positions.device)
+        layer_type = self.policy.info.layer_type
+        if "layer_type" in inspect.signature(rope.forward).parameters:  # one RoPE per layer type (Gemma3)
+            cos, sin = rope(x, positions, layer_type=layer_type)  # [1, m, rot]
+            scale = getattr(rope, f"{layer_type}_attention_scaling", None)
+        else:
+            cos, sin = rope(x, positions)
+            scale = getattr(rope, "attention_scaling", None)
+        scale = float(scale or 1.0)
+        cos, sin = cos[0].float() / scale, sin[0].float() / scale
+        return (cos, sin, scale) if scaled else (cos, sin)
 
     def reset(self) -> None:
         self._unheld = 0

@@ -1,0 +1,254 @@
+"""ShadowKV: low-rank pre-RoPE keys, offloaded values and chunk retrieval by landmarks at decode time (Sun et al.,
+"ShadowKV: KV Cache in Shadows for High-Throughput Long-Context LLM Inference", ICML 2025; reference code
+bytedance/ShadowKV @ a21f5a9, ``models/kv_cache.py`` ``ShadowKVCache``: the accuracy path).
+
+After the prefill of n0 tokens, per layer (``after_prefill``; reference L195-281):
+- **Low-rank keys.** The pre-RoPE keys of all KV heads, concatenated [n0, Hkv * D], are factored by an SVD kept to
+  rank r = min(``rank``, Hkv * D, n0): U [n0, r] and SV = diag(S) V^T [Hkv, r, D] (reference ``get_svd``). The
+  model gives us post-RoPE keys (the store caches them after RoPE); we recover the pre-RoPE keys by un-rotating
+  them with the model's own rotary embedding at their positions (RoPE is a rotation: k = R(-p) R(p) k; its
+  attention scaling divided out; ``KVStore.rope_cos_sin``), not by capturing them inside the model.
+- **Chunks and landmarks.** The first chunks = n0 // ``chunk`` - ``local_chunks`` chunks of ``chunk`` post-RoPE
+  keys each get a landmark, their mean key; the rest of the prompt (the last ``local_chunks`` chunks and the
+  remainder) is the *local* part, kept exact.
+- **Outliers.** Per KV head, the ``outliers`` chunks whose lowest cosine between landmark and key is smallest are
+  kept exact (keys and values copied into a buffer); the other chunks keep their landmark.
+- **Values** stay exact but, in the reference, offloaded (``v_cache_cpu``): read back only for the chunks selected.
+
+At every decode step, on every layer from ``full_layers`` on (reference: all layers; L283-334): per query head
+softmax(q . landmark * scaling) over the landmarks, max over the KV head's group of query heads; the top
+token_budget / chunk chunks per KV head are rebuilt as keys U[t] SV with RoPE applied at their positions t, their
+exact values gathered; attention (one softmax) over outliers + selected + local + every token after the prompt
+(generated or fed after the prefill, kept exact). The three prompt sets are disjoint: the selected chunks are drawn
+from the landmarks of the non-outlier chunks, which lie before the local part.
+
+Exact attention: the prefill, a multi-token chunk after it (the question: its tokens join the exact tail), a layer
+whose non-outlier chunks are fewer than token_budget / chunk (the reference asserts against it), and the first
+``full_layers`` layers.
+
+Memory: the store keeps every token exactly (the harness's storage, positions and probe read it); of the prompt's
+first chunks ShadowKV holds no key (they are the factors) and keeps the values off the device. ``method_stats``:
+``offloaded_bytes`` (the values of the prompt's chunks), ``harness_only_bytes`` (their exact keys, held for the
+harness only) and ``device_bytes`` (``real_bytes`` less both: local part, tail, factors, landmarks and outlier
+copies: ``extra_bytes``). The RoPE table (cos / sin per prompt position, shared by the layers; the reference uses the
+model's own rotary cache) is not counted.
+
+Shapes: query [B, Hq, 1, D]; U [B * n0, r]; SV and its rotate-half [B * Hkv, r, 2D]; landmarks [B, Hkv, Cl, D] with
+Cl = chunks - outliers; chunks read [B, Hkv, token_budget / chunk]. The decode step is fixed-shape and free of host
+syncs (``static_decode``): the tail is the store's storage from the local part on (free slots masked by the mask
+``MethodCache.held_mask`` opens one slot per step for all layers), the rebuilt keys one GEMM of the gathered rows of
+U with [SV, rotate_half(SV)] (RoPE is linear: rotate_half(U SV) = U rotate_half(SV)) and one multiply-add with the
+gathered cos / sin rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from luka_bench.methods.attention import exact_attention, sdpa
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
+
+
+def rotate_half(x: torch.Tensor, rot: int) -> torch.Tensor:
+    """The rotate-half map of RoPE on the first ``rot`` channels of x [..., D] ([-x2, x1]), 0 on the others (which
+    RoPE leaves alone): RoPE(x) = x * cos + rotate_half(x) * sin with cos 1 and sin 0 beyond ``rot``."""
+    half = rot // 2
+    out = torch.zeros_like(x)
+    out[..., :half] = -x[..., half:rot]
+    out[..., half:rot] = x[..., :half]
+    return out
+
+
+def rope_table(store, n0: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, int]:
+    """([n0, 2D] (cos, sin) of the model's RoPE at the positions 0..n0-1 as the model applies it — its attention
+    scaling included; cos 1 and sin 0 beyond the rotary part — in ``dtype``, the rotary channels): shared by the
+    layers of one prompt (``MethodCache.state``)."""
+    key = ("shadowkv_rope", n0, dtype, store.device, store.policy.info.layer_type)  # Gemma3: a RoPE per layer type
+    got = store.cache.state.get(key)
+    if got is None:
+        if dtype != torch.float32:
+            table, rot = rope_table(store, n0)
+            got = (table.to(dtype), rot)
+        else:
+            d = store.keys.shape[-1]
+            cos, sin, scale = store.rope_cos_sin(torch.arange(n0, device=store.device).view(1, n0), scaled=True)
+            rot = cos.shape[-1]
+            table = torch.zeros(n0, 2 * d, device=store.device)
+            table[:, :d] = 1.0
+            table[:, :rot] = cos * scale
+            table[:, d: d + rot] = sin * scale
+            got = (table, rot)
+        store.cache.state[key] = got
+    return got
+
+
+def unrotate(keys: torch.Tensor, table: torch.Tensor, rot: int) -> torch.Tensor:
+    """Pre-RoPE keys [B, Hkv, n0, D] (fp32) from post-RoPE ones, with ``table`` the model's (cos, sin) at their
+    positions (fp32): the model's key is a R(p) k (a its attention scaling), so k = R(-p) key / a = (key cos -
+    rotate_half(key) sin) / a^2 with cos = a cos(p), sin = a sin(p)."""
+    d = keys.shape[-1]
+    cos, sin = table[:, :rot], table[:, d: d + rot]
+    x = keys.float()
+    out = x.clone()
+    out[..., :rot] = (x[..., :rot] * cos - rotate_half(x, rot)[..., :rot] * sin) / (cos ** 2 + sin ** 2)
+    return out
+
+
+class ShadowKVPolicy(LayerPolicy):
+    static_decode = True  # the tail read from the store's whole capacity, free slots masked
+
+    def __init__(self, method: "ShadowKV", info: LayerInfo):
+        super().__init__(method, info)
+        self.ready = False  # the prompt was factored: decode steps take the sparse path
+        self.n0 = self.L0 = self.rank = 0
+        self.U = self.W = self.lm = self.lm_base = self.outlier_kv = self.outlier_pos = None
+        self.pos: torch.Tensor | None = None  # the last sparse step's selected token positions [B, Hkv, m]
+        self.n_read = 0
+
+    # -- the prefill ---------------------------------------------------------------------------------------------
+    def after_prefill(self, store) -> None:
+        m = self.method
+        self.ready = False
+        n0, cs = store.n, m.chunk
+        chunks = n0 // cs - m.local_chunks
+        if chunks - m.outliers < m.token_budget // cs:  # too short: exact (the reference asserts against it)
+            return
+        K = store.keys  # [B, Hkv, n0, D], post-RoPE keys, slot = position (nothing evicted)
+        b, hkv, _, d = K.shape
+        table, rot = rope_table(store, n0)
+        # low-rank pre-RoPE keys: SVD of [n0, Hkv * D] per batch row (reference get_svd), kept to rank r
+        pre = unrotate(K, table, rot).transpose(1, 2).reshape(b, n0, hkv * d)
+        u, s, vh = torch.linalg.svd(pre, full_matrices=False)
+        r = min(m.rank, hkv * d, n0)
+        sv = (s[:, :r, None] * vh[:, :r]).view(b, r, hkv, d).transpose(1, 2)  # [B, Hkv, r, D]
+        self.U = u[:, :, :r].to(K.dtype).reshape(b * n0, r)
+        self.W = torch.cat([sv, rotate_half(sv, rot)], dim=-1).to(K.dtype).reshape(b * hkv, r, 2 * d)
+        self.rank, self.n0 = r, n0
+        # chunks, landmarks (mean post-RoPE key) and outliers (lowest min cosine landmark-key; reference L236-245)
+        kc = K[:, :, : chunks * cs].reshape(b, hkv, chunks, cs, d)
+        lm = kc.float().mean(dim=3)  # [B, Hkv, chunks, D]
+        cos = F.cosine_similarity(lm[:, :, :, None].expand_as(kc), kc.float(), dim=-1)  # [B, Hkv, chunks, cs]
+        out_idx = torch.topk(cos.amin(dim=-1), m.outliers, dim=-1, largest=False).indices  # [B, Hkv, outliers]
+        rest = torch.ones(b, hkv, chunks, dtype=torch.bool, device=K.device).scatter_(2, out_idx, False)
+        rest_idx = torch.arange(chunks, device=K.device).expand(b, hkv, chunks)[rest].view(b, hkv, -1)
+        self.lm = lm.gather(2, rest_idx[..., None].expand(-1, -1, -1, d)).to(K.dtype)  # [B, Hkv, Cl, D]
+        self.lm_base = rest_idx * cs  # each landmark's first position
+        ar = torch.arange(cs, device=K.device)
+        self.outlier_pos = (out_idx.sort(dim=-1).values[..., None] * cs + ar).reshape(b, hkv, -1)
+        ok, ov = store.gather(self.outlier_pos)
+        self.outlier_kv = (ok.clone(), ov.clone())
+        self._ar = ar
+        self._uoff = (torch.arange(b, device=K.device) * n0).view(b, 1, 1)  # each batch row's first row of U
+        self.rope_rows = rope_table(store, n0, K.dtype)[0]  # [n0, 2D] in the keys' dtype (as the model casts it)
+        self.L0 = chunks * cs  # the local part: slots L0..n0-1, then the tail
+        self.ready = True
+
+    # -- the decode step ---------------------------------------------------------------------------------------
+    def attend(self, store, query, scaling):
+        if query.shape[2] != 1 or store.cache.phase != "decode" or not self.ready:
+            self.pos = None
+            return exact_attention(store, query, scaling)
+        m = self.method
+        b, hq, _, d = query.shape
+        Kst, Vst = store.storage()
+        hkv, cap = Kst.shape[1], Kst.shape[2]
+        g, cs = hq // hkv, m.chunk
+        sets = m.token_budget // cs
+        # landmark scores: softmax over the landmarks per query head (fp32), max over the group (reference L290-296)
+        logits = torch.matmul(query.view(b, hkv, g, d), self.lm.transpose(-1, -2))  # [B, Hkv, g, Cl]
+        score = torch.softmax(logits.float() * scaling, dim=-1).amax(dim=2)  # [B, Hkv, Cl]
+        top = torch.topk(score, sets, dim=-1).indices
+        self.pos = pos = (self.lm_base.gather(2, top)[..., None] + self._ar).view(b, hkv, sets * cs)
+        self.n_read = store.n
+        w = sets * cs
+        # rebuilt keys: rows of U times [SV, rotate_half(SV)], then RoPE at their positions (reference L313-334)
+        u = self.U.index_select(0, (pos if b == 1 else pos + self._uoff).view(-1)).view(b * hkv, w, self.rank)
+        kw = torch.bmm(u, self.W)  # [B * Hkv, w, 2D]: the pre-RoPE keys and their rotate-half
+        cs_rows = self.rope_rows.index_select(0, pos.view(-1)).view(b * hkv, w, 2 * d)
+        ksel = torch.addcmul(kw[..., :d] * cs_rows[..., :d], kw[..., d:], cs_rows[..., d:])
+        vsel = Vst.reshape(-1, Vst.shape[-1]).index_select(0, (pos + store.row_offsets()).view(-1))
+        ok, ov = self.outlier_kv
+        f = ok.shape[2]
+        keys = torch.cat([ok, ksel.view(b, hkv, w, d), Kst[:, :, self.L0: cap]], dim=2)
+        values = torch.cat([ov, vsel.view(b, hkv, w, -1), Vst[:, :, self.L0: cap]], dim=2)
+        width = f + w + cap - self.L0
+        slot = None if store.static_slot is None else store.static_slot_at(f + w - self.L0)
+        mask = store.cache.held_mask("shadowkv", width, f + w + store.n - self.L0, slot, 1, query.dtype,
+                                     query.device).view(1, 1, 1, width)
+        return sdpa(query, keys, values, scaling, mask)
+
+    def rebuilt_keys(self, store, pos: torch.Tensor) -> torch.Tensor:
+        """The keys the decode step rebuilds for the prompt positions ``pos`` [B, Hkv, m] (U SV, RoPE at ``pos``)."""
+        b, hkv, w = pos.shape
+        d = self.W.shape[-1] // 2
+        u = self.U.index_select(0, (pos + self._uoff).reshape(-1)).view(b, hkv, w, self.rank)
+        kw = torch.einsum("bhwr,bhrd->bhwd", u, self.W.view(b, hkv, self.rank, 2 * d))
+        cs_rows = self.rope_rows.index_select(0, pos.reshape(-1)).view(b, hkv, w, 2 * d)
+        return kw[..., :d] * cs_rows[..., :d] + kw[..., d:] * cs_rows[..., d:]
+
+    # -- what the last step read ---------------------------------------------------------------------------------
+    def sets(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The last sparse step's prompt sets per KV head, as positions: (outliers, selected, local) [B, Hkv, *]."""
+        b, hkv = self.pos.shape[:2]
+        local = torch.arange(self.L0, self.n0, device=self.pos.device).expand(b, hkv, self.n0 - self.L0)
+        return self.outlier_pos, self.pos, local
+
+    def attended(self, store):
+        if self.pos is None:
+            return None
+        b, hkv = self.pos.shape[:2]
+        read = torch.zeros(b, hkv, self.n_read, dtype=torch.bool, device=self.pos.device)
+        read.scatter_(2, self.outlier_pos, True).scatter_(2, self.pos, True)
+        read[:, :, self.L0:] = True  # the local part and the tail
+        return read
+
+    def attended_count(self, store):
+        if self.pos is None:
+            return float(store.n)
+        return float(self.outlier_pos.shape[2] + self.pos.shape[2] + self.n_read - self.L0)
+
+    # -- memory ----------------------------------------------------------------------------------------------
+    def extra_bytes(self) -> int:
+        if not self.ready:
+            return 0
+        held = [self.U, self.W, self.lm, self.lm_base, *self.outlier_kv]
+        return sum(t.nbytes for t in held)
+
+    def report(self, store) -> dict[str, float]:
+        if not self.ready:
+            return {}
+        b, hkv = store.keys.shape[:2]
+        k_bytes = self.L0 * b * hkv * store.keys.shape[-1] * store.keys.element_size()
+        v_bytes = self.L0 * b * hkv * store.values.shape[-1] * store.values.element_size()
+        return {"offloaded_bytes": float(v_bytes), "harness_only_bytes": float(k_bytes), "rank": float(self.rank)}
+
+
+@dataclass
+class ShadowKV(KVMethod):
+    """token_budget: prompt tokens rebuilt and read per decode step, per layer and KV head, in whole chunks (besides
+    the outliers, the local part and the tail); chunk: tokens per chunk; rank: the SVD's rank (capped at Hkv x head
+    dim); local_chunks: last prompt chunks kept exact; outliers: chunks per KV head kept exact for their landmark's
+    poor fit; full_layers: first layers with full attention (reference: none). ``budget`` must be 1.0."""
+
+    budget: float = 1.0
+    token_budget: int = 2048
+    chunk: int = 8
+    rank: int = 160
+    local_chunks: int = 4
+    outliers: int = 48
+    full_layers: int = 0
+
+    name: ClassVar[str] = "shadowkv"
+    policy_class: ClassVar[type[LayerPolicy]] = ShadowKVPolicy
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_holds_every_token(self, "what is rationed is the tokens rebuilt per step, method.token_budget")
+        check_ints(self, token_budget=1, chunk=1, rank=1, local_chunks=0, outliers=0)
+        if self.token_budget % self.chunk:
+            raise MethodConfigError(
+                f"method.token_budget={self.token_budget} is not a multiple of method.chunk={self.chunk} (allowed: "
+                f"whole chunks, e.g. method.token_budget={max(1, self.token_budget // self.chunk) * self.chunk})")
