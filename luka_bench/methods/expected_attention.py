@@ -31,17 +31,6 @@ from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
 from luka_bench.methods.scorer import ScorerPolicy
 
 
-def rope_cos_sin(model, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's RoPE cos/sin at ``positions`` [P] (int64): ([P, rot], [P, rot]) float32, as the model applies them
-    (its ``attention_scaling`` included)."""
-    rope = getattr(getattr(model, "model", model), "rotary_emb", None)
-    if rope is None:
-        raise MethodConfigError(f"expected_attention needs the model's rotary embedding (model.rotary_emb); "
-                                f"{type(model).__name__} has none")
-    cos, sin = rope(like.float(), positions.view(1, -1))
-    return cos[0].float(), sin[0].float()
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
@@ -50,11 +39,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def unrotate(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """Pre-RoPE queries from post-RoPE ones q [B, H, L, D] (float32) rotated with cos/sin [L, rot] (the rotate-half
     layout; a partial rotary dimension rotates only its first ``rot`` entries): the inverse rotation R(p)^T, and the
-    rotary embedding's ``attention_scaling`` (``scale``, folded into cos and sin) divided out."""
+    rotary embedding's ``attention_scaling`` (``scale``; cos and sin without it, as ``KVStore.rope_cos_sin``) divided
+    out."""
     rot = cos.shape[-1]
     x = q[..., :rot]
-    c, s = cos / scale, sin / scale
-    back = (x * c - rotate_half(x) * s) / scale
+    back = (x * cos - rotate_half(x) * sin) / scale
     return torch.cat([back, q[..., rot:]], dim=-1) if rot < q.shape[-1] else back
 
 
@@ -143,15 +132,9 @@ class ExpectedAttentionPolicy(ScorerPolicy):
             first = max(0, self.method.n_sink - (seen - lq))  # the chunk's queries at positions >= n_sink
             if first < lq:
                 pos = torch.arange(seen - lq + first, seen, device=query.device)
-                cos, sin = rope_cos_sin(store.cache.model, pos, query)
-                self.moments.add(unrotate(query[:, :, first:].float(), cos, sin, self._scale(store)))
+                cos, sin, scale = store.rope_cos_sin(pos.view(1, -1), scaled=True)  # the layer's own RoPE
+                self.moments.add(unrotate(query[:, :, first:].float(), cos, sin, scale))
         return exact_attention(store, query, scaling)
-
-    @staticmethod
-    def _scale(store) -> float:
-        model = store.cache.model
-        rope = getattr(getattr(model, "model", model), "rotary_emb", None)
-        return float(getattr(rope, "attention_scaling", 1.0) or 1.0)
 
     def protected(self, store, cap: int) -> tuple[int, int]:
         return self.method.n_sink, 0
@@ -161,8 +144,8 @@ class ExpectedAttentionPolicy(ScorerPolicy):
         ``n_future_positions`` positions."""
         m = self.method
         pos = torch.arange(store.seen, store.seen + m.n_future_positions, device=store.device)
-        cos, sin = rope_cos_sin(store.cache.model, pos, store.keys)
-        r = averaged_rope(cos, sin, store.keys.shape[-1])
+        cos, sin, scale = store.rope_cos_sin(pos.view(1, -1), scaled=True)
+        r = averaged_rope(cos * scale, sin * scale, store.keys.shape[-1])  # as the model applies it
         mu = self.moments.mean @ r.T
         cov = self.moments.cov()
         return mu, None if cov is None else r @ cov @ r.T

@@ -48,7 +48,7 @@ class FinchPolicy(ScorerPolicy):
         self.q_question: torch.Tensor | None = None
 
     def attend(self, store, query, scaling):
-        if store.cache.phase == "prefill":
+        if store.cache.phase == "prefill" and self.method.budget < 1.0:  # budget 1.0: nothing to select
             span = store.cache.question_span
             if span <= 0:
                 raise MethodConfigError(NEEDS_QUESTION)
