@@ -1,6 +1,7 @@
 """The LASER-KV paper's Tables 1 and 2 from a sweep of ``+experiment=laser_table1`` / ``laser_table2``: BABILong
 accuracy (%) per row and task (QA1/2/3/5/6), mean ± one standard error over samples, n per cell, one column block
-per context length, and the share of supporting-fact tokens held after the prefill; the paper's numbers printed
+per context length, the share of supporting-fact tokens held after the prefill and the share of the context held
+(the KV bytes after the prefill over full attention's: the rows hold about as much by construction); the paper's numbers printed
 beside for the layout only (its model, lengths and N differ from a CPU-sized run).
 
 Usage: python -m luka_bench.laser_tables results/sweeps/laser_table1 --table 1 --out results/summaries/laser_table1
@@ -71,8 +72,8 @@ def table(sweep: Path, which: int) -> str:
     for length in lengths:
         paper = PAPER.get((which, length)) or PAPER.get((which, {1: "16k"}.get(which, "")), {})
         lines += [f"### {length} tokens", "",
-                  "| row | " + " | ".join(t.upper() for t in TASKS) + " | evidence held | paper (%) |",
-                  "|---|" + "--:|" * (len(TASKS) + 2)]
+                  "| row | " + " | ".join(t.upper() for t in TASKS) + " | evidence held | context held | paper (%) |",
+                  "|---|" + "--:|" * (len(TASKS) + 3)]
         for row in ROWS[which]:
             got = runs.get((row, length))
             if got is None:
@@ -80,10 +81,12 @@ def table(sweep: Path, which: int) -> str:
             by_task = {t: [r["scores"]["accuracy"] for r in got["records"] if (r.get("meta") or {}).get("task") == t]
                        for t in TASKS}
             ev = [r["evidence_kept"] for r in got["records"] if r.get("evidence_kept") is not None]
+            held = [r["kv_bytes_prefill"] / r["kv_bytes_full_prefill"] for r in got["records"]
+                    if r.get("kv_bytes_prefill") is not None and r.get("kv_bytes_full_prefill")]
             name = LABEL[row] + ("" if got["complete"] else " (partial)")
             ref = paper.get(row)
             lines.append(f"| {name} | " + " | ".join(cell(by_task[t]) for t in TASKS) +
-                         f" | {cell(ev)} | {' / '.join(map(str, ref)) if ref else '-'} |")
+                         f" | {cell(ev)} | {cell(held)} | {' / '.join(map(str, ref)) if ref else '-'} |")
         lines.append("")
     return "\n".join(lines)
 
