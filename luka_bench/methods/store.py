@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-from .base import LayerPolicy, PromptCache
+from .base import LayerPolicy, MethodConfigError, PromptCache
 
 
 UNHELD = "unheld"  # per-token state of head-wise budgets: True on a slot its head does not hold (``keep_heads``)
@@ -555,6 +555,10 @@ class KVStore:
         scaling divided out (a pure rotation; the rotate-half layout of Llama / Qwen / Mistral / Gemma; ``rot`` the
         rotary part of the head dimension). ``scaled``: (cos, sin, scaling) as the model applies them, unscaled."""
         model = self.cache.model
+        if model is None:  # a cache made without its model (the probe's replay)
+            raise MethodConfigError(f"method={self.policy.method.name} needs the model's rotary embedding, and this "
+                                    "cache has no model (the probe replays without one); allowed: a cache made by "
+                                    "new_cache(model, method)")
         rope = getattr(getattr(model, "model", model), "rotary_emb", None)
         if rope is None:
             raise RuntimeError(f"{type(model).__name__} has no model.rotary_emb: keys cannot be re-rotated")
