@@ -525,3 +525,14 @@ def test_bfloat16_log_likelihoods_are_taken_as_the_hf_model_takes_them(tiny_fold
     hf = evaluate("hf", f"pretrained={tiny_folder},dtype=bfloat16", task, task_manager, limit=2)
     ours = evaluate("luka_bench", f"model={tiny_folder},dtype=bfloat16", task, task_manager, limit=2)
     same_samples(hf["samples"], ours["samples"], tol=1e-3)
+
+
+def test_a_method_that_needs_the_question_in_the_prompt_is_refused_before_the_model_loads(monkeypatch):
+    """FINCH's observation window is the question, whose span lm-eval's requests do not give: one line, no load."""
+    import luka_bench.lm_eval as L
+    from luka_bench.errors import RunConfigError
+
+    monkeypatch.setattr(L, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(RunConfigError) as e:
+        L.LukaBenchLM.create_from_arg_string("model=tiny_llama,method=finch", {"device": "cpu"})
+    assert "method=finch" in str(e.value) and "allowed:" in str(e.value) and "\n" not in str(e.value)
