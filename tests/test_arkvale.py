@@ -17,6 +17,8 @@ from luka_bench.methods.hf import attach
 from luka_bench.methods.pages import PagedKeys
 from luka_bench.methods.policies import StaticExactPolicy
 
+from test_quest import prefill_and_question_are_exact
+
 
 def ids_of(n, seed=0):
     return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
@@ -279,15 +281,7 @@ def test_fixed_shape_step_equals_the_step_at_python_slots(tiny_gqa3, monkeypatch
 
 
 def test_the_prefill_and_the_question_are_exact(tiny_gqa3):
-    ids = ids_of(150, 1)
-    with attach(tiny_gqa3.model, Full()) as a, torch.no_grad():
-        ref = tiny_gqa3.model(ids, past_key_values=a.new_cache()).logits
-    with attach(tiny_gqa3.model, ArkVale(page_size=4, page_budget=8, topk=5, full_layers=0)) as a, torch.no_grad():
-        c = a.new_cache()
-        got = tiny_gqa3.model(ids[:, :100], past_key_values=c).logits
-        got2 = tiny_gqa3.model(ids[:, 100:], past_key_values=c).logits  # a multi-token chunk after the prefill
-    torch.testing.assert_close(torch.cat([got, got2], 1), ref, atol=1e-5, rtol=1e-5)
-    assert all(s.policy.attended(s) is None for s in c.stores)
+    prefill_and_question_are_exact(tiny_gqa3.model, ArkVale(page_size=4, page_budget=8, topk=5, full_layers=0))
 
 
 @pytest.mark.parametrize("bad,says", [

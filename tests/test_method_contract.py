@@ -26,10 +26,11 @@ def ids_of(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def prefill(model, method, ids, question_ids=None, before_compression=None):
-    """Prefill ``ids`` through a manual cache, optionally look at it (``before_compression(cache)``), compress."""
+def prefill(model, method, ids, question_ids=None, before_compression=None, **cache_kw):
+    """Prefill ``ids`` through a manual cache (more settings: ``cache_kw``), optionally look at it
+    (``before_compression(cache)``), compress."""
     with attach(model, method) as a, torch.no_grad():
-        c = a.new_cache(reference_length=ids.shape[1], question_ids=question_ids, manual=True)
+        c = a.new_cache(reference_length=ids.shape[1], question_ids=question_ids, manual=True, **cache_kw)
         model(ids, past_key_values=c)
         seen = before_compression(c) if before_compression else None
         c.end_prefill()

@@ -167,14 +167,7 @@ def test_adakv_bad_settings_are_one_line_errors(bad):
 # -- FINCH ----------------------------------------------------------------------------------------------------
 
 def _finch_prefill(model, method, ids, span, before=None):
-    from luka_bench.methods.hf import attach
-
-    with attach(model, method) as a, torch.no_grad():
-        c = a.new_cache(reference_length=ids.shape[1], question_span=span, manual=True)
-        model(ids, past_key_values=c)
-        seen = before(c) if before else None
-        c.end_prefill()
-    return c, seen
+    return prefill(model, method, ids, before_compression=before, question_span=span)
 
 
 def _finch_reference(cache):

@@ -211,13 +211,18 @@ def test_storage_is_whole_pages_and_summaries_are_counted(tiny_llama):
 
 
 def test_the_prefill_and_the_question_are_exact(tiny_gqa3):
+    prefill_and_question_are_exact(tiny_gqa3.model, Quest(token_budget=16, full_layers=0))
+
+
+def prefill_and_question_are_exact(model, method):
+    """A decode-time method's prefill and a multi-token chunk after it are full attention, and read no subset."""
     ids = ids_of(150, 1)
-    with attach(tiny_gqa3.model, Full()) as a, torch.no_grad():
-        ref = tiny_gqa3.model(ids, past_key_values=a.new_cache()).logits
-    with attach(tiny_gqa3.model, Quest(token_budget=16, full_layers=0)) as a, torch.no_grad():
+    with attach(model, Full()) as a, torch.no_grad():
+        ref = model(ids, past_key_values=a.new_cache()).logits
+    with attach(model, method) as a, torch.no_grad():
         c = a.new_cache()
-        got = tiny_gqa3.model(ids[:, :100], past_key_values=c).logits
-        got2 = tiny_gqa3.model(ids[:, 100:], past_key_values=c).logits  # a multi-token chunk after the prefill
+        got = model(ids[:, :100], past_key_values=c).logits
+        got2 = model(ids[:, 100:], past_key_values=c).logits  # a multi-token chunk after the prefill
     torch.testing.assert_close(torch.cat([got, got2], 1), ref, atol=1e-5, rtol=1e-5)
     assert all(s.policy.attended(s) is None for s in c.stores)
 

@@ -16,20 +16,7 @@ from luka_bench.methods.hf import attach
 from luka_bench.methods.policies import StaticExactPolicy
 from luka_bench.methods.shadowkv import ShadowKV, ShadowKVPolicy
 
-
-def ids_of(n, seed=0):
-    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def decode(model, method, ids, prefill, observer=None):
-    steps = []
-    with attach(model, method) as a, torch.no_grad():
-        c = a.new_cache()
-        model(ids[:, :prefill], past_key_values=c)
-        c.observer = observer
-        for t in range(prefill, ids.shape[1]):
-            steps.append(model(ids[:, t: t + 1], past_key_values=c).logits[0, -1])
-    return steps, c
+from test_quest import decode, ids_of
 
 
 # 100-token prompt, chunks of 4: 25 chunks, 23 before the 2 local ones, 3 outliers, 20 landmarks
