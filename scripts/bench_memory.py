@@ -9,7 +9,9 @@ prefill is the measure: the cache, the activations and whatever the method compu
 ``MALLOC_MMAP_THRESHOLD_=65536`` (``--mmap-threshold``): tensors are then mmapped and a freed one leaves the RSS at
 once, so the peak is of what was alive, not of glibc's heap history. A method named ``<name>+after``
 compresses after the prefill's whole forward, as every method did before the per-layer compression (issue 50): a
-manual cache whose ``end_prefill`` runs after the forward; the same tokens kept, the old peak. The table (``--markdown``) gives each
+manual cache whose ``end_prefill`` runs after the forward; the same tokens kept, the old peak. ``<name>@<chunk>``
+prefills in chunks of that many tokens (``prefill_chunk``: layer by layer for a method that compresses each layer in
+the prefill), ``<name>@<chunk>/chunkwise`` chunk by chunk through every layer (``layer_major=False``). The table (``--markdown``) gives each
 method's growth and its ratio to full attention's at each N; ``--plot`` draws peak growth against context length,
 one line per method. ``--json`` keeps every measurement.
 
@@ -56,8 +58,9 @@ def measure(method: str, n: int, model_over: list[str], threads: int) -> dict:
     from luka_bench.methods.hf import attach
 
     torch.set_num_threads(threads)
-    after = method.endswith(AFTER)
-    kv, model_cfg = config.compose_method([f"method={method.removesuffix(AFTER)}", *model_over])
+    name, chunk, layer_major = parse_method(method)
+    after = name.endswith(AFTER)
+    kv, model_cfg = config.compose_method([f"method={name.removesuffix(AFTER)}", *model_over])
     lm = instantiate(model_cfg).load()
     model, tok = lm.model, lm.tokenizer
     ids = tok(essays_text(), add_special_tokens=False).input_ids
@@ -76,7 +79,7 @@ def measure(method: str, n: int, model_over: list[str], threads: int) -> dict:
             D.reset_peak_rss()
         t0 = time.perf_counter()
         with attach(model, kv, tok) as att:
-            cache = att.new_cache(reference_length=n, manual=after)
+            cache = att.new_cache(reference_length=n, manual=after, prefill_chunk=chunk, layer_major=layer_major)
             forward(model, ids[:n], cache)
             if after:
                 cache.end_prefill()
@@ -91,6 +94,13 @@ def measure(method: str, n: int, model_over: list[str], threads: int) -> dict:
 
 
 KVPRESS = "kvpress:"  # rows measured with NVIDIA kvpress's presses (``--kvpress``)
+CHUNKWISE = "/chunkwise"  # a chunked prefill run chunk by chunk through every layer (``layer_major=False``)
+
+
+def parse_method(method: str) -> tuple[str, int, bool]:
+    """``name[@CHUNK[/chunkwise]]`` -> (name, prefill chunk (0: at once), layer-major)."""
+    name, _, chunk = method.partition("@")
+    return name, int(chunk.removesuffix(CHUNKWISE) or 0), not chunk.endswith(CHUNKWISE)
 
 
 def measure_kvpress(press_name: str, n: int, model_dir: str, ids_file: str, budget: float, threads: int) -> dict:
@@ -257,7 +267,7 @@ def main() -> None:
         write_outputs(rows, methods, lengths, args)
         return
     known = sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
-    bad = [m for m in args.methods if m.removesuffix(AFTER) not in known]
+    bad = [m for m in args.methods if parse_method(m)[0].removesuffix(AFTER) not in known]
     if bad:
         sys.exit(f"--methods {' '.join(bad)}: unknown; allowed: {', '.join(known)}")
     methods = list(args.methods)

@@ -249,7 +249,7 @@ class TailFeed:
     def _hook(self, module, args, kwargs):
         cache = kwargs.get("past_key_values")
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if cache is not None and hasattr(cache, "phase") and ids is not None and not cache._splitting:
+        if cache is not None and hasattr(cache, "phase") and ids is not None and not cache.splitting:
             self.events.append((cache.phase, int(ids.shape[1])))
 
     def fed(self) -> list[int]:

@@ -37,7 +37,8 @@ def test_decode_positions_are_written_when_read_and_read_back_exactly(tiny_llama
         for t in range(40, 50):
             model(ids[:, t: t + 1], past_key_values=c)
         s = c.stores[0]
-        assert s._pos_run == (40, 40, 50) and s._pos_due is None  # ten steps' positions: not written yet
+        # the prefill's positions and ten steps': not written yet — full attention holds no positions storage
+        assert s._pos_run == (0, 0, 50) and s._pos_due is None and s._pos is None
         assert torch.equal(s.positions[0, 0], torch.arange(50)) and s._pos_run is None
         # a run restarted after the read, a scratch forward in the middle of it (its tokens dropped), a clone
         model(ids[:, 50:51], past_key_values=c)

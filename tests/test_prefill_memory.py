@@ -63,19 +63,27 @@ def test_compressing_inside_the_prefill_keeps_the_same_tokens_bit_for_bit(name, 
     assert torch.equal(after, inside)
 
 
-def full_layers_alive(model, method, question_ids=None) -> int:
+def full_layers_alive(model, method, question_ids=None, prefill_chunk: int = 0) -> int:
     """The largest number of layers holding a full-length cache at once during one prefill: before each decoder
-    layer runs, the earlier layers still at full length, plus the one about to fill."""
+    layer runs, the earlier layers still at full length, plus the one about to fill. With ``prefill_chunk``: the
+    largest number of layers holding every token of the prefill so far (nothing dropped yet), before and after
+    each decoder layer's forward of each chunk."""
     ids = torch.randint(0, 256, (1, N), generator=torch.Generator().manual_seed(12))
     most = [0]
     with attach(model, method) as a, torch.no_grad():
-        c = a.new_cache(reference_length=N, question_ids=question_ids)
+        c = a.new_cache(reference_length=N, question_ids=question_ids, prefill_chunk=prefill_chunk)
 
-        def count(module, args):
-            if c.phase == "prefill":  # not the question's scratch forward after it
+        def count(module, *args):
+            if c.phase != "prefill":  # not the question's scratch forward after it
+                return
+            if prefill_chunk:
+                most[0] = max(most[0], sum(0 < s.seen == s.n for s in c.stores))
+            else:
                 most[0] = max(most[0], 1 + sum(s.seen == N and s.n == N for s in c.stores))
 
         hooks = [layer.register_forward_pre_hook(count) for layer in model.model.layers]
+        if prefill_chunk:
+            hooks += [layer.register_forward_hook(count) for layer in model.model.layers]
         try:
             model(ids, past_key_values=c)
         finally:
@@ -90,6 +98,66 @@ def test_one_full_layer_cache_at_a_time_during_a_compressing_prefill(name, tiny_
     layers = model.config.num_hidden_layers
     assert full_layers_alive(model, Full()) == layers  # full attention holds every layer's, as it must
     assert full_layers_alive(model, METHODS[name]()) == 1
+
+
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "knorm", "entropy_ols"])
+def test_a_chunked_prefill_holds_one_full_layer_cache_at_a_time(name, tiny_llama):
+    """With ``prefill_chunk`` the chunks go through the model layer by layer (``hf._layer_major``): every chunk
+    through a layer, which the last one compresses, before any enters the next — one layer holds the whole prefill
+    at a time, as without chunks (chunk by chunk through every layer, all of them would until the last chunk)."""
+    model = tiny_llama.model
+    layers = model.config.num_hidden_layers
+    assert full_layers_alive(model, Full(), prefill_chunk=32) == layers
+    assert full_layers_alive(model, METHODS[name](), prefill_chunk=32) == 1
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_a_layer_major_prefill_equals_the_chunk_by_chunk_one_bit_for_bit(name, tiny_gqa3):
+    """The same computation per layer in the same order: the same tokens kept, the same logits after it, as the
+    prefill that runs each chunk through every layer (``layer_major=False``)."""
+    model = tiny_gqa3.model
+    ids = torch.randint(0, 256, (1, N + STEPS), generator=torch.Generator().manual_seed(13))
+    runs = []
+    for layer_major in (True, False):
+        with attach(model, METHODS[name]()) as a, torch.no_grad():
+            c = a.new_cache(reference_length=N, prefill_chunk=32, layer_major=layer_major)
+            out = [model(ids[:, :N], past_key_values=c).logits[:, -1:]]
+            held = [s.positions[0].clone() for s in c.stores]
+            for t in range(N, N + STEPS):
+                out.append(model(ids[:, t: t + 1], past_key_values=c).logits)
+        runs.append((torch.cat(out, 1), held, c.layer_major))
+    (a_out, a_held, a_lm), (b_out, b_held, b_lm) = runs
+    assert a_lm == (name != "layered") and not b_lm  # Layered forwards after_forward: chunk by chunk
+    assert torch.equal(a_out, b_out)
+    assert all(torch.equal(x, y) for x, y in zip(a_held, b_held))
+
+
+def test_a_failing_chunk_of_a_layer_major_prefill_stops_it_in_one_error(tiny_llama):
+    """A leading chunk's forward that raises stops the prefill with that error (no thread left waiting), and the
+    model works afterwards."""
+    model = tiny_llama.model
+    ids = torch.randint(0, 256, (1, N), generator=torch.Generator().manual_seed(14))
+    layer = model.model.layers[1]
+    calls = [0]
+
+    def boom(module, args):
+        calls[0] += 1
+        if calls[0] == 2:  # the second chunk's forward through layer 1
+            raise ValueError("boom")
+
+    h = layer.register_forward_pre_hook(boom)
+    try:
+        with attach(model, SnapKV(budget=0.2, window=8)) as a, torch.no_grad():
+            with pytest.raises(RuntimeError, match="another chunk's forward failed") as err:
+                model(ids, past_key_values=a.new_cache(reference_length=N, prefill_chunk=32))
+            assert isinstance(err.value.__cause__, ValueError)
+    finally:
+        h.remove()
+    assert not layer._forward_pre_hooks and not layer._forward_hooks
+    with attach(model, SnapKV(budget=0.2, window=8)) as a, torch.no_grad():
+        c = a.new_cache(reference_length=N, prefill_chunk=32)
+        model(ids, past_key_values=c)
+        assert c.layer_major and c.phase == "decode"
 
 
 def test_methods_that_need_the_whole_prefill_keep_it_and_say_so(tiny_llama):

@@ -7,6 +7,7 @@ in a forward. ``luka_bench.methods.hf.ModelCache`` is this cache as a transforme
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import torch
@@ -14,6 +15,10 @@ import torch
 from .base import DeviceCount, KVMethod, LayerInfo, LayerPolicy
 from .policies import layer_policy
 from .store import KVStore
+
+# The thread that runs a leading chunk of a layer-major prefill (``hf``): its forward is a split chunk for the cache
+# named here, while the caller's thread runs the prefill's last chunk through the same cache at the same time
+_CHUNK_THREAD = threading.local()
 
 
 class MethodCache:
@@ -23,14 +28,17 @@ class MethodCache:
 
     def __init__(self, method: KVMethod, infos: list[LayerInfo], model=None, *,
                  reference_length: int | None = None, question_ids: list[int] | None = None, prefill_chunk: int = 0,
-                 observer=None, manual: bool = False, cuda_events: bool = False, question_span: int = 0):
+                 observer=None, manual: bool = False, cuda_events: bool = False, question_span: int = 0,
+                 layer_major: bool = True):
         """``reference_length``: the length the budget is a fraction of (QA: the context; perplexity: the
         document); None: the first forward's length. ``question_ids``: the question's token ids, for
         question-aware prefill compression (several questions on one context: concatenated in order).
         ``question_span``: the prefill's last tokens that are the question (the query-aware protocol: question and
         context compressed together; FINCH's observation window), 0 when the question is not in the prefill.
         ``prefill_chunk``: the prefill goes through the model in chunks of this size (the method's own
-        ``prefill_chunk()`` wins; 0: at once). ``observer``: see below. ``manual``: the caller says when the
+        ``prefill_chunk()`` wins; 0: at once) — layer by layer where the method compresses each layer inside the
+        prefill's forward (``hf._layer_major``: one layer's full cache alive at a time), unless ``layer_major`` is
+        False (chunk by chunk through every layer: the same results, every layer full until the last chunk). ``observer``: see below. ``manual``: the caller says when the
         prefill ends (``end_prefill``) and sizes the forwards itself; otherwise the first forward is the prefill.
         ``cuda_events``: time the method's components on CUDA (``latency_breakdown``) with recorded events (see
         ``mark``); off, a CUDA step records none."""
@@ -43,6 +51,9 @@ class MethodCache:
         # a manual cache's caller sizes its forwards; otherwise the method's chunk size wins
         self.prefill_chunk = int(prefill_chunk or 0) if manual else (method.prefill_chunk() or int(prefill_chunk or 0))
         self._splitting = False  # inside the pre-hook's chunked prefill (the chunks are not the prefill's end)
+        self.layer_major_allowed = layer_major
+        self.layer_major = False  # the chunked prefill ran layer by layer: every chunk through a layer, then the next
+        self._end_split = None  # while a layer-major prefill's chunks run: what ends it (``hf._layer_major``)
         self.phase = "prefill"  # "prefill" -> "decode"; "scratch" during a scratch_forward
         # the forward under way ends the prefill and its layers compress inside it (``KVMethod.compresses_in_forward``)
         self.in_forward = False
@@ -146,6 +157,11 @@ class MethodCache:
         self.token_ids.extend(int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids))
 
     @property
+    def splitting(self) -> bool:
+        """The forward under way (in this thread) is a leading chunk of a chunked prefill, not the prefill's end."""
+        return self._splitting or getattr(_CHUNK_THREAD, "cache", None) is self
+
+    @property
     def seen(self) -> int:
         """Tokens that went through the model so far (the logical length)."""
         return self.stores[0].seen if self.stores else 0
@@ -156,7 +172,7 @@ class MethodCache:
         announce them (``add_tokens``)."""
         if self.phase == "scratch":
             return
-        if self.phase == "prefill" and self.seen == 0 and self._reference_from_prefill and not self._splitting:
+        if self.phase == "prefill" and self.seen == 0 and self._reference_from_prefill and not self.splitting:
             self.reference_length = max(self.reference_length, int(length))
         if self.phase == "prefill" and not self.manual:  # this forward (its last chunk) ends the prefill
             self.in_forward = self.method.compresses_in_forward(self)
@@ -246,7 +262,7 @@ class MethodCache:
         if self.phase == "scratch":
             return
         self.method.after_forward(self)
-        if self.phase == "prefill" and not self.manual and not self._splitting:
+        if self.phase == "prefill" and not self.manual and not self.splitting:
             self.end_prefill()
 
     @torch.no_grad()
@@ -389,7 +405,7 @@ def run_policy(store: KVStore, query: torch.Tensor, scaling: float) -> torch.Ten
             out = policy.attend(store, query, scaling)
     if cache.observer is not None:
         cache.observer(store, query, out, scaling)
-    if cache.phase == "prefill" and cache.in_forward and policy.layer_local_prefill and not cache._splitting:
+    if cache.phase == "prefill" and cache.in_forward and policy.layer_local_prefill and not cache.splitting:
         # the forward that ends the prefill: this layer compresses now, so its full keys and values are freed before
         # the next layer runs (``end_prefill`` then skips it)
         policy.after_prefill(store)

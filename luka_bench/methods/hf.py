@@ -36,6 +36,7 @@ Everything that does not touch transformers lives below this module: the interfa
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import sdpa
 from .base import KVMethod, LayerInfo
-from .cache import MethodCache, replay_forward, run_policy  # noqa: F401  (importable from the glue)
+from .cache import _CHUNK_THREAD, MethodCache, replay_forward, run_policy  # noqa: F401  (importable from the glue)
 from .store import KVStore
 
 ATTN_NAME = "luka_bench"
@@ -177,9 +178,11 @@ def _before_forward(module, args, kwargs):
         raise ValueError(f"luka_bench methods run one sequence at a time: got a batch of {x.shape[0]}; allowed: 1 "
                          "(generate each prompt with its own cache)")
     kwargs = {**kwargs, CACHE_KWARG: cache}
+    if cache.splitting:  # a leading chunk of a chunked prefill: positions as the split gave them
+        return args, kwargs
     kwargs.pop("position_ids", None)  # the cache's logical length gives the positions (kept after eviction)
     kwargs.pop("cache_position", None)
-    if cache.phase == "scratch" or cache._splitting:
+    if cache.phase == "scratch":
         return args, kwargs
     n = x.shape[1]
     cache.before_forward(ids, n)
@@ -192,6 +195,10 @@ def _before_forward(module, args, kwargs):
     if cache.phase != "prefill" or not chunk or n <= chunk or ids is None:
         return args, kwargs
     last = (n - 1) // chunk * chunk  # start of the last chunk, which this forward itself runs
+    layers = _decoder_layers(module, len(cache.stores))
+    if (cache.layer_major_allowed and cache.in_forward and any(s.policy.layer_local_prefill for s in cache.stores)
+            and layers is not None and type(cache.method).after_forward is KVMethod.after_forward):
+        return _layer_major(module, cache, ids, chunk, last, layers, kwargs)
     cache._splitting = True
     try:
         for s in range(0, last, chunk):
@@ -202,11 +209,108 @@ def _before_forward(module, args, kwargs):
     return (), kwargs
 
 
+def _decoder_layers(model: PreTrainedModel, count: int) -> list | None:
+    """The model's decoder layers in order (the module list whose ``count`` members each own an attention with a
+    ``layer_idx``), or None where the model is not built that way."""
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) == count and all(
+                hasattr(getattr(m, "self_attn", None), "layer_idx") for m in mod):
+            return list(mod)
+    return None
+
+
+class _LayerTurns:
+    """The order of a layer-major prefill: chunk c enters decoder layer l once every chunk has left layer l - 1 and
+    chunks 0 .. c - 1 have left layer l. One chunk is inside a layer at a time, and layer l holds its whole prefill
+    only while the chunks pass it: the last chunk's attention compresses it before any chunk enters layer l + 1."""
+
+    def __init__(self, layers: int, chunks: int):
+        self.done, self.chunks = [0] * layers, chunks
+        self.turn = threading.Condition()
+        self.error: BaseException | None = None
+        self.local = threading.local()  # .chunk: the chunk this thread runs
+
+    def enter(self, layer: int) -> None:
+        c = self.local.chunk
+        with self.turn:
+            self.turn.wait_for(lambda: self.error is not None or (
+                (layer == 0 or self.done[layer - 1] == self.chunks) and self.done[layer] == c))
+            if self.error is not None:
+                raise RuntimeError("a layer-major prefill stopped: another chunk's forward failed") from self.error
+
+    def leave(self, layer: int) -> None:
+        with self.turn:
+            self.done[layer] += 1
+            self.turn.notify_all()
+
+    def stop(self, error: BaseException) -> None:
+        with self.turn:
+            self.error = self.error or error
+            self.turn.notify_all()
+
+
+def _layer_major(model, cache: MethodCache, ids: torch.Tensor, chunk: int, last: int, layers: list, kwargs: dict):
+    """A chunked prefill run layer by layer, for a method whose layers compress inside the prefill's forward: every
+    chunk passes decoder layer l (the last one compressing it) before any enters layer l + 1, so one layer's
+    full cache is alive at a time, as in an unchunked prefill, and each waiting chunk holds only its hidden states.
+    The leading chunks are forwards of the model in threads of their own, ordered by hooks on the decoder layers
+    (``_LayerTurns``); this forward runs the last chunk. The same computation per layer, in the same order, as the
+    chunk-by-chunk prefill: the same tokens kept and the same logits."""
+    turns = _LayerTurns(len(layers), (last + chunk - 1) // chunk + 1)
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()  # both are per thread in torch
+
+    def positions(start: int, stop: int) -> torch.Tensor:
+        return torch.arange(start, stop, device=ids.device).view(1, -1)
+
+    def run(index: int, start: int) -> None:
+        _CHUNK_THREAD.cache, turns.local.chunk = cache, index
+        try:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                if ids.device.type == "cuda":
+                    torch.cuda.set_device(ids.device)
+                model(input_ids=ids[:, start: start + chunk], position_ids=positions(start, start + chunk),
+                      past_key_values=cache, use_cache=True, logits_to_keep=1)
+        except BaseException as e:  # noqa: BLE001  (handed to the chunks waiting for this one)
+            turns.stop(e)
+        finally:
+            _CHUNK_THREAD.cache = None
+
+    threads = [threading.Thread(target=run, args=(i, s), daemon=True) for i, s in enumerate(range(0, last, chunk))]
+    hooks = []
+    for i, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: turns.enter(i)))
+        hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: turns.leave(i)))
+
+    def finish():  # the last chunk's forward ended, or raised: release and join the threads, remove the hooks
+        turns.stop(RuntimeError("the prefill's last chunk stopped"))
+        for t in threads:
+            t.join()
+        for h in hooks:
+            h.remove()
+
+    turns.local.chunk = len(threads)
+    cache.layer_major, cache._end_split = True, finish
+    for t in threads:
+        t.start()
+    kwargs["input_ids"] = ids[:, last:]
+    kwargs["position_ids"] = positions(last, ids.shape[1])
+    return (), kwargs
+
+
 def _after_forward(module, args, kwargs, output):
     """Forward hook on the model: a forward through a ``MethodCache`` has finished (after the last layer)."""
     cache = kwargs.get("past_key_values")
     if isinstance(cache, MethodCache):
         cache.after_forward()
+
+
+def _end_split(module, args, kwargs, output):
+    """Forward hook on the model, called even when the forward raised: the end of a layer-major prefill's last
+    chunk joins the threads of the leading chunks (``_layer_major``) before anything else sees the cache."""
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, MethodCache) and cache._end_split is not None and not cache.splitting:
+        finish, cache._end_split = cache._end_split, None
+        finish()
 
 
 @contextlib.contextmanager
@@ -220,6 +324,7 @@ def attach(model: PreTrainedModel, method: KVMethod, tokenizer=None):
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
     hooks = [model.register_forward_pre_hook(_before_forward, with_kwargs=True),
+             model.register_forward_hook(_end_split, with_kwargs=True, always_call=True),
              model.register_forward_hook(_after_forward, with_kwargs=True)]
     try:
         yield Attached(model, method, previous)

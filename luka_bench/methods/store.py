@@ -66,6 +66,9 @@ class KVStore:
         # first..end-1 hold position + (slot - first). Consecutive decode steps of a store that moves no token
         # extend it at no cost; it is written (one arange) when something reads or moves positions
         self._pos_run: tuple[int, int, int] | None = None
+        # the positions' storage [B, Hkv, cap] (int64), allocated when a position must be written: while no token
+        # moved, every held token's position is its slot's (one run from slot 0, plus a pending decode step's), so
+        # a store that never drops or moves a token (full attention) holds none (``_materialize_positions``)
         self._pos: torch.Tensor | None = None
         self._row_base: tuple | None = None  # row_offsets(), keyed by storage shape
         self._aux: dict[str, torch.Tensor] = {}  # per-token method state [B, Hkv, cap], kept aligned with keys
@@ -133,17 +136,26 @@ class KVStore:
         self._settle_run()
         return self._pos[:, :, :stop]
 
+    def _materialize_positions(self) -> None:
+        """Allocate the positions' storage (the capacity's width) if it is not there: its pending run and decode
+        step are written by the caller (``_settle_run`` / ``settle_positions``)."""
+        if self._pos is None and self._k is not None:
+            b, h, cap = self._k.shape[:3]
+            self._pos = torch.empty(b, h, cap, dtype=torch.long, device=self._k.device)
+
     def settle_positions(self) -> None:
         """Write every pending position: the run of earlier decode steps' (one arange) and this decode step's
         (the last slot's), from the cache's position counter while it still holds the step's position (one
         copy, no Python number); after the counter moved on (a caller that never ran the layer's attention
         through ``run_policy``), from the number."""
+        self._materialize_positions()
         self._settle_run()
         due, self._pos_due = self._pos_due, None
         if due is not None:
             _write_position(self._pos[:, :, self.n - 1], due, self.cache)
 
     def _settle_run(self) -> None:
+        self._materialize_positions()
         run, self._pos_run = self._pos_run, None
         if run is not None:
             first, pos, end = run
@@ -204,12 +216,16 @@ class KVStore:
         # (``storage``) must not meet uninitialised bits there (a NaN times a masked weight is still NaN)
         kv = like_k.new_zeros(2, b, h, cap, dk) if _stackable(like_k, like_v) else None
         k, v = (kv[0], kv[1]) if kv is not None else (like_k.new_zeros(b, h, cap, dk), like_v.new_zeros(b, h, cap, dv))
-        pos = torch.empty(b, h, cap, dtype=torch.long, device=like_k.device)
-        self.settle_positions()
+        # positions only where some were written (otherwise the pending run and decode step stay valid: no slot moves)
+        pos = None
+        if self._pos is not None:
+            pos = torch.empty(b, h, cap, dtype=torch.long, device=like_k.device)
+            self.settle_positions()
         if self._k is not None and self.n:
             k[:, :, : self.n] = self.keys
             v[:, :, : self.n] = self.values
-            pos[:, :, : self.n] = self.positions
+            if pos is not None:
+                pos[:, :, : self.n] = self.positions
         for name, a in self._aux.items():
             new = torch.zeros(b, h, cap, dtype=a.dtype, device=a.device)
             new[:, :, : self.n] = a[:, :, : self.n]
@@ -250,8 +266,14 @@ class KVStore:
             self._v[:, :, self.n : need] = value_states
         if L == 1:  # a decode step: its position is the cache's counter (no Python number), written when needed
             self._pos_due = (self.cache.position_tensor(self.seen, key_states.device), self.seen)
-        else:
-            self._pos[:, :, self.n : need] = torch.arange(self.seen, self.seen + L, device=key_states.device)
+        else:  # a run of positions, written when something reads or moves them (none: one pending run)
+            run = self._pos_run
+            if run is not None and run[2] == self.n and run[1] + self.n - run[0] == self.seen:
+                self._pos_run = (run[0], run[1], need)
+            else:
+                if self._pos is not None or self.n:
+                    self._settle_run()
+                self._pos_run = (self.n, self.seen, need)
         if self.n < self._aux_zero_from:  # slots a removal left stale
             for name, a in self._aux.items():
                 if name not in self._aux_unzeroed:
@@ -299,17 +321,29 @@ class KVStore:
         """Keep only the held tokens at ``index`` (into the current ``n`` tokens): [m] for all heads alike, or
         [B, Hkv, m] per KV head. Order is preserved as given; pass sorted indices to keep time order. Storage
         is reallocated (memory actually freed) when the kept part is under half of it."""
-        self.settle_positions()
         b, h = self._k.shape[:2]
+        run = self._pos_run
+        if self._pos is None and self._pos_due is None and run is not None and run[0] == 0 and run[2] == self.n:
+            # every position is its slot's plus the run's first: the kept ones from the index (no positions storage
+            # written for the tokens dropped)
+            self._pos_run = None
+            pos = index.long() + run[1]
+            pos = pos.expand(b, h, -1) if index.dim() == 1 else pos
+        else:
+            self.settle_positions()
+            pos = None
         if index.dim() == 1:
             m = index.numel()
-            k, v, pos = self.keys.index_select(2, index), self.values.index_select(2, index), \
-                self.positions.index_select(2, index)
+            k, v = self.keys.index_select(2, index), self.values.index_select(2, index)
+            if pos is None:
+                pos = self.positions.index_select(2, index)
             aux = {name: a[:, :, : self.n].index_select(2, index) for name, a in self._aux.items()}
         else:  # per KV head: one row gather from each storage (torch.gather over an expanded index is ~6x slower)
             m = index.shape[-1]
             flat = self._flat(index)
-            k, v, pos = _rows(self._k, flat, m), _rows(self._v, flat, m), _rows(self._pos, flat, m)
+            k, v = _rows(self._k, flat, m), _rows(self._v, flat, m)
+            if pos is None:
+                pos = _rows(self._pos, flat, m)
             aux = {name: _rows(a, flat, m) for name, a in self._aux.items()}
         if m < self._k.shape[2] // 2:
             self._set_kv(k, v)
@@ -319,6 +353,7 @@ class KVStore:
         else:
             self._k[:, :, :m] = k
             self._v[:, :, :m] = v
+            self._materialize_positions()
             self._pos[:, :, :m] = pos
             for name, a in aux.items():
                 self._aux[name][:, :, :m] = a
@@ -377,6 +412,7 @@ class KVStore:
         """The storage that moves with the held tokens, each tensor with its token axis: keys and values (one
         stacked tensor where they are: one copy for both), positions, each aux."""
         kv = [(self._kv, 3)] if self._kv is not None else [(self._k, 2), (self._v, 2)]
+        self._materialize_positions()
         return [*kv, (self._pos, 2), *((a, 2) for a in self._aux.values())]
 
     def move_last_into(self, slot: torch.Tensor, start: int = 0, may_be_last: bool = False) -> None:
@@ -471,12 +507,12 @@ class KVStore:
 
     def keep_ends(self, head: int, tail: int) -> None:
         """Keep the first ``head`` and the last ``tail`` held tokens, drop the rest (all heads alike)."""
-        self.settle_positions()
         drop_to = self.n - tail
         if drop_to <= head:
             return
         if drop_to - head < self._k.shape[2] // 2 and tail > 0:
             # small drop (a decode step): shift the tail left in place, no new tensors of cache size
+            self.settle_positions()
             for t, ax in self._token_tensors():
                 t.narrow(ax, head, tail).copy_(t.narrow(ax, drop_to, tail).clone())
             self.n = head + tail
@@ -502,7 +538,8 @@ class KVStore:
     def allocated_bytes(self) -> int:
         if self._k is None:
             return 0
-        return self._k.nbytes + self._v.nbytes + self._pos.nbytes + sum(a.nbytes for a in self._aux.values())
+        pos = self._pos.nbytes if self._pos is not None else 0
+        return self._k.nbytes + self._v.nbytes + pos + sum(a.nbytes for a in self._aux.values())
 
     def full_bytes(self) -> int:
         """What plain full attention would hold for this layer at the same logical length."""
