@@ -32,22 +32,26 @@ def qa_origin(cfg: dict) -> str:
 
 def runs(sweep: Path) -> list[tuple[str, bool, list[dict], str]]:
     """(method, complete, records, QA origin) of every run folder below ``sweep``, full first, then the sweep's
-    order."""
+    order. A sweep over several context lengths names each run ``method@length`` (shortest length first)."""
     from luka_bench.results import find_runs, read_metrics, read_predictions, read_run_config
 
     out = []
     for run in find_runs(sweep):
         cfg = read_run_config(run / "config.yaml") or {}
         done = read_metrics(run)[0] is not None
-        out.append((str(cfg.get("method_name")), done, read_predictions(run), qa_origin(cfg)))
+        length = (cfg.get("data") or {}).get("length") if isinstance(cfg.get("data"), dict) else None
+        out.append((str(cfg.get("method_name")), done, read_predictions(run), qa_origin(cfg), length))
     order = []
     mr = sweep / "multirun.yaml"
     if mr.is_file():
         for o in (yaml.safe_load(mr.read_text()).get("hydra", {}).get("overrides", {}).get("task") or []):
-            if o.startswith("method="):
+            if o.startswith(("method=", "+lychee_row=")):
                 order = o.split("=", 1)[1].split(",")
     rank = {m: i for i, m in enumerate(["full"] + [m for m in order if m != "full"])}
-    return sorted(out, key=lambda r: (rank.get(r[0], len(rank)), r[0]))
+    lengths = sorted({r[4] for r in out}, key=lambda x: (str(type(x)), x))
+    several = len(lengths) > 1
+    out.sort(key=lambda r: (lengths.index(r[4]) if several else 0, rank.get(r[0], len(rank)), r[0]))
+    return [((f"{m}@{n}" if several else m), done, recs, origin) for m, done, recs, origin, n in out]
 
 
 def cell(values: list[float]) -> str:
@@ -80,20 +84,25 @@ def ruler_table(sweep: Path) -> tuple[str, list[dict]]:
         for r in recs:
             d.setdefault(r["meta"]["task"], []).append(float(r["scores"]["ruler"]))
         per_method_task.append(d)
-    for t in TASKS:
+    # the tasks the sweep ran (all 13, or a paper's subset: then the score is over those and is no RULER score)
+    ran = [t for t in TASKS if any(t in d for d in per_method_task)] or list(TASKS)
+    subset = len(ran) < len(TASKS)
+    for t in ran:
         rows.append([t] + [cell(d.get(t, [])) for d in per_method_task])
         for (m, _, _, _), d in zip(rs, per_method_task):
             if d.get(t):
                 mu, se = mean_se(d[t])
                 csv.append({"method": m, "task": t, "mean": mu, "se": se, "n": len(d[t])})
     one_each = False
-    niah = [t for t in TASKS if t.startswith("niah")]
+    niah = [t for t in ran if t.startswith("niah")]
     # the headline's rule, per column (the tasks it averages, where its QA comes from, whether it is comparable)
     rules = [headline_rule(list(TASKS), origin) for _, _, _, origin in rs]
     comparable = bool(rules) and all(r["ruler_score_comparable"] for r in rules)
     score_label = ("**RULER score** (mean over the 13 tasks; " + ("real QA: comparable with published RULER scores)"
              if comparable else "NOT comparable with published RULER scores: see below)"))
-    for label, tasks, bold in ((score_label, list(TASKS), True),
+    if subset:
+        score_label = f"**mean over the {len(ran)} tasks run** (a subset of RULER: not a RULER score)"
+    for label, tasks, bold in ((score_label, ran, True),
                                (f"niah tasks (mean over the {len(niah)} niah_* tasks)", niah, False)):
         row = [label]
         for d in per_method_task:
@@ -106,11 +115,13 @@ def ruler_table(sweep: Path) -> tuple[str, list[dict]]:
         rows.append(row)
     # paired with full attention on the same samples (same seed: identical prompts and item ids), SE over the
     # paired items (``stats.paired_difference``)
-    if rs and rs[0][0] == "full":
-        diff = ["difference from full (paired items)"]
-        for (_, _, recs, _), d in zip(rs, per_method_task):
-            p = paired_difference(recs, rs[0][2], "ruler")
-            if len(d) == len(TASKS) and p["n"]:
+    fulls = {m.partition("@")[2]: recs for m, _, recs, _ in rs if m.partition("@")[0] == "full"}
+    if fulls:
+        diff = ["difference from full (paired items" + (", same length)" if len(fulls) > 1 or "" not in fulls else ")")]
+        for (m, _, recs, _), d in zip(rs, per_method_task):
+            ref = fulls.get(m.partition("@")[2])
+            p = paired_difference(recs, ref, "ruler") if ref is not None else {"n": 0}
+            if all(t in d for t in ran) and p["n"]:
                 diff.append(f"{p['mean']:+.1f}" + (f" ± {p['se']:.1f}" if p["se"] is not None else ""))
             else:
                 diff.append("-")
@@ -120,8 +131,8 @@ def ruler_table(sweep: Path) -> tuple[str, list[dict]]:
     md += "".join("| " + " | ".join(r) + " |\n" for r in rows)
     md += (f"\nRULER score per task, 0-100 (RULER's string_match_all; qa: string_match_part), mean ± one standard "
            f"error over samples; n = {', '.join(map(str, n))} sample(s) per task (n=1: no standard error). "
-           "The overall score is the mean of the 13 task means (its SE: sqrt(sum SE_t^2)/13"
-           + ("; with one sample per task: the SE over the 13 items, which mixes task difficulty into it"
+           f"The overall score is the mean of the {len(ran)} task means (its SE: sqrt(sum SE_t^2)/{len(ran)}"
+           + (f"; with one sample per task: the SE over the {len(ran)} items, which mixes task difficulty into it"
               if one_each else "") + "); the niah row likewise over the niah_* tasks only. The paired difference is "
            "over the items both methods answered.\n")
     by_rule: dict[str, list[str]] = {}

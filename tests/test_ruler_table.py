@@ -88,3 +88,23 @@ def test_mixed_qa_sources_are_labelled_per_method(tmp_path):
     assert "NOT comparable with published RULER scores: see below" in md
     assert any(r.startswith("Headline (full): ") and "NOT" not in r for r in md.splitlines())
     assert any(r.startswith("Headline (snapkv): ") and "offline stand-ins" in r for r in md.splitlines())
+
+
+def test_a_sweep_over_lengths_on_a_task_subset_pairs_each_method_with_full_at_its_length(tmp_path):
+    """LycheeCluster's Table 6: two lengths, the paper's subset of tasks — a column per method and length, rows only
+    for the tasks run, a score over those (not called a RULER score), each method paired with full at its length."""
+    from luka_bench import ruler_table as RT
+
+    tasks = ["niah_single_2", "vt"]
+    fake_run(tmp_path / "a", "full", {t: [100.0, 100.0] for t in tasks}, data={"length": 1024})
+    fake_run(tmp_path / "b", "lychee", {t: [100.0, 0.0] for t in tasks}, data={"length": 1024})
+    fake_run(tmp_path / "c", "full", {t: [0.0, 0.0] for t in tasks}, data={"length": 2048})
+    fake_run(tmp_path / "d", "lychee", {t: [0.0, 100.0] for t in tasks}, data={"length": 2048})
+    md, _ = RT.ruler_table(tmp_path)
+    assert md.splitlines()[0] == "| task | full@1024 | lychee@1024 | full@2048 | lychee@2048 |"
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in md.splitlines()
+            if r.startswith("| ") and not r.startswith("| task")}
+    assert set(rows) >= set(tasks) and "niah_single_1" not in rows
+    assert rows["**mean over the 2 tasks run** (a subset of RULER: not a RULER score)"][0].startswith("**100.0**")
+    diff = rows["difference from full (paired items, same length)"]
+    assert diff[1].startswith("-50.0") and diff[3].startswith("+50.0")  # against full at 1024, at 2048
