@@ -52,7 +52,7 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.attention import exact_attention, sdpa
+from luka_bench.methods.attention import add_retrieval_spans, sdpa, timed_exact
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
 from luka_bench.methods.pages import PagedKeys, gather_pages, page_bound
 
@@ -72,6 +72,8 @@ def arkvale_scores(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, per_
 
 
 class ArkValePolicy(LayerPolicy):
+    times_itself = True  # retrieval (choosing what to read) and attention (reading it), timed inside
+
     static_decode = True  # the decode step's token at a slot held on the device; shapes fixed between page closings
 
     def __init__(self, method: "ArkVale", info: LayerInfo):
@@ -112,12 +114,12 @@ class ArkValePolicy(LayerPolicy):
             self._q_last = query[:, :, -1:].clone()  # the last prefill chunk's stays: the prompt's last query
         if query.shape[2] != 1 or phase != "decode":
             self.pid = None
-            return exact_attention(store, query, scaling)
+            return timed_exact(store, query, scaling)
         n = store.n
         c = (n - 1) // m.page_size
         if c + 1 <= m.page_budget:  # every page on the device and read
             self.pid = None
-            return exact_attention(store, query, scaling)
+            return timed_exact(store, query, scaling)
         return self._step(store, query, scaling, n, c)
 
     def after_prefill(self, store) -> None:
@@ -148,6 +150,7 @@ class ArkValePolicy(LayerPolicy):
     def _step(self, store, query, scaling, n: int, c: int):
         m = self.method
         ps = m.page_size
+        t0 = store.cache.mark(query.device)
         self._fit(store, query, c)
         b, hq, _, d = query.shape
         hkv = store.storage()[0].shape[1]  # not store.keys: a view sliced at n, a number that changes every step
@@ -163,12 +166,15 @@ class ArkValePolicy(LayerPolicy):
         self.n_read = n
         w = m.page_budget * ps
         rows = ((pid[:, None, :] if self.per_layer else pid) + self._off).view(-1)
+        t1 = store.cache.mark(query.device)
         ksel, vsel = gather_pages(store, rows, ps, b, hkv, w)  # [B, Hkv, w, D]
         # the open page (read last) holds n - c * ps tokens; its slots from n on are free: masked
         before = (m.page_budget - 1) * ps - c * ps
         slot = None if store.static_slot is None else store.static_slot_at(before)
         mask = store.cache.held_mask("arkvale", w, before + n, slot, 1, query.dtype, query.device).view(1, 1, 1, w)
-        return sdpa(query, ksel, vsel, scaling, mask)
+        out = sdpa(query, ksel, vsel, scaling, mask)
+        add_retrieval_spans(store, t0, t1)
+        return out
 
     def _fit(self, store, query, c: int) -> None:
         """Close the pages completed since the last call (their digests; the page leaving the window goes off the

@@ -420,3 +420,19 @@ def scatter_add_rows(target: torch.Tensor, ids: torch.Tensor, src: torch.Tensor,
         hi = min(r, lo + step)
         rows = target.new_zeros(b, h, hi - lo, n).scatter_(3, ids[:, :, lo:hi], src[:, :, lo:hi].to(target.dtype))
         target += rows.sum(2)
+
+
+def timed_exact(store: HeldKV, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``exact_attention`` timed as the ``attention`` component, for a policy that times itself
+    (``LayerPolicy.times_itself``: a decode-time retrieval method, whose steps ``add_retrieval_spans``)."""
+    with store.cache.span("attention", query.device):
+        return exact_attention(store, query, scaling)
+
+
+def add_retrieval_spans(store: HeldKV, t0, t1) -> None:
+    """A retrieval step's components for a policy that times itself: ``retrieval`` (choosing what to read) from the
+    mark ``t0`` to ``t1``, ``attention`` (reading it) from ``t1`` to now (marks: ``cache.mark``; none on CUDA
+    without ``cuda_events``)."""
+    cache = store.cache
+    cache.add_span("retrieval", t0, t1)
+    cache.add_span("attention", t1, cache.mark(store.device))

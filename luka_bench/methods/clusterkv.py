@@ -39,7 +39,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from luka_bench.methods.attention import exact_attention, sdpa
+from luka_bench.methods.attention import add_retrieval_spans, sdpa, timed_exact
 from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
 from luka_bench.methods.kmeans import node_stats, spherical_kmeans
 
@@ -78,6 +78,8 @@ def ranked_prefix(score: torch.Tensor, size: torch.Tensor, first: torch.Tensor, 
 
 
 class ClusterKVPolicy(LayerPolicy):
+    times_itself = True  # retrieval (choosing what to read) and attention (reading it), timed inside
+
     static_decode = True  # the step's token at a slot held on the device; shapes fixed until the storage grows
 
     def __init__(self, method: "ClusterKV", info: LayerInfo):
@@ -99,14 +101,15 @@ class ClusterKVPolicy(LayerPolicy):
         m = self.method
         self.sel = None
         if query.shape[2] != 1 or store.cache.phase != "decode":
-            return exact_attention(store, query, scaling)
+            return timed_exact(store, query, scaling)
         if self.prompt is None:  # the first decode step: the prompt is what is held before it
             self.prompt = store.n - 1
             if self.prompt > m.token_budget:
-                self.index = cluster_keys(store.keys[:, :, m.sink: self.prompt], m.clusters, m.iterations)
+                with store.cache.span("index_build", query.device):
+                    self.index = cluster_keys(store.keys[:, :, m.sink: self.prompt], m.clusters, m.iterations)
                 self.layout_events += 1
         if self.index is None:  # prompt <= token_budget: full attention (reference L247-249)
-            return exact_attention(store, query, scaling)
+            return timed_exact(store, query, scaling)
         return self._sparse(store, query, scaling)
 
     def _fit(self, store, g: int) -> None:
@@ -130,6 +133,7 @@ class ClusterKVPolicy(LayerPolicy):
         K, V = store.storage()
         hkv, cap = K.shape[1], K.shape[2]
         g, r = hq // hkv, b * hkv
+        t0 = store.cache.mark(query.device)
         self._fit(store, g)
         s, P, n = m.sink, self.prompt, store.n
         w = m.token_budget - s
@@ -139,6 +143,7 @@ class ClusterKVPolicy(LayerPolicy):
         self.n_read = n
         rows = torch.cat([self._sink_rows, sel, self._gen_rows], dim=-1).view(-1)
         width = s + w + cap - P
+        t1 = store.cache.mark(query.device)
         pages = store.pages(0, 1)  # [2, R, cap, D]: keys and values together
         if pages is not None:
             kv = pages.reshape(2, -1, d).index_select(1, rows).view(2, b, hq, width, d)
@@ -149,7 +154,9 @@ class ClusterKVPolicy(LayerPolicy):
         # the generated region's slots from n on are free: masked (0 on sinks, selection and held slots)
         slot = None if store.static_slot is None else store.static_slot_at(s + w - P)
         mask = store.cache.held_mask("clusterkv", width, s + w + n - P, slot, 1, query.dtype, query.device)
-        return sdpa(query, ksel, vsel, scaling, mask.view(1, 1, 1, width))
+        out = sdpa(query, ksel, vsel, scaling, mask.view(1, 1, 1, width))
+        add_retrieval_spans(store, t0, t1)
+        return out
 
     # -- what the last step read -------------------------------------------------------------------------------
     def _union(self) -> torch.Tensor:

@@ -41,7 +41,7 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.attention import exact_attention, sdpa
+from luka_bench.methods.attention import add_retrieval_spans, sdpa, timed_exact
 from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
 from luka_bench.methods.pages import PagedKeys, gather_pages, page_bound  # noqa: F401 (page_bound: re-exported)
 
@@ -53,6 +53,8 @@ def quest_pages(n: int, page_size: int, token_budget: int) -> int:
 
 
 class QuestPolicy(LayerPolicy):
+    times_itself = True  # retrieval (choosing what to read) and attention (reading it), timed inside
+
     static_decode = True  # the decode step's token at a slot held on the device; shapes fixed between page closings
 
     def __init__(self, method: "Quest", info: LayerInfo):
@@ -72,13 +74,14 @@ class QuestPolicy(LayerPolicy):
         n = store.n
         if query.shape[2] != 1 or store.cache.phase != "decode" or n <= m.token_budget:
             self.pid = None
-            return exact_attention(store, query, scaling)
+            return timed_exact(store, query, scaling)
         ps = m.page_size
         c = (n - 1) // ps  # closed pages before the last one: the candidates
         k = quest_pages(n, ps, m.token_budget)
         if k > c:  # every page read
             self.pid = None
-            return exact_attention(store, query, scaling)
+            return timed_exact(store, query, scaling)
+        t0 = store.cache.mark(query.device)
         self._fit(store, query, c, k)
         b, hq, _, d = query.shape
         hkv = store.storage()[0].shape[1]  # not store.keys: a view sliced at n, a number that changes every step
@@ -91,12 +94,15 @@ class QuestPolicy(LayerPolicy):
         self.n_read = n
         rows = (pid + self._off).view(-1)
         w = k * ps
+        t1 = store.cache.mark(query.device)
         ksel, vsel = gather_pages(store, rows, ps, b, hq, w)  # [B, Hq, w, D]: each query head's pages
         # the last page's slots from n on are free: masked (0 on the K - 1 full pages read and the held slots)
         held = (k - 1) * ps + n - c * ps
         slot = None if store.static_slot is None else store.static_slot_at((k - 1) * ps - c * ps)
         mask = store.cache.held_mask("quest", w, held, slot, 1, query.dtype, query.device).view(1, 1, 1, w)
-        return sdpa(query, ksel, vsel, scaling, mask)
+        out = sdpa(query, ksel, vsel, scaling, mask)
+        add_retrieval_spans(store, t0, t1)
+        return out
 
     def _fit(self, store, query, c: int, k: int) -> None:
         """Close the pages completed since the last call and remake what depends on the page layout and the

@@ -48,7 +48,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from luka_bench.methods.attention import exact_attention, sdpa
+from luka_bench.methods.attention import add_retrieval_spans, sdpa, timed_exact
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
 
 
@@ -98,6 +98,8 @@ def unrotate(keys: torch.Tensor, table: torch.Tensor, rot: int) -> torch.Tensor:
 
 
 class ShadowKVPolicy(LayerPolicy):
+    times_itself = True  # retrieval (choosing what to read) and attention (reading it), timed inside
+
     static_decode = True  # the tail read from the store's whole capacity, free slots masked
 
     def __init__(self, method: "ShadowKV", info: LayerInfo):
@@ -150,8 +152,9 @@ class ShadowKVPolicy(LayerPolicy):
     def attend(self, store, query, scaling):
         if query.shape[2] != 1 or store.cache.phase != "decode" or not self.ready:
             self.pos = None
-            return exact_attention(store, query, scaling)
+            return timed_exact(store, query, scaling)
         m = self.method
+        t0 = store.cache.mark(query.device)
         b, hq, _, d = query.shape
         Kst, Vst = store.storage()
         hkv, cap = Kst.shape[1], Kst.shape[2]
@@ -170,6 +173,7 @@ class ShadowKVPolicy(LayerPolicy):
         cs_rows = self.rope_rows.index_select(0, pos.view(-1)).view(b * hkv, w, 2 * d)
         ksel = torch.addcmul(kw[..., :d] * cs_rows[..., :d], kw[..., d:], cs_rows[..., d:])
         vsel = Vst.reshape(-1, Vst.shape[-1]).index_select(0, (pos + store.row_offsets()).view(-1))
+        t1 = store.cache.mark(query.device)  # retrieval: the landmark scores, the top chunks and their keys rebuilt
         ok, ov = self.outlier_kv
         f = ok.shape[2]
         keys = torch.cat([ok, ksel.view(b, hkv, w, d), Kst[:, :, self.L0: cap]], dim=2)
@@ -178,7 +182,9 @@ class ShadowKVPolicy(LayerPolicy):
         slot = None if store.static_slot is None else store.static_slot_at(f + w - self.L0)
         mask = store.cache.held_mask("shadowkv", width, f + w + store.n - self.L0, slot, 1, query.dtype,
                                      query.device).view(1, 1, 1, width)
-        return sdpa(query, keys, values, scaling, mask)
+        out = sdpa(query, keys, values, scaling, mask)
+        add_retrieval_spans(store, t0, t1)
+        return out
 
     def rebuilt_keys(self, store, pos: torch.Tensor) -> torch.Tensor:
         """The keys the decode step rebuilds for the prompt positions ``pos`` [B, Hkv, m] (U SV, RoPE at ``pos``)."""
