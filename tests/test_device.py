@@ -215,7 +215,9 @@ def test_warm_up_runs_a_chunked_prefill_and_decode_steps(tiny_qwen3, monkeypatch
 
     monkeypatch.setattr(model, "forward", spy)
     secs = engine.warm_up(model, H2O(budget=0.5), prompt_len=96, chunk=64, steps=3)
-    assert secs > 0 and calls == [64, 32, 1, 1, 1]
+    # H2O compresses each layer in the prefill: its chunks go layer by layer, the leading one a forward in a thread
+    # of its own that starts after this forward's (the last chunk's) call — each chunk once, then the steps
+    assert secs > 0 and sorted(calls[:2]) == [32, 64] and calls[2:] == [1, 1, 1]
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: synced.append(dev))
     monkeypatch.setattr(devices, "_cuda", lambda dev: True)  # pretend the model is on a GPU: it synchronises

@@ -153,7 +153,9 @@ def test_a_failing_chunk_of_a_layer_major_prefill_stops_it_in_one_error(tiny_lla
             assert isinstance(err.value.__cause__, ValueError)
     finally:
         h.remove()
-    assert not layer._forward_pre_hooks and not layer._forward_hooks
+    left = [f for f in (*layer._forward_pre_hooks.values(), *layer._forward_hooks.values())
+            if f.__module__ == "luka_bench.methods.hf"]  # transformers may keep hooks of its own there
+    assert not left
     with attach(model, SnapKV(budget=0.2, window=8)) as a, torch.no_grad():
         c = a.new_cache(reference_length=N, prefill_chunk=32)
         model(ids, past_key_values=c)
