@@ -39,8 +39,8 @@ def runs(sweep: Path) -> list[tuple[str, bool, list[dict], str]]:
     for run in find_runs(sweep):
         cfg = read_run_config(run / "config.yaml") or {}
         done = read_metrics(run)[0] is not None
-        length = (cfg.get("data") or {}).get("length") if isinstance(cfg.get("data"), dict) else None
-        out.append((str(cfg.get("method_name")), done, read_predictions(run), qa_origin(cfg), length))
+        data = cfg.get("data") if isinstance(cfg.get("data"), dict) else {}
+        out.append((str(cfg.get("method_name")), done, read_predictions(run), qa_origin(cfg), data.get("length")))
     order = []
     mr = sweep / "multirun.yaml"
     if mr.is_file():
@@ -117,7 +117,7 @@ def ruler_table(sweep: Path) -> tuple[str, list[dict]]:
     # paired items (``stats.paired_difference``)
     fulls = {m.partition("@")[2]: recs for m, _, recs, _ in rs if m.partition("@")[0] == "full"}
     if fulls:
-        diff = ["difference from full (paired items" + (", same length)" if len(fulls) > 1 or "" not in fulls else ")")]
+        diff = ["difference from full (paired items" + (")" if "" in fulls else ", same length)")]
         for (m, _, recs, _), d in zip(rs, per_method_task):
             ref = fulls.get(m.partition("@")[2])
             p = paired_difference(recs, ref, "ruler") if ref is not None else {"n": 0}

@@ -11,9 +11,9 @@ once, so the peak is of what was alive, not of glibc's heap history. A method na
 compresses after the prefill's whole forward, as every method did before the per-layer compression (issue 50): a
 manual cache whose ``end_prefill`` runs after the forward; the same tokens kept, the old peak. ``<name>@<chunk>``
 prefills in chunks of that many tokens (``prefill_chunk``: layer by layer for a method that compresses each layer in
-the prefill), ``<name>@<chunk>/chunkwise`` chunk by chunk through every layer (``layer_major=False``). The table (``--markdown``) gives each
-method's growth and its ratio to full attention's at each N; ``--plot`` draws peak growth against context length,
-one line per method. ``--json`` keeps every measurement.
+the prefill), ``<name>@<chunk>/chunkwise`` chunk by chunk through every layer (``layer_major=False``). The table
+(``--markdown``) gives each method's growth and its ratio to full attention's at each N; ``--plot`` draws peak
+growth against context length, one line per method. ``--json`` keeps every measurement.
 
     .venv/bin/python scripts/bench_memory.py --lengths 8192 16384 --repeats 3 \\
         --json results/summaries/memory/cpu.json --markdown results/summaries/memory/cpu.md \\

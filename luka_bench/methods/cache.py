@@ -38,8 +38,9 @@ class MethodCache:
         ``prefill_chunk``: the prefill goes through the model in chunks of this size (the method's own
         ``prefill_chunk()`` wins; 0: at once) — layer by layer where the method compresses each layer inside the
         prefill's forward (``hf._layer_major``: one layer's full cache alive at a time), unless ``layer_major`` is
-        False (chunk by chunk through every layer: the same results, every layer full until the last chunk). ``observer``: see below. ``manual``: the caller says when the
-        prefill ends (``end_prefill``) and sizes the forwards itself; otherwise the first forward is the prefill.
+        False (chunk by chunk through every layer: the same results, every layer full until the last chunk).
+        ``observer``: see below. ``manual``: the caller says when the prefill ends (``end_prefill``) and sizes the
+        forwards itself; otherwise the first forward is the prefill.
         ``cuda_events``: time the method's components on CUDA (``latency_breakdown``) with recorded events (see
         ``mark``); off, a CUDA step records none."""
         self.method = method

@@ -195,10 +195,11 @@ def _before_forward(module, args, kwargs):
     if cache.phase != "prefill" or not chunk or n <= chunk or ids is None:
         return args, kwargs
     last = (n - 1) // chunk * chunk  # start of the last chunk, which this forward itself runs
-    layers = _decoder_layers(module, len(cache.stores))
     if (cache.layer_major_allowed and cache.in_forward and any(s.policy.layer_local_prefill for s in cache.stores)
-            and layers is not None and type(cache.method).after_forward is KVMethod.after_forward):
-        return _layer_major(module, cache, ids, chunk, last, layers, kwargs)
+            and type(cache.method).after_forward is KVMethod.after_forward):
+        layers = _decoder_layers(module, len(cache.stores))
+        if layers is not None:
+            return _layer_major(module, cache, ids, chunk, last, layers, kwargs)
     cache._splitting = True
     try:
         for s in range(0, last, chunk):

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from luka_bench.device import host_side, host_to_device
 from luka_bench.methods import cpu_kernel
 from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
-from luka_bench.methods.attention import exact_attention, group_sum
+from luka_bench.methods.attention import add_retrieval_spans, group_sum, timed_exact
 from luka_bench.methods.kmeans import node_stats, spherical_kmeans  # shared with clusterkv
 
 NEG = float("-inf")
@@ -260,8 +260,7 @@ class LycheePolicy(LayerPolicy):
         m = self.method
         if query.shape[2] != 1 or cache.phase != "decode" or store.n <= m.token_budget:
             self.last = None
-            with cache.span("attention", dev):
-                return exact_attention(store, query, scaling)
+            return timed_exact(store, query, scaling)
         self._sync_index(store)
         if m.k_c is None:
             return self._decode_attend(store, query, scaling)
@@ -269,8 +268,7 @@ class LycheePolicy(LayerPolicy):
         idx, valid = self.retrieve(store, query)
         t1 = cache.mark(dev)
         out = self.sparse_attention(store, query, scaling, idx, valid)
-        cache.add_span("retrieval", t0, t1)
-        cache.add_span("attention", t1, cache.mark(dev))
+        add_retrieval_spans(store, t0, t1)
         return out
 
     @property
@@ -686,8 +684,7 @@ class LycheePolicy(LayerPolicy):
         gk, gv = store.gather_flat(idx.view(-1), T)
         out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), gk, gv, attn_mask=bias[..., :T],
                                              scale=scaling)
-        cache.add_span("retrieval", t0, t1)
-        cache.add_span("attention", t1, cache.mark(dev))
+        add_retrieval_spans(store, t0, t1)
         self._last = None
         self._fast = {"order": order, "lens": lens, "sel": sel, "n": n, "frontier": fr, "starts": ch.starts}
         return out.reshape(b, hq, 1, gv.shape[-1])

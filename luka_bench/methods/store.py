@@ -151,14 +151,13 @@ class KVStore:
         (the last slot's), from the cache's position counter while it still holds the step's position (one
         copy, no Python number); after the counter moved on (a caller that never ran the layer's attention
         through ``run_policy``), from the number."""
-        self._materialize_positions()
         self._settle_run()
         due, self._pos_due = self._pos_due, None
         if due is not None:
             _write_position(self._pos[:, :, self.n - 1], due, self.cache)
 
     def _settle_run(self) -> None:
-        self._materialize_positions()
+        self._materialize_positions()  # whoever reads or moves positions settles first: the storage is there after
         run, self._pos_run = self._pos_run, None
         if run is not None:
             first, pos, end = run
@@ -413,9 +412,8 @@ class KVStore:
 
     def _token_tensors(self) -> list[tuple[torch.Tensor, int]]:
         """The storage that moves with the held tokens, each tensor with its token axis: keys and values (one
-        stacked tensor where they are: one copy for both), positions, each aux."""
+        stacked tensor where they are: one copy for both), positions (settled by the caller first), each aux."""
         kv = [(self._kv, 3)] if self._kv is not None else [(self._k, 2), (self._v, 2)]
-        self._materialize_positions()
         return [*kv, (self._pos, 2), *((a, 2) for a in self._aux.values())]
 
     def move_last_into(self, slot: torch.Tensor, start: int = 0, may_be_last: bool = False) -> None:
