@@ -142,6 +142,7 @@ SlurmdTimeout=30
 InactiveLimit=0
 MinJobAge=300
 KillWait=5
+UnkillableStepTimeout=120
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 AccountingStoragePort=6819
@@ -161,11 +162,21 @@ else
     rm -f "$CONF.new"
 fi
 
-# 5. wait until the node takes jobs
-state=""
+# 5. wait until the node takes jobs. A drain survives a restart (slurmctld keeps node state in $DIR/state): the
+#    usual one here is "Kill task failed", a step that took longer than UnkillableStepTimeout to end after a SIGKILL
+#    (the SLURM test kills a job on purpose; on a loaded machine that has been seen to take over a minute). Resume it,
+#    as an administrator would, and say so.
+state="" resumed=""
 for _ in $(seq 150); do
     state="$(sinfo -h -N -o '%t' 2>/dev/null | head -1)"
-    case "$state" in idle*|mix*|alloc*) break ;; esac
+    case "$state" in
+        idle*|mix*|alloc*) break ;;
+        drain*|drng*)
+            [ -n "$resumed" ] && { sleep 0.2; continue; }
+            resumed=1
+            say "node $NODE was drained ($(sinfo -h -N -o '%E' 2>/dev/null | head -1)): resuming it"
+            scontrol update NodeName="$NODE" State=RESUME || true ;;
+    esac
     sleep 0.2
 done
 case "$state" in

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,7 @@ def slurm_env():
         if os.environ.get("LUKA_BENCH_REQUIRE_SLURM"):
             pytest.fail(msg + " — LUKA_BENCH_REQUIRE_SLURM is set (.ci/run), so this must run")
         pytest.skip(msg)
+    _node_takes_jobs(env)
     return env
 
 
@@ -61,11 +63,25 @@ def _queue(env: dict, user_jobs: set[str]) -> list[str]:
     return [j for j in out.split() if j.split("_")[0] in user_jobs]
 
 
-def _wait_for_queue_to_empty(env: dict, arrays: set[str], timeout: float = 180) -> None:
+def _wait_for_queue_to_empty(env: dict, arrays: set[str], timeout: float = 300) -> None:
     end = time.time() + timeout
     while _queue(env, arrays):
         assert time.time() < end, f"SLURM jobs still queued after {timeout} s: {_queue(env, arrays)}"
         time.sleep(0.5)
+
+
+def _node_takes_jobs(env: dict) -> None:
+    """Resume the node when SLURM drained it for "Kill task failed": the step this file SIGKILLs on purpose took
+    longer than UnkillableStepTimeout to end (seen on a loaded machine), and a drained node would leave every later
+    job pending until the sweep's timeout. Any other drain reason is a real fault and fails here, with the reason."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N|%t|%E"], env=env, capture_output=True, text=True,
+                         timeout=30).stdout.strip().splitlines()
+    for line in out:
+        node, state, reason = (line.split("|") + ["", ""])[:3]
+        if state.startswith(("drain", "drng")):
+            assert "Kill task failed" in reason, f"SLURM node {node} is {state}: {reason}"
+            warnings.warn(f"SLURM drained node {node} ({reason}) after the deliberate kill; resuming it")
+            subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], env=env, check=True, timeout=30)
 
 
 def _arrays(sweep: Path) -> set[str]:
@@ -103,6 +119,7 @@ def test_sweep_on_a_real_slurm_cluster_kill_one_job_rerun_and_report(slurm_env, 
     assert first.returncode != 0, out1[-4000:]  # the launcher reports the lost job
     assert "SlurmLauncher" in out1
     _wait_for_queue_to_empty(slurm_env, _arrays(sweep))
+    _node_takes_jobs(slurm_env)
     # the other three finished on the node; their logs are in .submitit/
     for i, name in enumerate(JOBS):
         if i != KILLED:
