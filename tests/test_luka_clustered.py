@@ -9,6 +9,7 @@ from luka_bench.methods.base import LayerPolicy, MethodConfigError
 from luka_bench.methods.full import Full
 from luka_bench.methods.hf import attach, layer_infos
 from luka_bench.methods.luka_clustered import MASS, LuKAClustered
+from luka_bench.methods.cache import policy_attention
 
 from conftest import compose, fixed_and_python_slots, tiny
 from test_methods_core import method_logits
@@ -79,7 +80,7 @@ def test_no_refinement_equals_summaries_plus_tail(tiny_llama):
         # one attention call of layer 0 with a random query, through the policy
         q = torch.randn(1, 4, 1, 16)
         store.append(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
-        out = pol.attend(store, q, 0.25)[0, :, 0]
+        out = policy_attention(store, q, 0.25)[0, :, 0]
         ref = manual_cover_attention(q, store, pol, 0.25)
     assert torch.allclose(out, ref, atol=1e-5)
     # mean compressor: a summary is the mean of its page
@@ -111,7 +112,7 @@ def test_parent_mass_is_mass_preserving(tiny_llama):
         pol = store.policy
         q = torch.randn(1, 4, 1, 16)
         store.append(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
-        out = pol.attend(store, q, 0.3)[0, :, 0]
+        out = policy_attention(store, q, 0.3)[0, :, 0]
     # slow reference
     P, S, fr = pol.P[1], 8, pol.frontier
     k, v = store.keys[0], store.values[0]
@@ -164,7 +165,7 @@ def test_zero_value_summaries_contribute_nothing(tiny_llama):
         assert torch.count_nonzero(pol.sv[1][:, :, :pol.P[1]]) == 0
         q = torch.randn(1, 4, 1, 16)
         store.append(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
-        out = pol.attend(store, q, 0.25)[0, :, 0]
+        out = policy_attention(store, q, 0.25)[0, :, 0]
     # = tail values weighted by their cover masses only (summary masses multiply zero vectors)
     k, v = store.keys[0], store.values[0]
     for h in range(4):

@@ -16,6 +16,7 @@ from luka_bench.methods.lychee import (Chunker, Lychee, LycheePolicy, boundary_l
                                        vocab_levels)
 from luka_bench.models import byte_tokenizer
 from luka_bench.engine import forward, prefill
+from luka_bench.methods.cache import policy_attention
 from conftest import fixed_and_python_slots
 
 TEXT = ("The cat sat on the mat. It was happy, and calm; very calm!\n\nThen {x: [1, 2]} > 3 and more text "
@@ -306,7 +307,7 @@ def test_retrieval_equals_slow_loop_reference(opts):
     hq, d = pol.info.num_heads, pol.info.head_dim
     for trial in range(3):
         q = torch.randn(1, hq, 1, d, generator=gen)
-        out = pol.attend(store, q, d ** -0.5)
+        out = policy_attention(store, q, d ** -0.5)
         chosen, tokens = slow_retrieval(pol, store, q)
         mask = pol.attended(store)
         for h in range(store.keys.shape[1]):
@@ -332,7 +333,7 @@ def recall_and_fill(pol, store, q):
     """(recall of the true top-R tokens by exact attention, summed over the group; share of the retrieval budget
     R the retrieved chunks hold), per KV head, for one query [1, Hq, 1, D]."""
     m, d = pol.method, q.shape[-1]
-    pol.attend(store, q, d ** -0.5)
+    policy_attention(store, q, d ** -0.5)
     hkv = store.keys.shape[1]
     fr = pol.last["frontier"]
     R = m.token_budget - m.sink - (store.n - fr)
@@ -486,7 +487,7 @@ def test_decode_fast_path_reads_what_the_general_path_reads(opts, kernel, monkey
         pytest.skip("the fused CPU kernel could not be built here")
     for step, store, pol, q in growing_index(opts, 8, 40):
         d, hkv = q.shape[-1], store.keys.shape[1]
-        fast = pol.attend(store, q, d ** -0.5)
+        fast = policy_attention(store, q, d ** -0.5)
         count = pol.attended_count(store)
         fast_mask = pol.attended(store).clone()
         idx, valid = pol.retrieve(store, q)
@@ -507,10 +508,10 @@ def test_cpu_kernel_choice_equals_the_torch_ops(opts, monkeypatch):
     for step, store, pol, q in growing_index(opts, 9, 30):
         d = q.shape[-1]
         monkeypatch.delenv(cpu_kernel.DISABLE_ENV, raising=False)
-        out_k = pol.attend(store, q, d ** -0.5)
+        out_k = policy_attention(store, q, d ** -0.5)
         fk = dict(pol._fast)
         monkeypatch.setenv(cpu_kernel.DISABLE_ENV, "1")
-        out_t = pol.attend(store, q, d ** -0.5)
+        out_t = policy_attention(store, q, d ** -0.5)
         ft = pol._fast
         for key in ("lens", "sel"):
             assert torch.equal(fk[key], ft[key]), (opts, step, key)

@@ -317,3 +317,51 @@ def test_quests_page_bound_is_never_below_a_keys_logit_and_exact_for_pages_of_on
     assert (bound >= logits.amax(-1) - 1e-5).all()
     if size == 1:
         torch.testing.assert_close(bound, logits[..., 0], rtol=1e-5, atol=1e-5)
+
+
+# -- the explicit decode step: the caller decides between ``attend`` and ``step`` ------------------------------------
+
+def test_the_caller_decides_step_or_attend_and_hands_the_step_its_state(tiny_llama):
+    """``step`` runs for every decode step (the decode phase, one token per row) and for nothing else — not the
+    prefill, not its chunks, not a scratch forward, not several tokens at once after the prefill (those run
+    ``attend``); the ``DecodeStep`` it gets holds the step's token position as a device counter, the store's slot of
+    the token and per-step constants, the same for every layer of the step."""
+    calls = []
+
+    class Recording(LayerPolicy):
+        static_decode = True  # the store writes a step's token at a device slot
+
+        def attend(self, store, query, scaling):
+            calls.append(("attend", self.info.layer_idx, store.cache.phase, query.shape[2]))
+            return super().attend(store, query, scaling)
+
+        def step(self, store, query, scaling, step):
+            slot = step.slot(store)
+            calls.append(("step", self.info.layer_idx, step.position, int(step.counter()), int(step.before(3)),
+                          None if slot is None else int(slot), store.n, store.seen,
+                          step.per_step(("plus", 7), lambda pos: pos + 7)))
+            return LayerPolicy.attend(self, store, query, scaling)
+
+    class Recorded(Full):
+        def policy_for_layer(self, info):
+            return Recording(self, info)
+
+    model, layers = tiny_llama.model, tiny_llama.model.config.num_hidden_layers
+    ids = ids_of(40)
+    with attach(model, Recorded()) as a, torch.no_grad():
+        c = a.new_cache(reference_length=30, prefill_chunk=16)
+        model(ids[:, :30], past_key_values=c)  # a chunked prefill: 16 + 14
+        assert {x[0] for x in calls} == {"attend"} and len(calls) == 2 * layers
+        del calls[:]
+        for t in (30, 31, 32):
+            model(ids[:, t: t + 1], past_key_values=c)
+        c.scratch_forward(ids[:, 33:34])  # one token, but a scratch forward: attend
+        model(ids[:, 33:36], past_key_values=c)  # three tokens after the prefill: attend
+    steps = [x for x in calls if x[0] == "step"]
+    assert len(steps) == 3 * layers and calls[3 * layers:] == \
+        [("attend", i, "scratch", 1) for i in range(layers)] + [("attend", i, "decode", 3) for i in range(layers)]
+    for i, (_, layer, pos, counter, before, slot, n, seen, plus) in enumerate(steps):
+        t = 30 + i // layers
+        assert (layer, pos, counter, before, seen) == (i % layers, t, t, t - 3, t + 1)
+        assert slot == n - 1  # the token's slot: the last held one
+        assert plus is steps[i - i % layers][-1] and int(plus) == t + 7  # made once per step for all layers

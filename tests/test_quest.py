@@ -10,7 +10,7 @@ import torch
 
 from conftest import fixed_and_python_slots, tiny
 from luka_bench.methods.base import LayerInfo, MethodConfigError
-from luka_bench.methods.cache import MethodCache
+from luka_bench.methods.cache import MethodCache, policy_attention
 from luka_bench.methods.full import Full
 from luka_bench.methods.hf import attach
 from luka_bench.methods.oracle_topk import OracleTopK
@@ -176,7 +176,7 @@ def test_each_query_head_picks_its_own_pages():
     store.update(torch.zeros(1, 1, 1, d), torch.zeros(1, 1, 1, d))
     q = torch.zeros(1, 2, 1, d)
     q[0, 0, 0, 0] = q[0, 1, 0, 1] = 1.0
-    store.policy.attend(store, q, 1.0)
+    policy_attention(store, q, 1.0)
     pid = store.policy.pid  # [1, 2, K = 3]: 2 chosen + the last page (8)
     assert pid[0, 0, 0] == 1 and pid[0, 1, 0] == 4 and (pid[..., -1] == 8).all()
     read = store.policy.attended(store)  # the union: both heads' pages

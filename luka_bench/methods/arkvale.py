@@ -43,7 +43,7 @@ Shapes: query [B, Hq, 1, D]; keys/values [B, Hkv, n, D]; digests [B, Hkv, pages,
 fixed-shape and free of host syncs between page closings (``static_decode``, ``storage_multiple`` as Quest): the
 device set is an additive bias [R, pages] (0 on the device, -inf offloaded) updated in place; the pages read are
 gathered from the storage in one ``index_select`` of page rows; the open page's free slots are masked by the mask
-``MethodCache.held_mask`` opens one slot per step for all layers. A page closing is an event (``layout_events``).
+``DecodeStep.held_mask`` opens one slot per step for all layers. A page closing is an event (``layout_events``).
 """
 from __future__ import annotations
 
@@ -108,19 +108,10 @@ class ArkValePolicy(LayerPolicy):
 
     # -- the prefill -------------------------------------------------------------------------------------------
     def attend(self, store, query, scaling):
-        m = self.method
-        phase = store.cache.phase
-        if phase == "prefill":
+        if store.cache.phase == "prefill":
             self._q_last = query[:, :, -1:].clone()  # the last prefill chunk's stays: the prompt's last query
-        if query.shape[2] != 1 or phase != "decode":
-            self.pid = None
-            return timed_exact(store, query, scaling)
-        n = store.n
-        c = (n - 1) // m.page_size
-        if c + 1 <= m.page_budget:  # every page on the device and read
-            self.pid = None
-            return timed_exact(store, query, scaling)
-        return self._step(store, query, scaling, n, c)
+        self.pid = None
+        return timed_exact(store, query, scaling)
 
     def after_prefill(self, store) -> None:
         """Evict the prompt's pages beyond ``page_budget`` (the reference's ``prefill_evict_extra_pages``): keep
@@ -147,9 +138,12 @@ class ArkValePolicy(LayerPolicy):
         self.res = res if self.per_layer else res.repeat_interleave(hkv, dim=0)
 
     # -- the decode step -----------------------------------------------------------------------------------------
-    def _step(self, store, query, scaling, n: int, c: int):
+    def step(self, store, query, scaling, step):
         m = self.method
-        ps = m.page_size
+        ps, n = m.page_size, store.n
+        c = (n - 1) // ps
+        if c + 1 <= m.page_budget:  # every page on the device and read
+            return self.attend(store, query, scaling)
         t0 = store.cache.mark(query.device)
         self._fit(store, query, c)
         b, hq, _, d = query.shape
@@ -170,8 +164,7 @@ class ArkValePolicy(LayerPolicy):
         ksel, vsel = gather_pages(store, rows, ps, b, hkv, w)  # [B, Hkv, w, D]
         # the open page (read last) holds n - c * ps tokens; its slots from n on are free: masked
         before = (m.page_budget - 1) * ps - c * ps
-        slot = None if store.static_slot is None else store.static_slot_at(before)
-        mask = store.cache.held_mask("arkvale", w, before + n, slot, 1, query.dtype, query.device).view(1, 1, 1, w)
+        mask = step.held_mask("arkvale", w, before + n, step.slot(store, before), 1, query.dtype).view(1, 1, 1, w)
         out = sdpa(query, ksel, vsel, scaling, mask)
         add_retrieval_spans(store, t0, t1)
         return out

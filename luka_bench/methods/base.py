@@ -10,6 +10,11 @@ logical position of every held token) and acts at these points:
 ``attend``            every forward of this layer, after the new keys/values were appended. Returns the
                       attention output. Default: exact attention over what is held (SDPA, GQA-aware).
                       Methods that read attention (H2O) or replace it (LuKA clustered) override it.
+``step``              instead of ``attend``, a decode step: a forward of one new token per row after the prefill
+                      (the caller decides, not the policy). Gets the step's state as one argument
+                      (``DecodeStep``: the token's position as a device counter, its slot, the free-slot mask,
+                      per-step device constants). Default: ``attend``. Methods with a fixed-shape decode path
+                      (retrieval, LuKA's cover, the graph-ready exact layers) override it.
 ``after_prefill``     once, after the prefill (the first forward through a fresh cache; ``MethodCache.end_prefill``).
                       Prefill-time methods (SnapKV, StreamingLLM) compress here.
 ``after_step``        after ``attend`` of every forward *after* the prefill (question chunk, each generated or
@@ -99,7 +104,9 @@ from .attention import HeldKV, exact_attention
 class PromptCache(Protocol):
     """What a policy or a method-level hook may use of the prompt's cache (``luka_bench.methods.cache.MethodCache``):
     its phase, its layers' stores, the per-prompt state, the question and the token ids, the scratch forward, the
-    timers, and the per-step device values that keep a decode step's ops free of step-dependent Python numbers."""
+    timers. A decode step's per-step device values reach a policy as ``DecodeStep`` (``LayerPolicy.step``); the
+    position counter below is the store's (it writes a step's token at a device slot), and ``held_mask`` lets an
+    event (a compression after a step) lay out the next steps' mask ahead of them."""
 
     phase: str  # "prefill" | "decode" | "scratch"
     reference_length: int
@@ -130,10 +137,37 @@ class PromptCache(Protocol):
 
     def position_before(self, seen: int, delta: int, device: torch.device) -> torch.Tensor: ...
 
-    def per_step(self, key: Any, seen: int, device: torch.device, make: Callable) -> torch.Tensor: ...
-
     def held_mask(self, name: str, width: int, held: int, slot: torch.Tensor | None, rows: int,
                   dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+
+class DecodeStep(Protocol):
+    """The decode step under way, handed to ``LayerPolicy.step`` (``luka_bench.methods.cache.Step``): one new token
+    per row, after the prefill. Everything a fixed-shape step needs that changes from step to step comes from here
+    as a device tensor made once per step for all layers, so that consecutive steps dispatch the same ops with no
+    step-dependent Python number in them (the graph-ready steady state, ``tests/test_graph_ready.py``)."""
+
+    position: int  # the step's token's logical position (host bookkeeping only: never put it in an op)
+    device: torch.device
+
+    def counter(self) -> torch.Tensor:
+        """``position`` as a 0-dim int64 device tensor, advanced in place from one step to the next."""
+
+    def before(self, delta: int) -> torch.Tensor:
+        """``position - delta`` as a 0-dim device tensor (e.g. the first position of a recent window)."""
+
+    def per_step(self, key: Any, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``make(counter())``, computed once per step for every layer asking with the same hashable ``key``."""
+
+    def slot(self, store: "Store", offset: int = 0) -> torch.Tensor | None:
+        """The device slot [1] where ``store`` wrote this step's token, moved by ``offset`` (where a policy mirrors
+        the token into a buffer of its own); None when the store wrote it at a Python slot (then shapes change)."""
+
+    def held_mask(self, name: str, width: int, held: int, slot: torch.Tensor | None, rows: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+        """An additive mask [rows, 1, width]: 0 on the first ``held`` slots, -inf on the rest, shared by every
+        layer asking for the same ``name`` and shape; a step that fills one more slot (``slot``, the device index of
+        slot ``held - 1``) opens it with one kernel for all the layers."""
 
 
 class Store(HeldKV, Protocol):
@@ -144,8 +178,7 @@ class Store(HeldKV, Protocol):
     policy: "LayerPolicy"
     pos_shift: int
     compressed_in_forward: bool  # the policy's after_prefill ran inside the prefill's forward
-    static_slot: torch.Tensor | None
-    static_kv: tuple[torch.Tensor, torch.Tensor] | None
+    static_kv: tuple[torch.Tensor, torch.Tensor] | None  # a decode step's own keys and values (``DecodeStep.slot``)
 
     @property
     def cache(self) -> PromptCache: ...
@@ -175,8 +208,6 @@ class Store(HeldKV, Protocol):
     def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def storage(self) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def static_slot_at(self, offset: int) -> torch.Tensor: ...
 
     def rotate_keys(self, start: int, stop: int, delta: int | torch.Tensor) -> None: ...
 
@@ -261,6 +292,13 @@ class LayerPolicy:
         """Attention of ``query`` [B, Hq, Lq, D] over everything ``store`` holds (the last Lq held tokens are the
         query tokens themselves). Returns [B, Hq, Lq, D]."""
         return exact_attention(store, query, scaling, self.info.sliding_window)
+
+    def step(self, store: "Store", query: torch.Tensor, scaling: float, step: DecodeStep) -> torch.Tensor:
+        """A decode step's attention: ``query`` [B, Hq, 1, D], the step's token already appended (the last held
+        slot, or ``step.slot(store)``). Called instead of ``attend`` for every forward of one token per row after
+        the prefill (never in the prefill, a prefill chunk or a scratch forward, never with several query tokens).
+        Default: ``attend``."""
+        return self.attend(store, query, scaling)
 
     def after_prefill(self, store: "Store") -> None:
         """Called once after the context prefill."""

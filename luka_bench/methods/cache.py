@@ -393,17 +393,55 @@ class MethodCache:
         return new
 
 
+class Step:
+    """A decode step (``base.DecodeStep``): the cache's per-step device values for one layer's ``LayerPolicy.step``,
+    on that layer's device. Made by ``policy_attention``; holds no tensor of its own."""
+
+    __slots__ = ("cache", "position", "device")
+
+    def __init__(self, cache: MethodCache, position: int, device: torch.device):
+        self.cache, self.position, self.device = cache, position, device
+
+    def counter(self) -> torch.Tensor:
+        return self.cache.position_tensor(self.position, self.device)
+
+    def before(self, delta: int) -> torch.Tensor:
+        return self.cache.position_before(self.position, delta, self.device)
+
+    def per_step(self, key, make) -> torch.Tensor:
+        return self.cache.per_step(key, self.position, self.device, make)
+
+    def slot(self, store: KVStore, offset: int = 0) -> torch.Tensor | None:
+        if store.static_slot is None:
+            return None
+        return store.static_slot if offset == 0 else store.static_slot_at(offset)
+
+    def held_mask(self, name: str, width: int, held: int, slot: torch.Tensor | None, rows: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+        return self.cache.held_mask(name, width, held, slot, rows, dtype, self.device)
+
+
+def policy_attention(store: KVStore, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The layer policy's attention for one forward, the caller deciding which hook: ``step`` with the step's state
+    (``Step``) for a decode step (the decode phase, one query token per row), ``attend`` for anything else (the
+    prefill, its chunks, a scratch forward, several tokens at once after the prefill)."""
+    policy, cache = store.policy, store.cache
+    if cache.phase == "decode" and query.shape[2] == 1:
+        return policy.step(store, query, scaling, Step(cache, store.seen - 1, query.device))
+    return policy.attend(store, query, scaling)
+
+
 def run_policy(store: KVStore, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """One layer's method work for one forward, after ``store.update``: ``attend`` (timed), the cache's
     observer if any, then in the forward that ends the prefill a layer-local policy's ``after_prefill``, in the
-    decode phase ``after_step`` (timed) and, after the last layer, the peak-bytes note. Returns the attention output
-    [B, Hq, Lq, D]."""
+    decode phase ``after_step`` (timed) and, after the last layer, the peak-bytes note. ``attend`` is
+    ``policy_attention`` (a decode step runs the policy's ``step``). Returns the attention output [B, Hq, Lq, D]."""
     policy, cache = store.policy, store.cache
     if policy.times_itself:
-        out = policy.attend(store, query, scaling)
+        out = policy_attention(store, query, scaling)
     else:
         with cache.span("attention", query.device):
-            out = policy.attend(store, query, scaling)
+            out = policy_attention(store, query, scaling)
     if cache.observer is not None:
         cache.observer(store, query, out, scaling)
     if cache.phase == "prefill" and cache.in_forward and policy.layer_local_prefill and not cache.splitting:

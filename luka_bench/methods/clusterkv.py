@@ -29,7 +29,7 @@ ranked clusters' cumulative sizes by one ``searchsorted``, then the member at ``
 the step's token is written at a slot held on the device (``static_decode``), and sinks + selection + the
 generated region up to the storage's capacity are gathered in one ``index_select`` of rows, the generated
 region's free slots masked by an additive mask opened by one ``index_fill_`` per step for all layers
-(``MethodCache.held_mask``). The clustering is an event (``layout_events``, once per layer and prompt).
+(``DecodeStep.held_mask``). The clustering is an event (``layout_events``, once per layer and prompt).
 """
 from __future__ import annotations
 
@@ -98,10 +98,12 @@ class ClusterKVPolicy(LayerPolicy):
         return 0 if self.index is None else self.index["size"].shape[-1]
 
     def attend(self, store, query, scaling):
+        self.sel = None
+        return timed_exact(store, query, scaling)
+
+    def step(self, store, query, scaling, step):
         m = self.method
         self.sel = None
-        if query.shape[2] != 1 or store.cache.phase != "decode":
-            return timed_exact(store, query, scaling)
         if self.prompt is None:  # the first decode step: the prompt is what is held before it
             self.prompt = store.n - 1
             if self.prompt > m.token_budget:
@@ -110,7 +112,7 @@ class ClusterKVPolicy(LayerPolicy):
                 self.layout_events += 1
         if self.index is None:  # prompt <= token_budget: full attention (reference L247-249)
             return timed_exact(store, query, scaling)
-        return self._sparse(store, query, scaling)
+        return self._sparse(store, query, scaling, step)
 
     def _fit(self, store, g: int) -> None:
         """(Re)make the row tables for the storage's capacity (at the clustering and when the storage grows)."""
@@ -127,7 +129,7 @@ class ClusterKVPolicy(LayerPolicy):
         self._p = torch.arange(w, device=dev).expand(r, g, w).contiguous()
         self._layout = (cap, g)
 
-    def _sparse(self, store, query, scaling):
+    def _sparse(self, store, query, scaling, step):
         m = self.method
         b, hq, _, d = query.shape
         K, V = store.storage()
@@ -152,8 +154,7 @@ class ClusterKVPolicy(LayerPolicy):
             ksel = K.reshape(-1, d).index_select(0, rows).view(b, hq, width, d)
             vsel = V.reshape(-1, V.shape[-1]).index_select(0, rows).view(b, hq, width, V.shape[-1])
         # the generated region's slots from n on are free: masked (0 on sinks, selection and held slots)
-        slot = None if store.static_slot is None else store.static_slot_at(s + w - P)
-        mask = store.cache.held_mask("clusterkv", width, s + w + n - P, slot, 1, query.dtype, query.device)
+        mask = step.held_mask("clusterkv", width, s + w + n - P, step.slot(store, s + w - P), 1, query.dtype)
         out = sdpa(query, ksel, vsel, scaling, mask.view(1, 1, 1, width))
         add_retrieval_spans(store, t0, t1)
         return out

@@ -43,8 +43,15 @@ class H2OPolicy(ScorerPolicy):
     def __init__(self, method, info):
         super().__init__(method, info)
         self._new_mass: torch.Tensor | None = None  # a slot step's mass for its new token (see ``attend``)
+        self._step = None  # the decode step under way (``DecodeStep``), from ``step`` to ``attend``
+        self._slot_step_at = None  # a slot step's ``DecodeStep``, for ``evict``: where its recent window starts
+
+    def step(self, store, query, scaling, step):
+        self._step = step
+        return self.attend(store, query, scaling)
 
     def attend(self, store, query, scaling):
+        step, self._step = self._step, None
         out, mass = attention_with_mass(store, query, scaling)
         acc = store.aux(MASS, zero_new=False)  # the new tokens' entries are written here, not zeroed by append
         n, lq = store.n, query.shape[2]
@@ -52,9 +59,9 @@ class H2OPolicy(ScorerPolicy):
         if self.method.decay is not None:
             acc[:, :, :old].mul_(self.method.decay)
         acc[:, :, :old].add_(mass[:, :, :old])
-        if self._slot_step(store, lq):
+        if step is not None and self._slot_step(store):
             # the new token moves into the evicted slot after this forward: its mass goes there with it
-            self._new_mass = mass[:, :, n - 1]
+            self._new_mass, self._slot_step_at = mass[:, :, n - 1], step
         else:
             acc[:, :, old:].copy_(mass[:, :, old:])
         return out
@@ -71,12 +78,11 @@ class H2OPolicy(ScorerPolicy):
     def capacity(self, store) -> int:
         return sum(self.split(super().capacity(store)))
 
-    def _slot_step(self, store, lq: int) -> bool:
-        """A decode step that puts the layer one token over capacity, with a recent window the new token belongs
+    def _slot_step(self, store) -> bool:
+        """This decode step puts the layer one token over capacity, with a recent window the new token belongs
         to: the least-mass older token goes and the new token takes its slot (``evict_into``)."""
-        if not self.incremental or lq != 1 or store.cache.phase != "decode":
-            return False
-        return store.n == self.capacity(store) + 1 and self.split(super().capacity(store))[1] >= 1
+        return self.incremental and store.n == self.capacity(store) + 1 and \
+            self.split(super().capacity(store))[1] >= 1
 
     def evict(self, store) -> None:
         cap = self.capacity(store)
@@ -85,7 +91,7 @@ class H2OPolicy(ScorerPolicy):
             return
         heavy, recent = self.split(super().capacity(store))
         older = n - recent
-        new_mass, self._new_mass = self._new_mass, None
+        new_mass, step, self._new_mass, self._slot_step_at = self._new_mass, self._slot_step_at, None, None
         if new_mass is not None:
             # One token more than fits (a decode step): the kept set, the top `heavy` of the `heavy + 1` older
             # tokens plus the recent window, drops exactly the older token of least mass — the latest of equal
@@ -95,7 +101,7 @@ class H2OPolicy(ScorerPolicy):
             # among equal masses, the latest position (positions < 2^32); the recent window's masses read as
             # +inf. The new token (the last slot: recent) then moves into the victim's slot. Five kernels and
             # three writes of fixed size, no host sync; slots are not in time order (positions tell it).
-            first_recent = store.cache.position_before(store.seen - 1, recent - 1, store.device)
+            first_recent = step.before(recent - 1)
             pos = store.positions_before(n - 1)
             mass = store.aux(MASS)[:, :, : n - 1].masked_fill(pos >= first_recent, float("inf"))
             key = torch.sub(pos, mass.view(torch.int32), alpha=1 << 32)

@@ -117,10 +117,14 @@ class LuKAPolicy(LayerPolicy):
         return self.method.compressor in ("attention_weighted", "zero_value")
 
     # -- hooks ---------------------------------------------------------------------------------------------
+    def step(self, store, query, scaling, step):
+        if self.P[1] > 0 and self.method.levels == 1 and self.use_fast_path:
+            self._att = self._att_count = None
+            return self.decode_step(store, query, scaling, step)
+        return self.attend(store, query, scaling)
+
     def attend(self, store, query, scaling):
         self._att = self._att_count = None
-        if self.P[1] > 0 and query.shape[2] == 1 and self.method.levels == 1 and self.use_fast_path:
-            return self.decode_step(store, query, scaling)
         if self.P[1] == 0:
             with store.cache.span("attention", store.device):
                 if self._needs_mass():
@@ -281,14 +285,14 @@ class LuKAPolicy(LayerPolicy):
         g = self.info.num_heads // self.info.num_kv_heads
         return min(C, math.ceil(g / r.threshold - 1e-9)) if r.threshold > 0 else C
 
-    def _cover(self, store) -> tuple[int, torch.Tensor | None]:
+    def _cover(self, store, step=None) -> tuple[int, torch.Tensor | None]:
         """Bring the cover buffer in sync with the store (see __init__); returns its width W = sink + pages + the
         tail region, and the device-held slot the step's token was written at (None: written at Python slots).
         Laid out [sink | P page summaries | tail region | scratch for the refined pages' tokens]; the tail region
         holds the raw tokens frontier..n-1 and free slots up to a width fixed between compressions (the tail, a
         page and ``compress_every`` steps: what accumulates until the next compression), masked in the step
-        (``MethodCache.held_mask``). A decode step's token is written at a slot the device holds (the store's slot
-        plus a per-compression offset, one kernel per step for all layers: ``KVStore.static_slot_at``):
+        (``DecodeStep.held_mask``). A decode step's token is written at a slot the device holds (the store's slot
+        plus a per-compression offset, one kernel per step for all layers: ``DecodeStep.slot``):
         consecutive steps between compressions have the same ops on the same shapes (the graph-ready steady
         state)."""
         m = self.method
@@ -311,9 +315,8 @@ class LuKAPolicy(LayerPolicy):
                 self.cov_v[:, :, s0 + first: s0 + P] = self.sv[1][:, :, first:P]
             self._copy_raw(store, fr, n, s0 + P)
             self.cov_w, self.cov_pages = s0 + P + T, P
-        elif self.cov_raw == n - 1 and store.static_kv is not None:  # a decode step, at its slot
-            slot = store.static_slot_at(base)
-            k, v = store.static_kv
+        elif step is not None and self.cov_raw == n - 1 and (slot := step.slot(store, base)) is not None:
+            k, v = store.static_kv  # a decode step, at its slot
             self.cov_k.index_copy_(2, slot, k)
             self.cov_v.index_copy_(2, slot, v)
         else:
@@ -369,7 +372,7 @@ class LuKAPolicy(LayerPolicy):
             self.cov_k[:, :, W: W + k_sel * S] = kk
             self.cov_v[:, :, W: W + k_sel * S] = vv
 
-    def decode_step(self, store, query, scaling):
+    def decode_step(self, store, query, scaling, step):
         """The per-token path (one query, one summary level): the same computation as ``clustered``, in the
         fewest tensor operations — a decode step at 2K is made of ~25 small ops, each costing more in dispatch
         than in arithmetic, so every op counts: logits over the whole cover buffer (``_cover``: its free tail
@@ -390,8 +393,8 @@ class LuKAPolicy(LayerPolicy):
         hkv, n = self.info.num_kv_heads, store.n
         g, bh = hq // hkv, b * hkv
         q = query.reshape(bh, g, d)  # a view for the usual layouts
-        W, slot = self._cover(store)
-        mask = cache.held_mask("luka_cover", W, self.cov_n, slot, bh, query.dtype, query.device)  # [B*Hkv, 1, W]
+        W, slot = self._cover(store, step)
+        mask = step.held_mask("luka_cover", W, self.cov_n, slot, bh, query.dtype)  # [B*Hkv, 1, W]
         ck, cv = self.cov_k, self.cov_v
         # fp32: the cover's logits and the refined children's are written side by side into one buffer, so the
         # softmax over both needs no concatenation (other dtypes: computed, cast to fp32 and concatenated)

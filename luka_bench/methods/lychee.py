@@ -256,14 +256,17 @@ class LycheePolicy(LayerPolicy):
             self._sync_index(store)
 
     def attend(self, store, query, scaling):
+        self.last = None
+        return timed_exact(store, query, scaling)
+
+    def step(self, store, query, scaling, step):
         cache, dev = store.cache, query.device
         m = self.method
-        if query.shape[2] != 1 or cache.phase != "decode" or store.n <= m.token_budget:
-            self.last = None
-            return timed_exact(store, query, scaling)
+        if store.n <= m.token_budget:
+            return self.attend(store, query, scaling)
         self._sync_index(store)
         if m.k_c is None:
-            return self._decode_attend(store, query, scaling)
+            return self._decode_attend(store, query, scaling, step)
         t0 = cache.mark(dev)
         idx, valid = self.retrieve(store, query)
         t1 = cache.mark(dev)
@@ -619,7 +622,7 @@ class LycheePolicy(LayerPolicy):
             self._buf = (key, qa, above, bias, consts)
         return self._buf[1:]
 
-    def _decode_attend(self, store, query, scaling):
+    def _decode_attend(self, store, query, scaling, step):
         """One decode step's retrieval and attention in the fewest kernels, with the chunk set of ``retrieve``
         (``k_c: null``): one matmul scores every unit, fine cluster and chunk (``_decode_tables``); a unit is kept
         when the tokens of the units scoring above it stay under ``coarse_factor`` x R (``k_g``: when fewer than
@@ -665,14 +668,13 @@ class LycheePolicy(LayerPolicy):
                 torch.where(pad, neg, zero, out=bias[:, :, 0, S: S + C])
         else:
             T = S + C + width
-            idx = self._static_layout(store, ch, rows, bias, S, C, fr, n, width)
+            idx = self._static_layout(store, step, ch, rows, bias, S, C, fr, n, width)
             # R (tokens left to the chunks) = budget - sinks - (n - fr): from the position counter, once per step
             # (n = the step's position + 1 - the tokens dropped before it)
             top = m.token_budget - S + fr - 1 + store.seen - n
-            R = cache.per_step(("lychee_R", top), store.seen - 1, dev, lambda pos: torch.rsub(pos, top))
+            R = step.per_step(("lychee_R", top), lambda pos: torch.rsub(pos, top))
             cf = self._cf(dev)
-            cfR = None if m.k_g is not None else cache.per_step(
-                ("lychee_cfR", top), store.seen - 1, dev, lambda _: torch.mul(R, cf))
+            cfR = None if m.k_g is not None else step.per_step(("lychee_cfR", top), lambda _: torch.mul(R, cf))
             torch.sum(qg, dim=2, dtype=torch.float32, out=qa[:, :, 0, :d])
             if m.ranking == "ub":  # each query head's norm weighs its own radius row: sum_i ||q_i|| r in the product
                 torch.linalg.vector_norm(qg, dim=-1, dtype=torch.float32, out=qa[:, :, 0, d: d + hq // hkv])
@@ -695,7 +697,7 @@ class LycheePolicy(LayerPolicy):
             self._cf_t = torch.tensor(float(self.method.coarse_factor), dtype=torch.float64, device=dev)
         return self._cf_t
 
-    def _static_layout(self, store, ch: Chunker, rows, bias, S: int, C: int, fr: int, n: int, width: int):
+    def _static_layout(self, store, step, ch: Chunker, rows, bias, S: int, C: int, fr: int, n: int, width: int):
         """The torch path's row ids [B, H, S + C + width]: the sinks' rows, C chunk slots (written by each step),
         the rows of the recent region fr .. fr + width (its slots from n on are free: zero or stale storage rows,
         finite); laid out once per chunk closing (and storage reallocation), with the recent part of the additive
@@ -711,8 +713,8 @@ class LycheePolicy(LayerPolicy):
             idx[:, :, S + C:] = rows[:, :, fr: fr + width]
             lay = self._lay = (key, idx)
             self._open = None
-        if self._open == n - fr - 1 and store.static_slot is not None:
-            bias.index_fill_(3, store.static_slot_at(S + C - fr), 0.0)  # mask slot of raw token i: i + S + C - fr
+        if self._open == n - fr - 1 and (slot := step.slot(store, S + C - fr)) is not None:
+            bias.index_fill_(3, slot, 0.0)  # mask slot of raw token i: i + S + C - fr
         elif self._open != n - fr:
             bias[..., S + C: S + C + n - fr] = 0.0
             bias[..., S + C + n - fr: S + C + width] = NEG

@@ -83,23 +83,29 @@ class OracleTopKPolicy(LayerPolicy):
         self.n_read = 0  # tokens held at that step (the mask's length)
 
     def attend(self, store, query, scaling):
+        self.top = None
+        return exact_attention(store, query, scaling)
+
+    def step(self, store, query, scaling, step):
         m = self.method
-        if query.shape[2] != 1 or store.cache.phase != "decode" or store.n <= m.token_budget:
-            self.top = None
-            return exact_attention(store, query, scaling)
-        if m.sink or m.recent or store.static_slot is None:
+        if store.n <= m.token_budget:
+            return self.attend(store, query, scaling)
+        slot = step.slot(store)
+        if m.sink or m.recent or slot is None:
             out, self.top = oracle_topk_select(query, store.keys, store.values, scaling, m.token_budget, m.sink,
                                                m.recent)
         else:
-            out, self.top = self._static_select(store, query, scaling)
+            b, hkv, cap = store.storage()[0].shape[:3]
+            free = step.held_mask("storage", cap, store.n, slot, b * hkv, query.dtype)  # [B * Hkv, 1, cap]
+            out, self.top = self._static_select(store, query, scaling, free)
         self.n_read = store.n
         return out
 
-    def _static_select(self, store, query, scaling):
+    def _static_select(self, store, query, scaling, bias: torch.Tensor):
         """``oracle_topk_select`` over the store's whole capacity (``KVStore.storage``): the free slots masked by
         an additive bias that the logits GEMM adds itself (``baddbmm`` with beta 1) and that one op per step opens
-        at the new token's slot for all layers (``_free_slots``), and again on the scores so that top-k never reads
-        a free slot. Same tokens read and the same output as over the held tokens alone (tested), on shapes that
+        at the new token's slot for all layers (``bias``: ``DecodeStep.held_mask``), and again on the scores so
+        that top-k never reads a free slot. Same tokens read and the same output as over the held tokens alone (tested), on shapes that
         stay fixed from step to step until the storage grows: the graph-ready steady state, for 1.25 kernels more
         per layer on the launch counter's 4-layer model."""
         m = self.method
@@ -107,7 +113,6 @@ class OracleTopKPolicy(LayerPolicy):
         b, hq, _, d = query.shape
         hkv, cap = K.shape[1], K.shape[2]
         g, bh = hq // hkv, b * hkv
-        bias = self._free_slots(store, query.dtype)
         logits = torch.baddbmm(bias, query.reshape(bh, g, d), K.reshape(bh, cap, d).transpose(1, 2),
                                alpha=scaling).float()  # [B*Hkv, g, cap]
         score = torch.softmax(logits, dim=-1).sum(1) + bias.view(bh, cap)  # free slots: -inf
@@ -115,13 +120,6 @@ class OracleTopKPolicy(LayerPolicy):
         ksel = K.gather(2, top[..., None].expand(b, hkv, m.token_budget, d))
         vsel = V.gather(2, top[..., None].expand(b, hkv, m.token_budget, V.shape[-1]))
         return sdpa(query, ksel, vsel, scaling), top
-
-    def _free_slots(self, store, dtype) -> torch.Tensor:
-        """The free-slot mask over the storage [B * Hkv, 1, cap], shared by the layers (one ``index_fill_`` per step
-        opens the new slot for all of them: ``MethodCache.held_mask``)."""
-        K = store.storage()[0]
-        return store.cache.held_mask("storage", K.shape[2], store.n, store.static_slot, K.shape[0] * K.shape[1],
-                                     dtype, K.device)
 
     @property
     def read(self) -> torch.Tensor | None:

@@ -14,12 +14,12 @@ import torch.nn.functional as F
 
 from . import cpu_kernel
 from .attention import exact_attention
-from .base import KVMethod, LayerInfo, LayerPolicy, Store
+from .base import DecodeStep, KVMethod, LayerInfo, LayerPolicy, Store
 
 
 class StaticExactPolicy(LayerPolicy):
     """Exact attention whose decode step reads the store's whole capacity with the free slots masked (one mask per
-    cache, opened by one ``index_fill_`` per step for all layers: ``MethodCache.held_mask``): graph-ready, at the
+    cache, opened by one ``index_fill_`` per step for all layers: ``DecodeStep.held_mask``): graph-ready, at the
     price of reading up to ``KVStore.GROWTH`` x the held tokens' keys and values. For the exact layers of a method
     whose other layers are graph-ready (LycheeCluster's ``full_layers``); a layer with a sliding window, a query
     chunk, a step written at a Python slot and the CPU with its kernels on (``cpu_kernel.cpu_fast``: there SDPA over
@@ -27,14 +27,15 @@ class StaticExactPolicy(LayerPolicy):
 
     static_decode = True
 
-    def attend(self, store: "Store", query: torch.Tensor, scaling: float) -> torch.Tensor:
-        if query.shape[2] != 1 or store.static_slot is None or self.info.sliding_window is not None or \
+    def step(self, store: "Store", query: torch.Tensor, scaling: float, step: DecodeStep) -> torch.Tensor:
+        slot = step.slot(store)
+        if slot is None or self.info.sliding_window is not None or \
                 cpu_kernel.cpu_fast(query.device):  # CPU SDPA with a mask over the storage: slower, and no graph
-            return exact_attention(store, query, scaling, self.info.sliding_window)
+            return self.attend(store, query, scaling)
         K, V = store.storage()
         b, hq, _, d = query.shape
         hkv, cap = K.shape[1], K.shape[2]
-        mask = store.cache.held_mask("storage", cap, store.n, store.static_slot, b * hkv, query.dtype, query.device)
+        mask = step.held_mask("storage", cap, store.n, slot, b * hkv, query.dtype)
         out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), K, V,
                                              attn_mask=mask.view(b, hkv, 1, cap), scale=scaling)
         return out.view(b, hq, 1, V.shape[-1])

@@ -31,7 +31,7 @@ K]. The decode step is fixed-shape and free of host syncs, as ``oracle_topk``'s 
 written at a slot held on the device (``static_decode``), the pages are gathered from the storage's whole
 capacity (a multiple of ``page_size``: ``storage_multiple``) in one ``index_select`` of page rows, and the last
 page's free slots are masked by an additive mask opened by one ``index_fill_`` per step for all layers
-(``MethodCache.held_mask``). What changes only when a page closes (the number of candidate pages, the last page's
+(``DecodeStep.held_mask``). What changes only when a page closes (the number of candidate pages, the last page's
 index, the mask's layout) is rebuilt then: an event (``layout_events``), one per layer every ``page_size`` steps.
 """
 from __future__ import annotations
@@ -69,18 +69,20 @@ class QuestPolicy(LayerPolicy):
         self.n_read = 0  # tokens held at that step
 
     # -- the decode step -------------------------------------------------------------------------------------
-    def attend(self, store, query, scaling):
+    def attend(self, store, query, scaling):  # the prefill, its chunks, a scratch forward: exact
+        self.pid = None
+        return timed_exact(store, query, scaling)
+
+    def step(self, store, query, scaling, step):
         m = self.method
         n = store.n
-        if query.shape[2] != 1 or store.cache.phase != "decode" or n <= m.token_budget:
-            self.pid = None
-            return timed_exact(store, query, scaling)
+        if n <= m.token_budget:
+            return self.attend(store, query, scaling)
         ps = m.page_size
         c = (n - 1) // ps  # closed pages before the last one: the candidates
         k = quest_pages(n, ps, m.token_budget)
         if k > c:  # every page read
-            self.pid = None
-            return timed_exact(store, query, scaling)
+            return self.attend(store, query, scaling)
         t0 = store.cache.mark(query.device)
         self._fit(store, query, c, k)
         b, hq, _, d = query.shape
@@ -98,8 +100,7 @@ class QuestPolicy(LayerPolicy):
         ksel, vsel = gather_pages(store, rows, ps, b, hq, w)  # [B, Hq, w, D]: each query head's pages
         # the last page's slots from n on are free: masked (0 on the K - 1 full pages read and the held slots)
         held = (k - 1) * ps + n - c * ps
-        slot = None if store.static_slot is None else store.static_slot_at((k - 1) * ps - c * ps)
-        mask = store.cache.held_mask("quest", w, held, slot, 1, query.dtype, query.device).view(1, 1, 1, w)
+        mask = step.held_mask("quest", w, held, step.slot(store, (k - 1) * ps - c * ps), 1, query.dtype).view(1, 1, 1, w)
         out = sdpa(query, ksel, vsel, scaling, mask)
         add_retrieval_spans(store, t0, t1)
         return out

@@ -36,7 +36,7 @@ model's own rotary cache) is not counted.
 Shapes: query [B, Hq, 1, D]; U [B * n0, r]; SV and its rotate-half [B * Hkv, r, 2D]; landmarks [B, Hkv, Cl, D] with
 Cl = chunks - outliers; chunks read [B, Hkv, token_budget / chunk]. The decode step is fixed-shape and free of host
 syncs (``static_decode``): the tail is the store's storage from the local part on (free slots masked by the mask
-``MethodCache.held_mask`` opens one slot per step for all layers), the rebuilt keys one GEMM of the gathered rows of
+``DecodeStep.held_mask`` opens one slot per step for all layers), the rebuilt keys one GEMM of the gathered rows of
 U with [SV, rotate_half(SV)] (RoPE is linear: rotate_half(U SV) = U rotate_half(SV)) and one multiply-add with the
 gathered cos / sin rows.
 """
@@ -150,9 +150,12 @@ class ShadowKVPolicy(LayerPolicy):
 
     # -- the decode step ---------------------------------------------------------------------------------------
     def attend(self, store, query, scaling):
-        if query.shape[2] != 1 or store.cache.phase != "decode" or not self.ready:
-            self.pos = None
-            return timed_exact(store, query, scaling)
+        self.pos = None
+        return timed_exact(store, query, scaling)
+
+    def step(self, store, query, scaling, step):
+        if not self.ready:
+            return self.attend(store, query, scaling)
         m = self.method
         t0 = store.cache.mark(query.device)
         b, hq, _, d = query.shape
@@ -179,9 +182,8 @@ class ShadowKVPolicy(LayerPolicy):
         keys = torch.cat([ok, ksel.view(b, hkv, w, d), Kst[:, :, self.L0: cap]], dim=2)
         values = torch.cat([ov, vsel.view(b, hkv, w, -1), Vst[:, :, self.L0: cap]], dim=2)
         width = f + w + cap - self.L0
-        slot = None if store.static_slot is None else store.static_slot_at(f + w - self.L0)
-        mask = store.cache.held_mask("shadowkv", width, f + w + store.n - self.L0, slot, 1, query.dtype,
-                                     query.device).view(1, 1, 1, width)
+        mask = step.held_mask("shadowkv", width, f + w + store.n - self.L0, step.slot(store, f + w - self.L0), 1,
+                              query.dtype).view(1, 1, 1, width)
         out = sdpa(query, keys, values, scaling, mask)
         add_retrieval_spans(store, t0, t1)
         return out

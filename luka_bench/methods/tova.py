@@ -63,21 +63,26 @@ class TOVAPolicy(ScorerPolicy):
         return store.n > self.capacity(store)
 
     def attend(self, store, query, scaling):
-        phase, lq = store.cache.phase, query.shape[2]
+        phase = store.cache.phase
         self.scaling = scaling
         if phase == "scratch" or self.method.budget >= 1.0:
             return exact_attention(store, query, scaling)
-        if phase == "decode" and lq == 1 and self.method.decode and self._evicts(store):
-            # the step's output and its query's weights from one fp32 softmax (``attention_with_mass``'s decode
-            # path, the weights summed over all query heads of the layer at once)
-            b, hq, _, d = query.shape
-            hkv = store.keys.shape[1]
-            w = torch.softmax(group_logits(query.view(b, hkv, hq // hkv, 1, d), store.keys, scaling), dim=-1)
-            self._step_scores = w.sum(dim=(1, 2, 3))  # [B, n]
-            return group_apply(w, store.values).view(b, hq, 1, -1)
-        if phase == "prefill" or (self.method.decode and lq > 1):  # a decode step's own scores: above
+        if phase == "prefill" or self.method.decode:  # a forward of several tokens: its last query scores later
             self._q_last = query[:, :, -1:].detach().clone()  # a copy: a slice keeps the whole chunk alive
         return exact_attention(store, query, scaling)
+
+    def step(self, store, query, scaling, step):
+        if self.method.budget >= 1.0 or not self.method.decode or not self._evicts(store):
+            self.scaling = scaling
+            return exact_attention(store, query, scaling)
+        # the step's output and its query's weights from one fp32 softmax (``attention_with_mass``'s decode path,
+        # the weights summed over all query heads of the layer at once)
+        self.scaling = scaling
+        b, hq, _, d = query.shape
+        hkv = store.keys.shape[1]
+        w = torch.softmax(group_logits(query.view(b, hkv, hq // hkv, 1, d), store.keys, scaling), dim=-1)
+        self._step_scores = w.sum(dim=(1, 2, 3))  # [B, n]
+        return group_apply(w, store.values).view(b, hq, 1, -1)
 
     # -- the prefill, on the scorer base ------------------------------------------------------------------------------
     def protected(self, store, cap: int) -> tuple[int, int]:
