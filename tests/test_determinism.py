@@ -3,7 +3,7 @@ order, so a sum's low bits change from run to run — and with them a k-means as
 top-k among near-ties. Where such sums feed a selection (LycheeCluster's chunk keys, k-means centroids and lazy
 updates; LuKA's accumulated token and page masses when a query chunk's queries refine the same pages) they are
 computed off the CPU without float atomics (``attention.group_sum``, ``attention.scatter_add_rows``,
-``LycheePolicy._chunk_sums``); these tests force that path on the CPU (``dense=True``) and check it equals the
+``pages.segment_sums``); these tests force that path on the CPU (``dense=True``) and check it equals the
 CPU's scatter and dispatches no scatter_add. Ties themselves have a stated rule: LuKA's refinement and lychee's
 rankings take the earlier node (stable descending sorts, not ``topk``), k-means the lower-numbered centroid
 (``argmax``'s first maximum)."""
@@ -17,6 +17,7 @@ from luka_bench.methods import attention
 from luka_bench.methods.base import LayerInfo
 from luka_bench.methods.luka_clustered import LuKAClustered, LuKAPolicy
 from luka_bench.methods.lychee import Lychee, LycheePolicy, spherical_kmeans
+from luka_bench.methods.pages import segment_sums
 
 from conftest import DEVICE
 
@@ -66,7 +67,8 @@ def test_scatter_add_rows_without_atomics_equals_scatter_add():
 
 
 def test_lychee_chunk_sums_without_atomics_equal_the_scatter():
-    """Mean-pooled chunk keys: each chunk's tokens gathered into max_chunk slots and summed in order."""
+    """Mean-pooled chunk keys (``pages.segment_sums``): each chunk's tokens gathered into max_chunk slots and summed
+    in order."""
     pol = LycheePolicy(Lychee(max_chunk=6, min_chunk=2, token_budget=64, sink=0, buffer=4), LayerInfo(2, 3, 4, 2, 8))
     gen = torch.Generator().manual_seed(2)
     k = torch.randn(1, 2, 30, 8, generator=gen).to(DEVICE)
@@ -74,7 +76,7 @@ def test_lychee_chunk_sums_without_atomics_equal_the_scatter():
     starts = torch.cumsum(lens, 0) - lens
     tc = torch.repeat_interleave(torch.arange(7, device=DEVICE), lens, output_size=30).view(1, 1, -1, 1)
     ref = torch.zeros(1, 2, 7, 8, device=DEVICE).scatter_add_(2, tc.expand(1, 2, -1, 8), k)
-    torch.testing.assert_close(pol._chunk_sums(k, starts, lens), ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(segment_sums(k, starts, lens, pol.method.max_chunk), ref, rtol=1e-6, atol=1e-6)
 
 
 def test_spherical_kmeans_same_bits_on_every_run(monkeypatch):

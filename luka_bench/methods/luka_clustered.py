@@ -42,6 +42,7 @@ import torch
 
 from luka_bench.methods import cpu_kernel
 from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, check_holds_every_token
+from luka_bench.methods.pages import page_means
 from luka_bench.methods.attention import (attention_with_mass, exact_attention, group_apply, group_logits,
     scatter_add_rows)
 
@@ -249,10 +250,13 @@ class LuKAPolicy(LayerPolicy):
             store.cache.held_mask("luka_cover", W, self.cov_n, None, b * h, store.keys.dtype, store.device)
 
     def _combine(self, pi: torch.Tensor, x: torch.Tensor, out: torch.Tensor, value: bool = False) -> None:
-        """out [..., D] = the ``pi``-weighted sum of ``x`` [..., S, D] over the group (zero values for
-        ``zero_value``)."""
+        """out [..., D] = the ``pi``-weighted sum of ``x`` [B, H, P, S, D] over each group of S (zero values for
+        ``zero_value``; for ``mean`` the group's mean, ``pages.page_means``, as ``PagedKeys`` keeps it)."""
         if value and self.method.compressor == "zero_value":
             out.zero_()
+        elif self.method.compressor == "mean":
+            b, h, p, s, d = x.shape
+            page_means(x.reshape(b, h, p * s, d), s, out=out)
         else:
             torch.sum(pi.unsqueeze(-1).to(x.dtype) * x, dim=-2, out=out)
 

@@ -63,6 +63,7 @@ from luka_bench.methods import cpu_kernel
 from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
 from luka_bench.methods.attention import add_retrieval_spans, group_sum, timed_exact
 from luka_bench.methods.kmeans import node_stats, spherical_kmeans  # shared with clusterkv
+from luka_bench.methods.pages import segment_pool
 
 NEG = float("-inf")
 NONE_LEVEL = 5
@@ -320,35 +321,15 @@ class LycheePolicy(LayerPolicy):
                 self.lazy_update(store, ch)
 
     def pool(self, store, ch: Chunker, first: int, last: int) -> torch.Tensor:
-        """Normalised keys of chunks first..last-1 [B, H, k, D] (mean or max of their tokens' keys)."""
+        """Normalised keys of chunks first..last-1 [B, H, k, D] (mean or max of their tokens' keys, in fp32:
+        ``pages.segment_pool``)."""
         lo, hi = int(ch.bounds[first]), int(ch.bounds[last])
         k = store.keys[:, :, lo:hi].float()
-        b, h, _, d = k.shape
-        tc = (ch.tok_chunk[lo - self.method.sink: hi - self.method.sink] - first).view(1, 1, -1, 1)
-        tc = tc.expand(b, h, -1, d)
-        n = last - first
-        if self.method.pooling == "max":
-            out = torch.full((b, h, n, d), NEG, dtype=k.dtype, device=k.device).scatter_reduce_(
-                2, tc, k, "amax", include_self=True)
-        else:
-            lens = (ch.starts[first + 1: last + 1] - ch.starts[first: last]).to(k.dtype)
-            if k.device.type == "cpu":  # deterministic there (one thread per output row, in token order)
-                out = torch.zeros(b, h, n, d, dtype=k.dtype, device=k.device).scatter_add_(2, tc, k)
-            else:  # no float atomics: each chunk's tokens gathered into max_chunk slots and summed in order
-                out = self._chunk_sums(k, ch.starts[first: last] - lo, lens.long())
-            out = out / lens.view(1, 1, -1, 1)
+        seg = ch.tok_chunk[lo - self.method.sink: hi - self.method.sink] - first
+        starts = ch.starts[first: last]
+        out = segment_pool(k, seg, starts - lo, ch.starts[first + 1: last + 1] - starts, self.method.max_chunk,
+                           self.method.pooling)
         return F.normalize(out, dim=-1)
-
-    def _chunk_sums(self, k: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """Sum of the keys k [B, H, T, D] of each chunk (``starts`` / ``lens`` [n] into T; chunks hold at most
-        ``max_chunk`` tokens): [B, H, n, D], as a gather into [B, H, n, max_chunk, D] (padding zeroed) summed over
-        the slots — deterministic, unlike a scatter_add_ on CUDA. Fixed shapes: no host sync."""
-        b, h, t, d = k.shape
-        slot = torch.arange(self.method.max_chunk, device=k.device)
-        ok = slot < lens.unsqueeze(-1)  # [n, max_chunk]
-        tok = torch.where(ok, starts.unsqueeze(-1) + slot, torch.zeros_like(slot)).view(-1)
-        g = k.index_select(2, tok).view(b, h, -1, slot.numel(), d)
-        return (g * ok.view(1, 1, *ok.shape, 1).to(g.dtype)).sum(3)
 
     def build(self, store, ch: Chunker) -> None:
         m = self.method

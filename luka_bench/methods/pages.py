@@ -1,9 +1,11 @@
 """Paged key summaries: per page of consecutive held tokens, per-channel statistics of its keys (post-RoPE, as the
 store holds them) — by default the mean, minimum and maximum; ArkVale's digest box (``lo``, ``hi``) on request —
 kept up to date as pages close during the decode: what page-level retrieval reads (Quest's upper bound of q.k over
-a page from its min/max; ArkVale's digest box; a page's mean key as LuKA's and LycheeCluster's summaries start
-from). Also the two page-level operations the paged decode steps share: ``page_bound`` (the sign-trick score of a
-query against a per-channel box) and ``gather_pages`` (whole pages of the storage, keys and values, in one copy).
+a page from its min/max; ArkVale's digest box). The reductions themselves, shared: ``page_means`` (pages of one
+size: ``PagedKeys``; LuKA's ``mean`` compressor, its pages' keys and values), ``segment_pool`` / ``segment_sums``
+(pages of varying length: LycheeCluster's chunk keys, mean or max). Also the two page-level operations the paged
+decode steps share: ``page_bound`` (the sign-trick score of a query against a per-channel box) and ``gather_pages``
+(whole pages of the storage, keys and values, in one copy).
 
 ``PagedKeys(size, start)`` summarises the store's slots ``start, start + size, ...`` in slot order; for a store that
 only appends (Quest, ArkVale, LycheeCluster keep every raw token) slot order is time order. ``update(store)``
@@ -19,6 +21,45 @@ from .base import Store
 
 
 STATS = ("mean", "min", "max", "lo", "hi")
+
+
+def page_means(x: torch.Tensor, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean over each page of ``size`` consecutive slots of ``x`` [B, H, P * size, D]: [B, H, P, D] (into
+    ``out`` when given). What ``PagedKeys`` keeps as ``mean`` and LuKA's ``mean`` compressor makes of a page."""
+    b, h, t, d = x.shape
+    return torch.mean(x.reshape(b, h, t // size, size, d), dim=3, out=out)
+
+
+def segment_sums(x: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """The sum over each of n pages of *varying* length (``starts`` / ``lens`` [n] into the slots of ``x``
+    [B, H, T, D], none longer than ``max_len``): [B, H, n, D], as a gather into [B, H, n, max_len, D] (padding
+    zeroed) summed over the slots in order — deterministic on every device (no float atomics, unlike a
+    ``scatter_add_`` on CUDA); fixed shapes, no host sync. LycheeCluster's structure-aware chunks."""
+    b, h, _, d = x.shape
+    slot = torch.arange(max_len, device=x.device)
+    ok = slot < lens.unsqueeze(-1)  # [n, max_len]
+    tok = torch.where(ok, starts.unsqueeze(-1) + slot, torch.zeros_like(slot)).view(-1)
+    g = x.index_select(2, tok).view(b, h, -1, slot.numel(), d)
+    return (g * ok.view(1, 1, *ok.shape, 1).to(g.dtype)).sum(3)
+
+
+def segment_pool(x: torch.Tensor, seg: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, max_len: int,
+                 how: str = "mean") -> torch.Tensor:
+    """Per-page mean (``how="mean"``) or per-channel maximum (``"max"``) of ``x`` [B, H, T, D] over n pages of
+    varying length: ``seg`` [T] each slot's page (0..n-1), ``starts`` / ``lens`` [n] (see ``segment_sums``).
+    [B, H, n, D]. The mean sums in slot order on the CPU (``scatter_add_``: one thread per output row there) and
+    with ``segment_sums`` elsewhere."""
+    b, h, t, d = x.shape
+    n = lens.shape[0]
+    idx = seg.view(1, 1, t, 1).expand(b, h, t, d)
+    if how == "max":
+        return torch.full((b, h, n, d), float("-inf"), dtype=x.dtype, device=x.device).scatter_reduce_(
+            2, idx, x, "amax", include_self=True)
+    if x.device.type == "cpu":
+        sums = torch.zeros(b, h, n, d, dtype=x.dtype, device=x.device).scatter_add_(2, idx, x)
+    else:
+        sums = segment_sums(x, starts, lens, max_len)
+    return sums / lens.to(x.dtype).view(1, 1, -1, 1)
 
 
 def page_bound(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
@@ -113,7 +154,7 @@ class PagedKeys:
             self._buf = buf
         out = dict(zip(self.stats, self._buf[:, :, :, self.pages: full]))
         if "mean" in out:
-            torch.mean(pages, dim=3, out=out["mean"])
+            page_means(k, self.size, out=out["mean"])
         box = "lo" in out or "hi" in out
         ends = []
         for name, op in (("min", torch.amin), ("max", torch.amax)):
