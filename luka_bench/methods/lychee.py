@@ -327,8 +327,8 @@ class LycheePolicy(LayerPolicy):
         k = store.keys[:, :, lo:hi].float()
         seg = ch.tok_chunk[lo - self.method.sink: hi - self.method.sink] - first
         starts = ch.starts[first: last]
-        out = segment_pool(k, seg, starts - lo, ch.starts[first + 1: last + 1] - starts, self.method.max_chunk,
-                           self.method.pooling)
+        out = segment_pool(k, seg, starts, ch.starts[first + 1: last + 1] - starts, self.method.max_chunk,
+                           self.method.pooling, offset=lo)
         return F.normalize(out, dim=-1)
 
     def build(self, store, ch: Chunker) -> None:

@@ -44,11 +44,11 @@ def segment_sums(x: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, max_
 
 
 def segment_pool(x: torch.Tensor, seg: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, max_len: int,
-                 how: str = "mean") -> torch.Tensor:
+                 how: str = "mean", offset: int = 0) -> torch.Tensor:
     """Per-page mean (``how="mean"``) or per-channel maximum (``"max"``) of ``x`` [B, H, T, D] over n pages of
-    varying length: ``seg`` [T] each slot's page (0..n-1), ``starts`` / ``lens`` [n] (see ``segment_sums``).
-    [B, H, n, D]. The mean sums in slot order on the CPU (``scatter_add_``: one thread per output row there) and
-    with ``segment_sums`` elsewhere."""
+    varying length: ``seg`` [T] each slot's page (0..n-1), ``starts`` / ``lens`` [n] (``starts - offset`` into the
+    slots of ``x``: see ``segment_sums``). [B, H, n, D]. The mean sums in slot order on the CPU (``scatter_add_``:
+    one thread per output row there) and with ``segment_sums`` elsewhere."""
     b, h, t, d = x.shape
     n = lens.shape[0]
     idx = seg.view(1, 1, t, 1).expand(b, h, t, d)
@@ -58,7 +58,7 @@ def segment_pool(x: torch.Tensor, seg: torch.Tensor, starts: torch.Tensor, lens:
     if x.device.type == "cpu":
         sums = torch.zeros(b, h, n, d, dtype=x.dtype, device=x.device).scatter_add_(2, idx, x)
     else:
-        sums = segment_sums(x, starts, lens, max_len)
+        sums = segment_sums(x, starts - offset, lens, max_len)
     return sums / lens.to(x.dtype).view(1, 1, -1, 1)
 
 
