@@ -37,7 +37,6 @@ Absolute imports only: inside this module ``lm_eval`` is lm-evaluation-harness, 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 from typing import Any
@@ -145,17 +144,6 @@ def load(model: str, model_settings: dict):
             raise LmEvalArgsError(f"model.{bad[0]} is not a setting of a hub or folder model ({model}); allowed: "
                                   f"{', '.join(HUB_MODEL_SETTINGS)}")
     return lb.load_model(model, **model_settings)
-
-
-def _method_settings(method) -> dict[str, Any]:
-    if not dataclasses.is_dataclass(method):
-        return {}
-    out = {}
-    for f in dataclasses.fields(method):
-        v = getattr(method, f.name)
-        if f.init and isinstance(v, (int, float, str, bool, type(None), list, tuple)):
-            out[f.name] = list(v) if isinstance(v, tuple) else v
-    return out
 
 
 def _processes() -> int:
@@ -339,7 +327,7 @@ class LukaBenchLM(HFLM):
         rows = self._records
         tasks = sorted({str(r["task"]) for r in rows})
         report = {"model": self.luka_model, "method": self.luka_method, "method_settings":
-                  _method_settings(self.method), "protocol": "tail rule: chat generation prompt, else last token",
+                  self.method.settings_json(), "protocol": "tail rule: chat generation prompt, else last token",
                   "generation_config_not_applied": {k: str(v) for k, v in self.not_applied.items()},
                   **summary(rows),
                   "by_task": {t: summary([r for r in rows if str(r["task"]) == t]) for t in tasks}}
@@ -359,7 +347,7 @@ class LukaBenchLM(HFLM):
             return (f"  {name}: n={s['n']}  kv_ratio {f(s['kv_ratio'], 3)}  tokens held {f(s['kv_tokens'], 1)} of "
                     f"{f(s['kv_tokens_full'], 1)}  tokens read per step {f(s['attended_tokens'], 1)}")
 
-        settings = ", ".join(f"{k}={v}" for k, v in report["method_settings"].items())
+        settings = ", ".join(f"{k}={v}" for k, v in report["method_settings"].items())  # KVMethod.settings
         lines = [f"luka_bench: method={report['method']} ({settings}) on model={report['model']}  "
                  "(mean ± SE over sequences)", line("all", report)]
         if len(report["by_task"]) > 1:

@@ -189,6 +189,26 @@ def test_describe_names_every_setting():
     assert "first:2: knorm(budget=0.5)" in lay and "default=full(budget=1)" in lay
 
 
+def test_describe_and_lm_evals_settings_come_from_one_place():
+    """``describe`` (the run's report, the cache key) and lm-eval's ``method_settings`` both read
+    ``KVMethod.settings``: the same names in the same order, every value JSON-ready (a nested method as
+    ``describe`` writes it)."""
+    import json
+
+    from luka_bench.methods.luka_clustered import LuKAClustered
+
+    for m in (SnapKV(window=16), KNorm(full_layers=2), LuKAClustered(),
+              Layered(rules=[{"layers": "first:2", "method": KNorm(budget=0.5)}])):
+        js = json.loads(json.dumps(m.settings_json()))
+        assert list(js) == list(m.settings())
+        shown = m.describe()[len(m.name) + 1: -1]
+        for k, v in js.items():
+            assert f"{k}=" in shown or (k == "full_layers" and v == 0)
+    assert SnapKV(window=16).settings_json()["window"] == 16
+    assert Layered(rules=[{"layers": "first:2", "method": KNorm(budget=0.5)}]).settings_json()["default"] == \
+        "full(budget=1)"
+
+
 # -- head-wise budgets: a layer's budget split across its KV heads ----------------------------------------------------
 
 class HeadKNormPolicy(ScorerPolicy):

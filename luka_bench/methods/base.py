@@ -428,12 +428,21 @@ class KVMethod:
             if not store.compressed_in_forward:
                 store.policy.after_prefill(store)
 
+    def settings(self) -> dict[str, Any]:
+        """Every setting by name, from the method's fields (those it shows: ``repr``), in field order."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+
     def describe(self) -> str:
-        """The method and every setting, from its fields (one rule for every method: the run's report, lm-eval's
-        model string and the cache key all read it); ``full_layers`` only where it is set."""
-        shown = [(f.name, getattr(self, f.name)) for f in fields(self) if f.repr]
-        return f"{self.name}(" + ", ".join(f"{k}={_setting(v)}" for k, v in shown
+        """The method and every setting (``settings``; one rule for every method: the run's report, lm-eval's
+        model string and report and the cache key all read it); ``full_layers`` only where it is set."""
+        return f"{self.name}(" + ", ".join(f"{k}={_setting(v)}" for k, v in self.settings().items()
                                            if not (k == "full_layers" and v == 0)) + ")"
+
+    def settings_json(self) -> dict[str, Any]:
+        """``settings`` with every value JSON-ready: numbers, strings, booleans and None as they are, anything
+        else (a nested method, a rule, a dataclass of settings) as ``describe`` writes it."""
+        plain = (int, float, str, bool, type(None))
+        return {k: v if isinstance(v, plain) else _setting(v) for k, v in self.settings().items()}
 
 
 def _setting(v: Any) -> str:
