@@ -200,3 +200,33 @@ def test_the_peak_growth_of_a_span_is_measured_on_the_cpu():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent)
     assert int(out.stdout.split()[-1]) >= 60 << 20  # 64 MiB, touched
+
+
+def test_a_long_chunk_after_a_prefix_attends_in_query_blocks_with_small_masks(monkeypatch):
+    """A prefill chunk after a prefix (the second chunk of a chunked prefill) attends exactly as one SDPA call with
+    the chunk's causal mask, but no mask it makes covers more than ``MASK_BLOCK_ELEMENTS`` (query, key) pairs: a
+    whole [Lq, n] boolean mask and SDPA's float copy of it were 0.8 GB at 8,192 queries over 16,384 keys."""
+    import torch.nn.functional as F
+
+    from luka_bench.methods import attention as A
+
+    class Held:
+        def __init__(self, k, v):
+            self.keys, self.values, self.n = k, v, k.shape[2]
+
+    gen = torch.Generator().manual_seed(0)
+    lq, n = 300, 700
+    q, k, v = torch.randn(1, 6, lq, 16, generator=gen), *(torch.randn(1, 2, n, 16, generator=gen) for _ in range(2))
+    causal = torch.arange(n)[None, :] <= torch.arange(n - lq, n)[:, None]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=0.25, enable_gqa=True)
+    monkeypatch.setattr(A, "MASK_BLOCK_ELEMENTS", 20_000)
+    masks, sdpa = [], F.scaled_dot_product_attention
+
+    def recording(*args, attn_mask=None, **kw):
+        masks.append(0 if attn_mask is None else attn_mask.numel())
+        return sdpa(*args, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    got = A.exact_attention(Held(k, v), q, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(masks) == -(-lq // (20_000 // n)) and 0 < max(masks) <= 20_000
