@@ -72,12 +72,11 @@ class TOVAPolicy(ScorerPolicy):
         return exact_attention(store, query, scaling)
 
     def step(self, store, query, scaling, step):
+        self.scaling = scaling
         if self.method.budget >= 1.0 or not self.method.decode or not self._evicts(store):
-            self.scaling = scaling
             return exact_attention(store, query, scaling)
         # the step's output and its query's weights from one fp32 softmax (``attention_with_mass``'s decode path,
         # the weights summed over all query heads of the layer at once)
-        self.scaling = scaling
         b, hq, _, d = query.shape
         hkv = store.keys.shape[1]
         w = torch.softmax(group_logits(query.view(b, hkv, hq // hkv, 1, d), store.keys, scaling), dim=-1)
