@@ -164,7 +164,7 @@ class ArkValePolicy(LayerPolicy):
         ksel, vsel = gather_pages(store, rows, ps, b, hkv, w)  # [B, Hkv, w, D]
         # the open page (read last) holds n - c * ps tokens; its slots from n on are free: masked
         before = (m.page_budget - 1) * ps - c * ps
-        mask = step.held_mask("arkvale", w, before + n, step.slot(store, before), 1, query.dtype).view(1, 1, 1, w)
+        mask = step.held_mask(store, "arkvale", w, before + n, 1, query.dtype).view(1, 1, 1, w)
         out = sdpa(query, ksel, vsel, scaling, mask)
         add_retrieval_spans(store, t0, t1)
         return out

@@ -163,11 +163,12 @@ class DecodeStep(Protocol):
         """The device slot [1] where ``store`` wrote this step's token, moved by ``offset`` (where a policy mirrors
         the token into a buffer of its own); None when the store wrote it at a Python slot (then shapes change)."""
 
-    def held_mask(self, name: str, width: int, held: int, slot: torch.Tensor | None, rows: int,
+    def held_mask(self, store: "Store", name: str, width: int, held: int, rows: int,
                   dtype: torch.dtype) -> torch.Tensor:
-        """An additive mask [rows, 1, width]: 0 on the first ``held`` slots, -inf on the rest, shared by every
-        layer asking for the same ``name`` and shape; a step that fills one more slot (``slot``, the device index of
-        slot ``held - 1``) opens it with one kernel for all the layers."""
+        """An additive mask [rows, 1, width] over a buffer laid out like ``store``'s slots moved by ``held -
+        store.n`` (the step's token at slot ``held - 1``): 0 on the first ``held`` slots, -inf on the rest, shared by
+        every layer asking for the same ``name`` and shape; a step that fills one more slot opens it (at
+        ``slot(store, held - store.n)``) with one kernel for all the layers."""
 
 
 class Store(HeldKV, Protocol):

@@ -416,9 +416,9 @@ class Step:
             return None
         return store.static_slot if offset == 0 else store.static_slot_at(offset)
 
-    def held_mask(self, name: str, width: int, held: int, slot: torch.Tensor | None, rows: int,
+    def held_mask(self, store: KVStore, name: str, width: int, held: int, rows: int,
                   dtype: torch.dtype) -> torch.Tensor:
-        return self.cache.held_mask(name, width, held, slot, rows, dtype, self.device)
+        return self.cache.held_mask(name, width, held, self.slot(store, held - store.n), rows, dtype, self.device)
 
 
 def policy_attention(store: KVStore, query: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -154,7 +154,7 @@ class ClusterKVPolicy(LayerPolicy):
             ksel = K.reshape(-1, d).index_select(0, rows).view(b, hq, width, d)
             vsel = V.reshape(-1, V.shape[-1]).index_select(0, rows).view(b, hq, width, V.shape[-1])
         # the generated region's slots from n on are free: masked (0 on sinks, selection and held slots)
-        mask = step.held_mask("clusterkv", width, s + w + n - P, step.slot(store, s + w - P), 1, query.dtype)
+        mask = step.held_mask(store, "clusterkv", width, s + w + n - P, 1, query.dtype)
         out = sdpa(query, ksel, vsel, scaling, mask.view(1, 1, 1, width))
         add_retrieval_spans(store, t0, t1)
         return out

@@ -246,7 +246,7 @@ class LuKAPolicy(LayerPolicy):
             self._append(lvl, pi, k, v, w, value=False)
         if m.levels == 1 and self.use_fast_path:
             # the decode path's cover and its mask remade now, in the event step, not in the next (steady) step
-            W = self._cover(store)[0]
+            W = self._cover(store)
             store.cache.held_mask("luka_cover", W, self.cov_n, None, b * h, store.keys.dtype, store.device)
 
     def _combine(self, pi: torch.Tensor, x: torch.Tensor, out: torch.Tensor, value: bool = False) -> None:
@@ -289,10 +289,9 @@ class LuKAPolicy(LayerPolicy):
         g = self.info.num_heads // self.info.num_kv_heads
         return min(C, math.ceil(g / r.threshold - 1e-9)) if r.threshold > 0 else C
 
-    def _cover(self, store, step=None) -> tuple[int, torch.Tensor | None]:
+    def _cover(self, store, step=None) -> int:
         """Bring the cover buffer in sync with the store (see __init__); returns its width W = sink + pages + the
-        tail region, and the device-held slot the step's token was written at (None: written at Python slots).
-        Laid out [sink | P page summaries | tail region | scratch for the refined pages' tokens]; the tail region
+        tail region. Laid out [sink | P page summaries | tail region | scratch for the refined pages' tokens]; the tail region
         holds the raw tokens frontier..n-1 and free slots up to a width fixed between compressions (the tail, a
         page and ``compress_every`` steps: what accumulates until the next compression), masked in the step
         (``DecodeStep.held_mask``). A decode step's token is written at a slot the device holds (the store's slot
@@ -302,7 +301,6 @@ class LuKAPolicy(LayerPolicy):
         m = self.method
         s0, P, fr, n = m.sink, self.P[1], self.frontier, store.n
         base = s0 + P - fr  # cover slot of raw token i: i + base
-        slot = None
         if self.cov_pages != P or self.cov_k is None or n - fr > self.cov_w - s0 - P:
             old, T = self.cov_pages, self.cov_w - s0 - self.cov_pages
             if self.cov_k is not None and 0 <= old <= P and n - fr <= T and \
@@ -326,7 +324,7 @@ class LuKAPolicy(LayerPolicy):
         else:
             self._copy_raw(store, self.cov_raw, n, self.cov_raw + base)
         self.cov_n, self.cov_raw = n + base, n
-        return self.cov_w, slot
+        return self.cov_w
 
     def _copy_raw(self, store, start: int, stop: int, dst: int) -> None:
         """The store's raw tokens start..stop-1 into the cover at dst.. (keys and values in one copy where both are
@@ -397,8 +395,8 @@ class LuKAPolicy(LayerPolicy):
         hkv, n = self.info.num_kv_heads, store.n
         g, bh = hq // hkv, b * hkv
         q = query.reshape(bh, g, d)  # a view for the usual layouts
-        W, slot = self._cover(store, step)
-        mask = step.held_mask("luka_cover", W, self.cov_n, slot, bh, query.dtype)  # [B*Hkv, 1, W]
+        W = self._cover(store, step)
+        mask = step.held_mask(store, "luka_cover", W, self.cov_n, bh, query.dtype)  # [B*Hkv, 1, W]
         ck, cv = self.cov_k, self.cov_v
         # fp32: the cover's logits and the refined children's are written side by side into one buffer, so the
         # softmax over both needs no concatenation (other dtypes: computed, cast to fp32 and concatenated)

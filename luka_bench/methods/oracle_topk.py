@@ -96,7 +96,7 @@ class OracleTopKPolicy(LayerPolicy):
                                                m.recent)
         else:
             b, hkv, cap = store.storage()[0].shape[:3]
-            free = step.held_mask("storage", cap, store.n, slot, b * hkv, query.dtype)  # [B * Hkv, 1, cap]
+            free = step.held_mask(store, "storage", cap, store.n, b * hkv, query.dtype)  # [B * Hkv, 1, cap]
             out, self.top = self._static_select(store, query, scaling, free)
         self.n_read = store.n
         return out
@@ -105,9 +105,9 @@ class OracleTopKPolicy(LayerPolicy):
         """``oracle_topk_select`` over the store's whole capacity (``KVStore.storage``): the free slots masked by
         an additive bias that the logits GEMM adds itself (``baddbmm`` with beta 1) and that one op per step opens
         at the new token's slot for all layers (``bias``: ``DecodeStep.held_mask``), and again on the scores so
-        that top-k never reads a free slot. Same tokens read and the same output as over the held tokens alone (tested), on shapes that
-        stay fixed from step to step until the storage grows: the graph-ready steady state, for 1.25 kernels more
-        per layer on the launch counter's 4-layer model."""
+        that top-k never reads a free slot. Same tokens read and the same output as over the held tokens alone
+        (tested), on shapes that stay fixed from step to step until the storage grows: the graph-ready steady
+        state, for 1.25 kernels more per layer on the launch counter's 4-layer model."""
         m = self.method
         K, V = store.storage()
         b, hq, _, d = query.shape

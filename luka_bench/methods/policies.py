@@ -35,7 +35,7 @@ class StaticExactPolicy(LayerPolicy):
         K, V = store.storage()
         b, hq, _, d = query.shape
         hkv, cap = K.shape[1], K.shape[2]
-        mask = step.held_mask("storage", cap, store.n, slot, b * hkv, query.dtype)
+        mask = step.held_mask(store, "storage", cap, store.n, b * hkv, query.dtype)
         out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), K, V,
                                              attn_mask=mask.view(b, hkv, 1, cap), scale=scaling)
         return out.view(b, hq, 1, V.shape[-1])

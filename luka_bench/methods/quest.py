@@ -100,7 +100,7 @@ class QuestPolicy(LayerPolicy):
         ksel, vsel = gather_pages(store, rows, ps, b, hq, w)  # [B, Hq, w, D]: each query head's pages
         # the last page's slots from n on are free: masked (0 on the K - 1 full pages read and the held slots)
         held = (k - 1) * ps + n - c * ps
-        mask = step.held_mask("quest", w, held, step.slot(store, (k - 1) * ps - c * ps), 1, query.dtype).view(1, 1, 1, w)
+        mask = step.held_mask(store, "quest", w, held, 1, query.dtype).view(1, 1, 1, w)
         out = sdpa(query, ksel, vsel, scaling, mask)
         add_retrieval_spans(store, t0, t1)
         return out

@@ -182,8 +182,7 @@ class ShadowKVPolicy(LayerPolicy):
         keys = torch.cat([ok, ksel.view(b, hkv, w, d), Kst[:, :, self.L0: cap]], dim=2)
         values = torch.cat([ov, vsel.view(b, hkv, w, -1), Vst[:, :, self.L0: cap]], dim=2)
         width = f + w + cap - self.L0
-        mask = step.held_mask("shadowkv", width, f + w + store.n - self.L0, step.slot(store, f + w - self.L0), 1,
-                              query.dtype).view(1, 1, 1, width)
+        mask = step.held_mask(store, "shadowkv", width, f + w + store.n - self.L0, 1, query.dtype).view(1, 1, 1, width)
         out = sdpa(query, keys, values, scaling, mask)
         add_retrieval_spans(store, t0, t1)
         return out
