@@ -7,7 +7,12 @@ through the method followed by two decode steps; the peak's growth over the RSS 
 prefill is the measure: the cache, the activations and whatever the method computes for its scores, not the model.
 ``--repeats`` processes per (method, N), the median reported with the range. Every measured process runs with
 ``MALLOC_MMAP_THRESHOLD_=65536`` (``--mmap-threshold``): tensors are then mmapped and a freed one leaves the RSS at
-once, so the peak is of what was alive, not of glibc's heap history. A method named ``<name>+after``
+once, so the peak is of what was alive, not of glibc's heap history; and with ``MKL_DISABLE_FAST_MM=1``
+(``--mkl-fast-mm`` leaves it on): MKL's memory manager otherwise keeps each thread's GEMM packing buffers (~5 MB
+each at 8K here) for reuse, and whether a thread already holds one when the peak is reset depends on what ran
+before (the warm-up's shapes, which threads served which GEMMs: ``strace`` showed both threads allocating one
+inside the measured prefill of one process and one thread in another's), so the same forward measured 4-6 MB
+apart. A method named ``<name>+after``
 compresses after the prefill's whole forward, as every method did before the per-layer compression (issue 50): a
 manual cache whose ``end_prefill`` runs after the forward; the same tokens kept, the old peak. ``<name>@<chunk>``
 prefills in chunks of that many tokens (``prefill_chunk``: layer by layer for a method that compresses each layer in
@@ -169,11 +174,14 @@ def run_child(method: str, n: int, args) -> dict:
     # large blocks always mmapped, so a freed tensor leaves the RSS at once: glibc otherwise raises its mmap threshold
     # after a free and serves later tensors from a heap it does not shrink, and the peak RSS then measures the
     # allocator's history (streaming_llm at 8K: 0.61 GB without, 0.29 GB with) — the same for every row, kvpress's too
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else None
+    env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}),
+           **({} if args.mkl_fast_mm else {"MKL_DISABLE_FAST_MM": "1"})}
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{method} at N={n} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    row["allocator"] = {k: env[k] for k in ("MALLOC_MMAP_THRESHOLD_", "MKL_DISABLE_FAST_MM") if k in env}
+    return row
 
 
 def model_overrides(args) -> list[str]:
@@ -232,6 +240,8 @@ def main() -> None:
                     help="a Python with kvpress installed: adds kvpress's full, streaming_llm and snapkv rows")
     ap.add_argument("--kvpress-dir", default="/tmp/luka_bench_kvpress",
                     help="where the model and the token ids are written for the kvpress interpreter")
+    ap.add_argument("--mkl-fast-mm", action="store_true",
+                    help="leave MKL's buffer cache on in the measured processes (off by default: see the docstring)")
     ap.add_argument("--mmap-threshold", type=int, default=65536,
                     help="MALLOC_MMAP_THRESHOLD_ of every measured process (glibc; 0: the allocator's default)")
     ap.add_argument("--budget", type=float, default=0.125, help="kvpress's budget (compression_ratio = 1 - budget)")
