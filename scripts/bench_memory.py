@@ -1,7 +1,7 @@
 """Peak memory of a prefill under each KV method: every method in a process of its own, at each context length.
 
-What one measurement is: in a fresh process, load the model, warm the method up (a 256-token prefill and two decode
-steps through it: kernels, allocator), free what is left (``device.release_memory``), then reset the process's RSS
+What one measurement is: in a fresh process, load the model, warm the method up (a 256-token prefill in chunks of
+128 and one in a single forward, each with two decode steps through it: kernels, allocator), free what is left (``device.release_memory``), then reset the process's RSS
 high-water mark (CPU: ``device.reset_peak_rss``) or the allocator's (CUDA) and run a prefill of N tokens of the essays
 through the method followed by two decode steps; the peak's growth over the RSS (allocated bytes) just before the
 prefill is the measure: the cache, the activations and whatever the method computes for its scores, not the model.
@@ -52,7 +52,7 @@ AFTER = "+after"  # compress after the prefill's whole forward (a manual cache):
 DEFAULT = ["full", "streaming_llm", "snapkv", "knorm", "h2o", "laser_kv", "entropy_ols"]
 
 
-def measure(method: str, n: int, model_over: list[str], threads: int) -> dict:
+def measure(method: str, n: int, model_over: list[str], threads: int, warm: int) -> dict:
     """One measurement in this process (the child's work)."""
     import torch
     from hydra.utils import instantiate
@@ -73,7 +73,11 @@ def measure(method: str, n: int, model_over: list[str], threads: int) -> dict:
         raise SystemExit(f"--lengths {n}: the essays have {len(ids)} tokens; allowed: up to {len(ids) - 2}")
     dev = model.device
     with torch.no_grad():
+        # both prefill paths warmed (a 256-token prompt in chunks of 128, then in one forward, as the unchunked
+        # measurement and kvpress's warm-up run it): a kernel's code first run inside the measured prefill would
+        # count its pages of libtorch in the peak (SnapKV unchunked at 8K: 2.2 MB of libtorch_cpu.so, /proc/self/smaps)
         warm_up(model, kv, tok)
+        warm_up(model, kv, tok, prompt_len=warm, chunk=warm)
         D.release_memory()
         if dev.type == "cuda":
             D.synchronize(dev)
@@ -83,19 +87,49 @@ def measure(method: str, n: int, model_over: list[str], threads: int) -> dict:
             before = D.rss_bytes()
             D.reset_peak_rss()
         t0 = time.perf_counter()
-        with attach(model, kv, tok) as att:
-            cache = att.new_cache(reference_length=n, manual=after, prefill_chunk=chunk, layer_major=layer_major)
-            forward(model, ids[:n], cache)
-            if after:
-                cache.end_prefill()
-            for i in range(2):
-                forward(model, ids[n + i: n + i + 1], cache)
-            D.synchronize(dev)
-            peak = D.peak_allocated(dev) if dev.type == "cuda" else D.rss_bytes("VmHWM")
-            held = cache.held_bytes()
-            full = cache.full_bytes()
-    return {"method": method, "n": n, "peak_growth_bytes": peak - before, "kv_bytes": held, "kv_bytes_full": full,
-            "seconds": time.perf_counter() - t0, "device": str(dev), "describe": kv.describe()}
+
+        def run() -> tuple[int, int]:
+            with attach(model, kv, tok) as att:
+                cache = att.new_cache(reference_length=n, manual=after, prefill_chunk=chunk, layer_major=layer_major)
+                forward(model, ids[:n], cache)
+                if after:
+                    cache.end_prefill()
+                for i in range(2):
+                    forward(model, ids[n + i: n + i + 1], cache)
+                D.synchronize(dev)
+                return cache.held_bytes(), cache.full_bytes()
+
+        held, full = run()
+        peak = D.peak_allocated(dev) if dev.type == "cuda" else D.rss_bytes("VmHWM")
+        seconds = time.perf_counter() - t0
+        tensors = None
+        if dev.type == "cpu":  # a second run, profiled (after the RSS peak: the profiler's own memory is not in it)
+            D.release_memory()
+            tensors = tensor_peak(run)
+    return {"method": method, "n": n, "peak_growth_bytes": peak - before, "tensor_peak_bytes": tensors,
+            "kv_bytes": held, "kv_bytes_full": full, "seconds": seconds, "device": str(dev), "describe": kv.describe()}
+
+
+def tensor_peak(fn) -> int:
+    """The most bytes of tensors alive at once while ``fn()`` runs on the CPU (PyTorch's allocations, from the
+    profiler's record of every allocation and free; not the Python heap, MKL's buffers or code pages), over what was
+    alive before: the CPU's counterpart of the CUDA allocator's peak. Only torch is needed (the kvpress child too)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+        todo.extend(e.children)
+    alive = peak = 0
+    for _, size in sorted(events):
+        alive += size
+        peak = max(peak, alive)
+    return peak
 
 
 KVPRESS = "kvpress:"  # rows measured with NVIDIA kvpress's presses (``--kvpress``)
@@ -108,7 +142,8 @@ def parse_method(method: str) -> tuple[str, int, bool]:
     return name, int(chunk.removesuffix(CHUNKWISE) or 0), not chunk.endswith(CHUNKWISE)
 
 
-def measure_kvpress(press_name: str, n: int, model_dir: str, ids_file: str, budget: float, threads: int) -> dict:
+def measure_kvpress(press_name: str, n: int, model_dir: str, ids_file: str, budget: float, threads: int,
+                    warm: int) -> dict:
     """One kvpress measurement in this process (run by the kvpress venv's interpreter; imports of this package:
     ``luka_bench.device`` only, which needs nothing but torch)."""
     import torch
@@ -136,15 +171,19 @@ def measure_kvpress(press_name: str, n: int, model_dir: str, ids_file: str, budg
         return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
     with torch.no_grad():
-        run(ids[:258])  # warm-up: 256 tokens and two steps, as ``engine.warm_up``
+        run(ids[:258])  # warm-up: 256 tokens and two steps, as ``engine.warm_up``, then ``warm`` tokens
+        run(ids[: warm + 2])
         D.release_memory()
         before = D.rss_bytes()
         D.reset_peak_rss()
         t0 = time.perf_counter()
         held = run(ids[: n + 2])
         peak = D.rss_bytes("VmHWM")
-    return {"method": KVPRESS + press_name, "n": n, "peak_growth_bytes": peak - before, "kv_bytes": held,
-            "kv_bytes_full": None, "seconds": time.perf_counter() - t0, "device": "cpu",
+        seconds = time.perf_counter() - t0
+        D.release_memory()
+        tensors = tensor_peak(lambda: run(ids[: n + 2]))
+    return {"method": KVPRESS + press_name, "n": n, "peak_growth_bytes": peak - before, "tensor_peak_bytes": tensors,
+            "kv_bytes": held, "kv_bytes_full": None, "seconds": seconds, "device": "cpu",
             "describe": f"kvpress {press_name} (compression_ratio={1 - budget:g})" if press else "kvpress full"}
 
 
@@ -167,9 +206,10 @@ def export_for_kvpress(args, work: Path) -> tuple[str, str]:
 def run_child(method: str, n: int, args) -> dict:
     if method.startswith(KVPRESS):
         cmd = [args.kvpress, __file__, "--kvpress-child", method.removeprefix(KVPRESS), str(n), *args.kvpress_files,
-               "--budget", str(args.budget), "--threads", str(args.threads)]
+               "--budget", str(args.budget), "--threads", str(args.threads), "--warm-up", str(args.warm_up)]
     else:
-        cmd = [sys.executable, __file__, "--child", method, str(n), "--threads", str(args.threads)] + \
+        cmd = [sys.executable, __file__, "--child", method, str(n), "--threads", str(args.threads),
+               "--warm-up", str(args.warm_up)] + \
             sum((["--over", o] for o in model_overrides(args)), [])
     # large blocks always mmapped, so a freed tensor leaves the RSS at once: glibc otherwise raises its mmap threshold
     # after a free and serves later tensors from a heap it does not shrink, and the peak RSS then measures the
@@ -190,20 +230,25 @@ def model_overrides(args) -> list[str]:
 
 
 def table(rows: list[dict], methods: list[str], lengths: list[int]) -> str:
-    """Markdown: per method and N, the median peak growth (GB, min-max over the repeats) and its ratio to full."""
+    """Markdown: per method and N, the median peak growth (GB, min-max over the repeats), its ratio to full and,
+    where measured (CPU), the median peak of the tensors alive at once (``tensor_peak``, MB)."""
     med = {(r["method"], r["n"]): r for r in rows}
-    head = "| method | " + " | ".join(f"N = {n}: peak growth GB (range) | / full" for n in lengths) + " |"
-    lines = [head, "|---|" + "--:|--:|" * len(lengths)]
+    tensors = any(r.get("tensor_median") is not None for r in rows)
+    per_n = " | / full" + " | tensors' peak MB" * tensors
+    head = "| method | " + " | ".join(f"N = {n}: peak growth GB (range)" + per_n for n in lengths) + " |"
+    lines = [head, "|---|" + ("--:|--:|" + "--:|" * tensors) * len(lengths)]
     for m in methods:
         cells = []
         for n in lengths:
             r, f = med.get((m, n)), med.get(("full", n))
             if r is None:
-                cells += ["—", "—"]
+                cells += ["—", "—"] + ["—"] * tensors
                 continue
             rng = f"{r['min'] / 1e9:.3f}–{r['max'] / 1e9:.3f}"
             cells += [f"{r['median'] / 1e9:.3f} ({rng})",
                       f"{r['median'] / f['median']:.2f}" if f and f["median"] else "—"]
+            if tensors:
+                cells.append(f"{r['tensor_median'] / 1e6:.2f}" if r.get("tensor_median") is not None else "—")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -249,6 +294,9 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--repeats", type=int, default=3, help="processes per (method, N); the median is reported")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--warm-up", type=int, default=2048,
+                    help="tokens of the second warm-up prefill (one forward, both sides): kernels whose code depends "
+                         "on the size (a sort, SDPA's blocking) are then not first run inside the measured prefill")
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
@@ -260,11 +308,11 @@ def main() -> None:
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child[0], int(args.child[1]), args.over, args.threads)))
+        print(json.dumps(measure(args.child[0], int(args.child[1]), args.over, args.threads, args.warm_up)))
         return
     if args.kvpress_child:
         p, n, model_dir, ids_file = args.kvpress_child
-        print(json.dumps(measure_kvpress(p, int(n), model_dir, ids_file, args.budget, args.threads)))
+        print(json.dumps(measure_kvpress(p, int(n), model_dir, ids_file, args.budget, args.threads, args.warm_up)))
         return
     if args.table_from:
         merged: dict = {}
@@ -292,13 +340,18 @@ def main() -> None:
             got = [run_child(m, n, args) for _ in range(args.repeats)]
             raw += got
             g = [r["peak_growth_bytes"] for r in got]
+            tp = [r["tensor_peak_bytes"] for r in got if r.get("tensor_peak_bytes") is not None]
             rows.append({"method": m, "n": n, "median": statistics.median(g), "min": min(g), "max": max(g),
+                         "tensor_median": statistics.median(tp) if tp else None,
+                         "allocator": got[0].get("allocator"), "warm_up": args.warm_up,
                          "kv_bytes": got[0]["kv_bytes"], "kv_bytes_full": got[0]["kv_bytes_full"],
                          "seconds": statistics.median(r["seconds"] for r in got), "describe": got[0]["describe"]})
             full = got[0]["kv_bytes_full"]
             print(f"N={n:6d} {m:22s} peak growth {statistics.median(g) / 1e9:.3f} GB "
                   f"(runs: {', '.join(f'{x / 1e9:.3f}' for x in g)}); kv held after {got[0]['kv_bytes'] / 1e9:.3f} GB"
-                  + (f" of {full / 1e9:.3f}" if full else "") + f"; {rows[-1]['seconds']:.1f} s", flush=True)
+                  + (f" of {full / 1e9:.3f}" if full else "")
+                  + (f"; tensors' peak {rows[-1]['tensor_median'] / 1e9:.4f} GB" if tp else "")
+                  + f"; {rows[-1]['seconds']:.1f} s", flush=True)
             if args.json:
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.json).write_text(json.dumps({"rows": rows, "runs": raw}, indent=1))
