@@ -230,3 +230,54 @@ def test_a_long_chunk_after_a_prefix_attends_in_query_blocks_with_small_masks(mo
     got = A.exact_attention(Held(k, v), q, 0.25)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert len(masks) == -(-lq // (20_000 // n)) and 0 < max(masks) <= 20_000
+
+
+def test_the_tensors_peak_counts_what_is_alive_at_once():
+    """``bench_memory.tensor_peak`` (the CPU's counterpart of CUDA's allocator peak): two 4 MB tensors alive
+    together count 8 MB; made one after the other (the first freed), 4 MB; what was alive before is not counted."""
+    from conftest import load_script
+
+    bench = load_script("bench_memory")
+    before = torch.ones(1 << 20)  # alive before: not counted
+
+    def together():
+        a, b = torch.ones(1 << 20), torch.ones(1 << 20)
+        return a.sum() + b.sum()
+
+    def in_turn():
+        s = torch.ones(1 << 20).sum()
+        return s + torch.ones(1 << 20).sum()
+
+    mb = 4 << 20
+    assert 2 * mb <= bench.tensor_peak(together) < 2 * mb + (64 << 10)
+    assert mb <= bench.tensor_peak(in_turn) < mb + (64 << 10)
+    assert before.numel() == 1 << 20
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gqa3"])
+def test_a_compressing_prefill_peaks_below_full_attention_in_tensors(arch, request):
+    """The tensors alive at once during a prefill and two steps: a method compressing each layer inside the prefill
+    peaks below full attention (one layer's full cache at a time, not all of them) and below itself compressing after
+    the whole forward (``manual``: every layer's full cache alive at its end)."""
+    from conftest import load_script
+
+    bench = load_script("bench_memory")
+    model = request.getfixturevalue(arch).model
+    ids = torch.randint(0, 256, (1, 400 + 2), generator=torch.Generator().manual_seed(5))
+
+    def peak(method, manual=False):
+        def go():
+            with attach(model, method) as a, torch.no_grad():
+                c = a.new_cache(reference_length=400, manual=manual)
+                model(ids[:, :400], past_key_values=c)
+                if manual:
+                    c.end_prefill()
+                for t in (400, 401):
+                    model(ids[:, t: t + 1], past_key_values=c)
+        go()  # warm
+        return bench.tensor_peak(go)
+
+    full = peak(Full())
+    for make in (lambda: SnapKV(budget=0.1, window=8), lambda: StreamingLLM(budget=0.1)):
+        inside, after = peak(make()), peak(make(), manual=True)
+        assert inside < 0.9 * after and after <= full * 1.05, (inside, after, full)
