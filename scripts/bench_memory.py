@@ -1,8 +1,8 @@
 """Peak memory of a prefill under each KV method: every method in a process of its own, at each context length.
 
 What one measurement is: in a fresh process, load the model, warm the method up (a 256-token prefill in chunks of
-128 and one in a single forward, each with two decode steps through it: kernels, allocator), free what is left (``device.release_memory``), then reset the process's RSS
-high-water mark (CPU: ``device.reset_peak_rss``) or the allocator's (CUDA) and run a prefill of N tokens of the essays
+128, then one of ``--warm-up`` tokens (2,048) in a single forward, each with two decode steps: kernels, allocator),
+free what is left (``device.release_memory``), then reset the process's RSS high-water mark (CPU: ``device.reset_peak_rss``) or the allocator's (CUDA) and run a prefill of N tokens of the essays
 through the method followed by two decode steps; the peak's growth over the RSS (allocated bytes) just before the
 prefill is the measure: the cache, the activations and whatever the method computes for its scores, not the model.
 ``--repeats`` processes per (method, N), the median reported with the range. Every measured process runs with
@@ -73,9 +73,9 @@ def measure(method: str, n: int, model_over: list[str], threads: int, warm: int)
         raise SystemExit(f"--lengths {n}: the essays have {len(ids)} tokens; allowed: up to {len(ids) - 2}")
     dev = model.device
     with torch.no_grad():
-        # both prefill paths warmed (a 256-token prompt in chunks of 128, then in one forward, as the unchunked
-        # measurement and kvpress's warm-up run it): a kernel's code first run inside the measured prefill would
-        # count its pages of libtorch in the peak (SnapKV unchunked at 8K: 2.2 MB of libtorch_cpu.so, /proc/self/smaps)
+        # both prefill paths warmed (a 256-token prompt in chunks of 128, then ``warm`` tokens in one forward, as the
+        # unchunked measurement and kvpress's warm-up run them): a kernel's code first run inside the measured prefill
+        # would count its pages of libtorch in the peak (SnapKV unchunked at 8K: 2.2 MB of libtorch_cpu.so, smaps)
         warm_up(model, kv, tok)
         warm_up(model, kv, tok, prompt_len=warm, chunk=warm)
         D.release_memory()
