@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from luka_bench.methods.full import Full
@@ -123,3 +124,91 @@ def test_append_zero_fills_method_state_only_where_a_removal_left_stale_entries(
                 model(ids[:, t: t + 1], past_key_values=c)
             assert s.aux("state")[0, :, -1].eq(0).all()
             assert count.ops["fill_"] == 0, count.ops
+
+
+def _run_reading(model, method, ids, n: int, steps: int, read_every: bool, chunk: int = 0):
+    """Prefill ``n`` ids (compressed inside the forward; in chunks of ``chunk``), then ``steps`` teacher-forced tokens;
+    ``read_every``: every store's positions read after each forward (written at once, never left pending)."""
+    from luka_bench.engine import prefill
+
+    with attach(model, method) as att:
+        c = att.new_cache(reference_length=n, prefill_chunk=chunk)
+        logits = [prefill(model, ids[0, :n], c)]
+        for t in range(n, n + steps):
+            if read_every:
+                for s in c.stores:
+                    s.positions
+            logits.append(model(ids[:, t: t + 1], past_key_values=c).logits[0, -1])
+        return torch.stack(logits), [s.positions.clone() for s in c.stores], c
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["streaming_llm", "streaming_llm_cache", "streaming_llm_chunked", "snapkv"])
+def test_positions_kept_as_one_description_for_every_head_read_back_as_if_written(name, tiny_gqa3):
+    """A keep that drops the same tokens from every head (StreamingLLM's sinks and window) keeps their positions as
+    runs or one [m] tensor, not a [B, Hkv, cap] table: the prefill holds no per-head positions while the next layers
+    run (issue 50), and positions, logits and what decode steps evict are those of a store whose positions were
+    written at once."""
+    from luka_bench.methods.snapkv import SnapKV
+    from luka_bench.methods.streaming_llm import StreamingLLM
+
+    make, chunk = {
+        "streaming_llm": (lambda: StreamingLLM(budget=0.25), 0),
+        "streaming_llm_cache": (lambda: StreamingLLM(budget=0.25, positions="cache"), 0),
+        "streaming_llm_chunked": (lambda: StreamingLLM(budget=0.25), 32),
+        "snapkv": (lambda: SnapKV(budget=0.25, window=8), 0),  # per-head: a table, as before
+    }[name]
+    model, n = tiny_gqa3.model, 120
+    ids = _ids(n + 12, 7)
+    lazy, pos_lazy, _ = _run_reading(model, make(), ids, n, 12, read_every=False, chunk=chunk)
+    eager, pos_eager, _ = _run_reading(model, make(), ids, n, 12, read_every=True, chunk=chunk)
+    assert torch.equal(lazy, eager)
+    assert all(torch.equal(a, b) for a, b in zip(pos_lazy, pos_eager))
+    with attach(model, make()) as att:  # right after the prefill: what each layer holds for its positions
+        c = att.new_cache(reference_length=n, prefill_chunk=chunk)
+        from luka_bench.engine import prefill
+
+        prefill(model, ids[0, :n], c)
+        for s in c.stores:
+            b, h = s.keys.shape[:2]
+            assert s.n < n
+            if name == "snapkv":
+                assert s._pos is not None and s._pos_shared is None
+                continue
+            assert s._pos is None, "a head-independent keep wrote a per-head positions table"
+            assert isinstance(s._pos_shared, tuple)  # runs: no tensor at all
+            assert s.allocated_bytes() == s._k.nbytes + s._v.nbytes
+            sink = 4
+            want = torch.cat([torch.arange(sink), torch.arange(n - (s.n - sink), n)])
+            if name != "streaming_llm_cache":  # positions=cache: the window renumbered after the sinks
+                assert torch.equal(s.positions, want.expand(b, h, -1))
+
+
+@torch.no_grad()
+def test_a_keep_from_shared_positions_and_a_chunk_after_it_read_back_exactly(tiny_llama):
+    """Store level: a 1-D keep from the untouched state, a chunk appended after it, a decode step, a second keep
+    (which writes the shared positions into a table first) and a clone: each read back as if written at once."""
+    model = tiny_llama.model
+    ids = _ids(90, 8)
+    with attach(model, Full()) as att:
+        c = _prefilled(att, model, ids, 40)
+        s = c.stores[0]
+        idx = torch.tensor([0, 1, 2, 10, 11, 30, 39])
+        s.keep(idx)
+        assert s._pos is None and torch.equal(s._pos_shared, idx)
+        want = idx
+        s.keep_ends(2, 3)  # not from the untouched state: written first, then kept
+        want = torch.cat([want[:2], want[-3:]])
+        assert s._pos is not None and s._pos_shared is None
+        assert torch.equal(s.positions[0, 0], want)
+        s2 = c.stores[1]
+        s2.keep_ends(4, 6)
+        assert s2._pos is None and s2._pos_shared == ((0, 0, 4), (4, 34, 10))
+        twin = c.clone()
+        for cache in (c, twin):
+            model(ids[:, 40:60], past_key_values=cache)  # a chunk after the keep: a new run, nothing written
+            model(ids[:, 60:61], past_key_values=cache)
+        t2 = twin.stores[1]
+        assert t2._pos is None and t2._pos_shared == ((0, 0, 4), (4, 34, 10))
+        for store in (c.stores[1], t2):
+            assert torch.equal(store.positions[0, 0], torch.cat([torch.arange(4), torch.arange(34, 61)]))

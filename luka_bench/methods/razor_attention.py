@@ -187,7 +187,7 @@ class RazorPolicy(LayerPolicy):
             first = s + 1
         bias[:, :, first: stop] = torch.where(sel, float("-inf"), 0.0).to(K.dtype)
         if not any(retrieval):  # every head drops the same tokens: evicted for real
-            store.keep(torch.cat([torch.arange(first, device=dev), torch.arange(stop, n, device=dev)]))
+            store.keep_ends(first, n - stop)
         else:
             store.unhold(first, stop, other, b * sum(not r for r in retrieval))
         self.dropped = d

@@ -65,8 +65,8 @@ class ScorerPolicy(LayerPolicy):
             if bool((caps != cap).any()):  # one host read, at the prefill: heads keep different numbers of tokens
                 self._keep_heads(store, caps - sinks - recent, sinks, recent)
                 return True
-        if chosen <= 0:  # nothing scored: every head keeps the same tokens (one index for all)
-            store.keep(torch.cat([torch.arange(sinks, device=dev), torch.arange(n - recent, n, device=dev)]))
+        if chosen <= 0:  # nothing scored: every head keeps the same tokens, its first and its last (positions as runs)
+            store.keep_ends(sinks, recent)
             return True
         b, h = store.keys.shape[:2]
         top = sinks + top_indices(self.score(store, sinks, n - recent), chosen)

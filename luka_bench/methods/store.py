@@ -5,6 +5,7 @@ tokens with. ``luka_bench.methods.hf`` makes it a transformers cache layer (``Ca
 from __future__ import annotations
 
 import inspect
+import itertools
 import weakref
 
 import torch
@@ -73,6 +74,12 @@ class KVStore:
         # moved, every held token's position is its slot's (one run from slot 0, plus a pending decode step's), so
         # a store that never drops or moves a token (full attention) holds none (``_materialize_positions``)
         self._pos: torch.Tensor | None = None
+        # while ``_pos`` is None after a keep that dropped the same tokens from every head (StreamingLLM's sinks and
+        # window, a head-independent keep): the positions of slots 0..k-1, the same for every batch row and head —
+        # runs ((first slot, its position, end slot), ...) or one tensor [k] — instead of a [B, Hkv, cap] storage,
+        # so that a prefill compressing each layer holds no per-head positions table while the next layers run; the
+        # pending run (``_pos_run``) then starts at slot k. Written into the storage when it is made
+        self._pos_shared: tuple[tuple[int, int, int], ...] | torch.Tensor | None = None
         self._row_base: tuple | None = None  # row_offsets(), keyed by storage shape
         self._aux: dict[str, torch.Tensor] = {}  # per-token method state [B, Hkv, cap], kept aligned with keys
         self._aux_unzeroed: set[str] = set()  # aux the policy writes for new tokens itself (``aux(zero_new=False)``)
@@ -145,6 +152,19 @@ class KVStore:
         if self._pos is None and self._k is not None:
             b, h, cap = self._k.shape[:3]
             self._pos = torch.empty(b, h, cap, dtype=torch.long, device=self._k.device)
+            shared, self._pos_shared = self._pos_shared, None
+            if isinstance(shared, torch.Tensor):
+                self._pos[:, :, : shared.shape[0]] = shared
+            elif shared:
+                for first, pos, end in shared:
+                    self._pos[:, :, first:end] = torch.arange(pos, pos + end - first, device=self._pos.device)
+
+    def _shared_end(self) -> int:
+        """The slots whose positions the shared description holds (``_pos_shared``): 0..this-1."""
+        shared = self._pos_shared
+        if shared is None:
+            return 0
+        return shared.shape[0] if isinstance(shared, torch.Tensor) else max(end for _, _, end in shared)
 
     def settle_positions(self) -> None:
         """Write every pending position: the run of earlier decode steps' (one arange) and this decode step's
@@ -273,7 +293,7 @@ class KVStore:
             if run is not None and run[2] == self.n and run[1] + self.n - run[0] == self.seen:
                 self._pos_run = (run[0], run[1], need)
             else:
-                if self._pos is not None or self.n:
+                if self._pos is not None or self.n > self._shared_end():  # slots whose positions are unwritten
                     self._settle_run()
                 self._pos_run = (self.n, self.seen, need)
         if self.n < self._aux_zero_from:  # slots a removal left stale
@@ -319,25 +339,35 @@ class KVStore:
         b, h = self._k.shape[:2]
         return self.n - self._unheld / (b * h)
 
-    def keep(self, index: torch.Tensor) -> None:
+    def keep(self, index: torch.Tensor, runs: tuple[tuple[int, int], ...] | None = None) -> None:
         """Keep only the held tokens at ``index`` (into the current ``n`` tokens): [m] for all heads alike, or
         [B, Hkv, m] per KV head. Order is preserved as given; pass sorted indices to keep time order. Storage
-        is reallocated (memory actually freed) when the kept part is under half of it."""
+        is reallocated (memory actually freed) when the kept part is under half of it. ``runs``: a 1-D ``index``
+        described as runs of consecutive tokens ((start, stop), ...) in its order (``keep_ends``): the positions
+        are then kept as runs, no tensor."""
         b, h = self._k.shape[:2]
         run = self._pos_run
-        if self._pos is None and self._pos_due is None and run is not None and run[0] == 0 and run[2] == self.n:
+        shared = None
+        if (self._pos is None and self._pos_due is None and self._pos_shared is None and run is not None
+                and run[0] == 0 and run[2] == self.n):
             # every position is its slot's plus the run's first: the kept ones from the index (no positions storage
-            # written for the tokens dropped)
+            # written for the tokens dropped); the same for every head: kept as one description (``_pos_shared``)
             self._pos_run = None
-            pos = index.long() + run[1]
-            pos = pos.expand(b, h, -1) if index.dim() == 1 else pos
+            if index.dim() == 1 and runs is not None:
+                slots = list(itertools.accumulate((stop - start for start, stop in runs), initial=0))
+                shared = tuple((a, run[1] + start, z) for (start, _), a, z in zip(runs, slots, slots[1:]) if z > a)
+                pos = None
+            elif index.dim() == 1:
+                shared = pos = index.long() + run[1]
+            else:
+                pos = index.long() + run[1]
         else:
             self.settle_positions()
             pos = None
         if index.dim() == 1:
             m = index.numel()
             k, v = self.keys.index_select(2, index), self.values.index_select(2, index)
-            if pos is None:
+            if pos is None and shared is None:
                 pos = self.positions.index_select(2, index)
             aux = {name: a[:, :, : self.n].index_select(2, index) for name, a in self._aux.items()}
         else:  # per KV head: one row gather from each storage (torch.gather over an expanded index is ~6x slower)
@@ -349,16 +379,18 @@ class KVStore:
             aux = {name: _rows(a, flat, m) for name, a in self._aux.items()}
         if m < self._k.shape[2] // 2:
             self._set_kv(k, v)
-            self._pos = pos.contiguous()
+            self._pos = pos.contiguous() if shared is None else None
             self._aux = {name: a.contiguous() for name, a in aux.items()}
             self._aux_zero_from = m  # the new storage holds exactly the kept tokens
         else:
             self._k[:, :, :m] = k
             self._v[:, :, :m] = v
-            self._materialize_positions()
-            self._pos[:, :, :m] = pos
+            if shared is None:
+                self._materialize_positions()
+                self._pos[:, :, :m] = pos
             for name, a in aux.items():
                 self._aux[name][:, :, :m] = a
+        self._pos_shared = shared
         self.n = m
         self._recount_unheld()
 
@@ -521,7 +553,7 @@ class KVStore:
             return
         index = torch.cat([torch.arange(head, device=self.device),
                            torch.arange(drop_to, self.n, device=self.device)])
-        self.keep(index)
+        self.keep(index, runs=((0, head), (drop_to, self.n)))
 
     def token_bytes(self) -> int:
         """Bytes of one token's keys and values over all heads of this layer."""
@@ -540,6 +572,7 @@ class KVStore:
         if self._k is None:
             return 0
         pos = self._pos.nbytes if self._pos is not None else 0
+        pos += self._pos_shared.nbytes if isinstance(self._pos_shared, torch.Tensor) else 0
         return self._k.nbytes + self._v.nbytes + pos + sum(a.nbytes for a in self._aux.values())
 
     def full_bytes(self) -> int:
@@ -614,7 +647,7 @@ class KVStore:
 
     def reset(self) -> None:
         self._unheld = 0
-        self._k = self._v = self._pos = self._kv = self._pos_due = self._pos_run = None
+        self._k = self._v = self._pos = self._kv = self._pos_due = self._pos_run = self._pos_shared = None
         self._aux = {}
         self._aux_unzeroed = set()
         self._aux_zero_from = 0
