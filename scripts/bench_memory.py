@@ -12,7 +12,9 @@ once, so the peak is of what was alive, not of glibc's heap history; and with ``
 each at 8K here) for reuse, and whether a thread already holds one when the peak is reset depends on what ran
 before (the warm-up's shapes, which threads served which GEMMs: ``strace`` showed both threads allocating one
 inside the measured prefill of one process and one thread in another's), so the same forward measured 4-6 MB
-apart. A method named ``<name>+after``
+apart. ``--keep-heap`` (a sensitivity check, both sides) leaves glibc's free heap pages resident when the peak is
+reset (``release_memory`` hands them back by default, and the growth then also counts the pages the measured
+work's small temporaries touch again in a heap shaped by the process's history). A method named ``<name>+after``
 compresses after the prefill's whole forward, as every method did before the per-layer compression (issue 50): a
 manual cache whose ``end_prefill`` runs after the forward; the same tokens kept, the old peak. ``<name>@<chunk>``
 prefills in chunks of that many tokens (``prefill_chunk``: layer by layer for a method that compresses each layer in
@@ -52,7 +54,7 @@ AFTER = "+after"  # compress after the prefill's whole forward (a manual cache):
 DEFAULT = ["full", "streaming_llm", "snapkv", "knorm", "h2o", "laser_kv", "entropy_ols"]
 
 
-def measure(method: str, n: int, model_over: list[str], threads: int, warm: int) -> dict:
+def measure(method: str, n: int, model_over: list[str], threads: int, warm: int, keep_heap: bool = False) -> dict:
     """One measurement in this process (the child's work)."""
     import torch
     from hydra.utils import instantiate
@@ -78,7 +80,7 @@ def measure(method: str, n: int, model_over: list[str], threads: int, warm: int)
         # would count its pages of libtorch in the peak (SnapKV unchunked at 8K: 2.2 MB of libtorch_cpu.so, smaps)
         warm_up(model, kv, tok)
         warm_up(model, kv, tok, prompt_len=warm, chunk=warm)
-        D.release_memory()
+        free_before_peak(keep_heap)
         if dev.type == "cuda":
             D.synchronize(dev)
             before = torch.cuda.memory_allocated(dev)
@@ -107,7 +109,23 @@ def measure(method: str, n: int, model_over: list[str], threads: int, warm: int)
             D.release_memory()
             tensors = tensor_peak(run)
     return {"method": method, "n": n, "peak_growth_bytes": peak - before, "tensor_peak_bytes": tensors,
-            "kv_bytes": held, "kv_bytes_full": full, "seconds": seconds, "device": str(dev), "describe": kv.describe()}
+            "kv_bytes": held, "kv_bytes_full": full, "seconds": seconds, "device": str(dev), "describe": kv.describe(),
+            "heap": "kept" if keep_heap else "trimmed"}
+
+
+def free_before_peak(keep_heap: bool) -> None:
+    """Free what is left before the peak is reset: Python's garbage, and glibc's free heap pages handed back to the OS
+    (``device.release_memory``: the growth then counts every heap page the measured work touches, its small
+    temporaries' churn included) — unless ``keep_heap`` (``--keep-heap``, a sensitivity check): the free pages stay
+    resident and only heap pages beyond them count."""
+    import gc
+
+    from luka_bench import device as D
+
+    if keep_heap:
+        gc.collect()
+    else:
+        D.release_memory()
 
 
 def tensor_peak(fn) -> int:
@@ -143,7 +161,7 @@ def parse_method(method: str) -> tuple[str, int, bool]:
 
 
 def measure_kvpress(press_name: str, n: int, model_dir: str, ids_file: str, budget: float, threads: int,
-                    warm: int) -> dict:
+                    warm: int, keep_heap: bool = False) -> dict:
     """One kvpress measurement in this process (run by the kvpress venv's interpreter; imports of this package:
     ``luka_bench.device`` only, which needs nothing but torch)."""
     import torch
@@ -173,7 +191,7 @@ def measure_kvpress(press_name: str, n: int, model_dir: str, ids_file: str, budg
     with torch.no_grad():
         run(ids[:258])  # warm-up: 256 tokens and two steps, as ``engine.warm_up``, then ``warm`` tokens
         run(ids[: warm + 2])
-        D.release_memory()
+        free_before_peak(keep_heap)
         before = D.rss_bytes()
         D.reset_peak_rss()
         t0 = time.perf_counter()
@@ -184,7 +202,8 @@ def measure_kvpress(press_name: str, n: int, model_dir: str, ids_file: str, budg
         tensors = tensor_peak(lambda: run(ids[: n + 2]))
     return {"method": KVPRESS + press_name, "n": n, "peak_growth_bytes": peak - before, "tensor_peak_bytes": tensors,
             "kv_bytes": held, "kv_bytes_full": None, "seconds": seconds, "device": "cpu",
-            "describe": f"kvpress {press_name} (compression_ratio={1 - budget:g})" if press else "kvpress full"}
+            "describe": f"kvpress {press_name} (compression_ratio={1 - budget:g})" if press else "kvpress full",
+            "heap": "kept" if keep_heap else "trimmed"}
 
 
 def export_for_kvpress(args, work: Path) -> tuple[str, str]:
@@ -206,10 +225,11 @@ def export_for_kvpress(args, work: Path) -> tuple[str, str]:
 def run_child(method: str, n: int, args) -> dict:
     if method.startswith(KVPRESS):
         cmd = [args.kvpress, __file__, "--kvpress-child", method.removeprefix(KVPRESS), str(n), *args.kvpress_files,
-               "--budget", str(args.budget), "--threads", str(args.threads), "--warm-up", str(args.warm_up)]
+               "--budget", str(args.budget), "--threads", str(args.threads), "--warm-up", str(args.warm_up)] + \
+            ["--keep-heap"] * args.keep_heap
     else:
         cmd = [sys.executable, __file__, "--child", method, str(n), "--threads", str(args.threads),
-               "--warm-up", str(args.warm_up)] + \
+               "--warm-up", str(args.warm_up)] + ["--keep-heap"] * args.keep_heap + \
             sum((["--over", o] for o in model_overrides(args)), [])
     # large blocks always mmapped, so a freed tensor leaves the RSS at once: glibc otherwise raises its mmap threshold
     # after a free and serves later tensors from a heap it does not shrink, and the peak RSS then measures the
@@ -287,6 +307,9 @@ def main() -> None:
                     help="where the model and the token ids are written for the kvpress interpreter")
     ap.add_argument("--mkl-fast-mm", action="store_true",
                     help="leave MKL's buffer cache on in the measured processes (off by default: see the docstring)")
+    ap.add_argument("--keep-heap", action="store_true",
+                    help="do not hand glibc's free heap pages back before the peak is reset (both sides; a "
+                         "sensitivity check: the small temporaries' churn in pages trimmed before is then not counted)")
     ap.add_argument("--mmap-threshold", type=int, default=65536,
                     help="MALLOC_MMAP_THRESHOLD_ of every measured process (glibc; 0: the allocator's default)")
     ap.add_argument("--budget", type=float, default=0.125, help="kvpress's budget (compression_ratio = 1 - budget)")
@@ -308,11 +331,13 @@ def main() -> None:
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child[0], int(args.child[1]), args.over, args.threads, args.warm_up)))
+        print(json.dumps(measure(args.child[0], int(args.child[1]), args.over, args.threads, args.warm_up,
+                                 args.keep_heap)))
         return
     if args.kvpress_child:
         p, n, model_dir, ids_file = args.kvpress_child
-        print(json.dumps(measure_kvpress(p, int(n), model_dir, ids_file, args.budget, args.threads, args.warm_up)))
+        print(json.dumps(measure_kvpress(p, int(n), model_dir, ids_file, args.budget, args.threads, args.warm_up,
+                                         args.keep_heap)))
         return
     if args.table_from:
         merged: dict = {}
@@ -343,7 +368,7 @@ def main() -> None:
             tp = [r["tensor_peak_bytes"] for r in got if r.get("tensor_peak_bytes") is not None]
             rows.append({"method": m, "n": n, "median": statistics.median(g), "min": min(g), "max": max(g),
                          "tensor_median": statistics.median(tp) if tp else None,
-                         "allocator": got[0].get("allocator"), "warm_up": args.warm_up,
+                         "allocator": got[0].get("allocator"), "warm_up": args.warm_up, "heap": got[0].get("heap"),
                          "kv_bytes": got[0]["kv_bytes"], "kv_bytes_full": got[0]["kv_bytes_full"],
                          "seconds": statistics.median(r["seconds"] for r in got), "describe": got[0]["describe"]})
             full = got[0]["kv_bytes_full"]
