@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from luka_bench.engine import prefill
 from luka_bench.methods.full import Full
 from luka_bench.methods.h2o import H2O
 from luka_bench.methods.hf import attach
@@ -129,8 +130,6 @@ def test_append_zero_fills_method_state_only_where_a_removal_left_stale_entries(
 def _run_reading(model, method, ids, n: int, steps: int, read_every: bool, chunk: int = 0):
     """Prefill ``n`` ids (compressed inside the forward; in chunks of ``chunk``), then ``steps`` teacher-forced tokens;
     ``read_every``: every store's positions read after each forward (written at once, never left pending)."""
-    from luka_bench.engine import prefill
-
     with attach(model, method) as att:
         c = att.new_cache(reference_length=n, prefill_chunk=chunk)
         logits = [prefill(model, ids[0, :n], c)]
@@ -139,7 +138,7 @@ def _run_reading(model, method, ids, n: int, steps: int, read_every: bool, chunk
                 for s in c.stores:
                     s.positions
             logits.append(model(ids[:, t: t + 1], past_key_values=c).logits[0, -1])
-        return torch.stack(logits), [s.positions.clone() for s in c.stores], c
+        return torch.stack(logits), [s.positions.clone() for s in c.stores]
 
 
 @torch.no_grad()
@@ -160,14 +159,12 @@ def test_positions_kept_as_one_description_for_every_head_read_back_as_if_writte
     }[name]
     model, n = tiny_gqa3.model, 120
     ids = _ids(n + 12, 7)
-    lazy, pos_lazy, _ = _run_reading(model, make(), ids, n, 12, read_every=False, chunk=chunk)
-    eager, pos_eager, _ = _run_reading(model, make(), ids, n, 12, read_every=True, chunk=chunk)
+    lazy, pos_lazy = _run_reading(model, make(), ids, n, 12, read_every=False, chunk=chunk)
+    eager, pos_eager = _run_reading(model, make(), ids, n, 12, read_every=True, chunk=chunk)
     assert torch.equal(lazy, eager)
     assert all(torch.equal(a, b) for a, b in zip(pos_lazy, pos_eager))
     with attach(model, make()) as att:  # right after the prefill: what each layer holds for its positions
         c = att.new_cache(reference_length=n, prefill_chunk=chunk)
-        from luka_bench.engine import prefill
-
         prefill(model, ids[0, :n], c)
         for s in c.stores:
             b, h = s.keys.shape[:2]
