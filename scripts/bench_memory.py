@@ -30,12 +30,18 @@ On a GPU: ``--model shape_llama31_8b --device cuda --dtype bfloat16`` (the alloc
 
 NVIDIA kvpress beside it, measured the same way (``--kvpress PYTHON``: the interpreter of a venv where kvpress is
 installed — it pins an older transformers than this project, so it lives in a venv of its own, e.g.
-``python3 -m venv ../kvpress-venv && ../kvpress-venv/bin/pip install torch==2.13.0 kvpress==0.5.5``): the model is
-saved once to a folder (``save_pretrained``) and the same token ids are written to a file; kvpress's rows
-``kvpress:full`` (no press), ``kvpress:streaming_llm`` (``StreamingLLMPress``, 4 sinks) and ``kvpress:snapkv``
-(``SnapKVPress``, window 64, kernel 5) run a plain forward of the N tokens under ``with press(model):`` into a
+``python3 -m venv ../kvpress-venv && ../kvpress-venv/bin/pip install torch==2.13.0 kvpress==0.5.5``): the model and
+its tokenizer are saved once to a folder (``save_pretrained``), the essays' text and its token ids to files; kvpress's
+rows ``kvpress:full`` (no press), ``kvpress:streaming_llm`` (``StreamingLLMPress``, 4 sinks) and ``kvpress:snapkv``
+(``SnapKVPress``, window 64, kernel 5) load the model and the tokenizer, tokenize the text (as this project's child
+does; the ids checked against the file), run a plain forward of the N tokens under ``with press(model):`` into a
 ``DynamicCache`` (kvpress compresses each layer in its attention's forward hook), then two decode steps, each in a
 process of its own with the same warm-up, reset and peak. ``compression_ratio = 1 - budget`` (``--budget``).
+Both sides tokenize because it changes the peak: tokenizing the essays leaves ~47 MB of free chunks in glibc's heap
+(mallinfo2), and glibc serves a request from a free chunk before it maps one, whatever ``MALLOC_MMAP_THRESHOLD_``:
+the prefill's mid-size tensors (a SnapKV layer's pooled scores) then land in trimmed heap pages, which stay resident
+after their free. kvpress's full attention at 8K grew 608.8 MB in a process that read the ids from the file, 610.7
+and 611.1 MB in one that tokenized the text first.
 """
 from __future__ import annotations
 
@@ -150,6 +156,7 @@ def tensor_peak(fn) -> int:
     return peak
 
 
+TEXT = "essays.txt"  # beside the ids file: the text the kvpress child tokenizes
 KVPRESS = "kvpress:"  # rows measured with NVIDIA kvpress's presses (``--kvpress``)
 CHUNKWISE = "/chunkwise"  # a chunked prefill run chunk by chunk through every layer (``layer_major=False``)
 
@@ -165,14 +172,14 @@ def measure_kvpress(press_name: str, n: int, model_dir: str, ids_file: str, budg
     """One kvpress measurement in this process (run by the kvpress venv's interpreter; imports of this package:
     ``luka_bench.device`` only, which needs nothing but torch)."""
     import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
     sys.path.insert(0, str(ROOT))
     from luka_bench import device as D
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = json.loads(Path(ids_file).read_text())
+    ids = tokenized_as_ours(AutoTokenizer.from_pretrained(model_dir), ids_file)
     press = None
     if press_name != "full":
         from kvpress import SnapKVPress, StreamingLLMPress
@@ -206,18 +213,31 @@ def measure_kvpress(press_name: str, n: int, model_dir: str, ids_file: str, budg
             "heap": "kept" if keep_heap else "trimmed"}
 
 
+def tokenized_as_ours(tokenizer, ids_file: str) -> list[int]:
+    """The essays' text beside ``ids_file`` tokenized by ``tokenizer`` (the kvpress child's, in its own venv), checked
+    against the ids this project's tokenizer gave (``ids_file``)."""
+    ids = tokenizer(Path(ids_file).with_name(TEXT).read_text(encoding="utf-8"), add_special_tokens=False).input_ids
+    if ids != json.loads(Path(ids_file).read_text()):
+        raise SystemExit(f"{ids_file}: the kvpress side's tokenizer gives other ids for the essays' text; allowed: "
+                         "the same ids on both sides (the same prompt measured)")
+    return ids
+
+
 def export_for_kvpress(args, work: Path) -> tuple[str, str]:
-    """The model saved to a folder and the essays' token ids to a file, for the kvpress interpreter."""
+    """The model and its tokenizer saved to a folder, the essays' text and token ids to files, for the kvpress
+    interpreter."""
     from hydra.utils import instantiate
 
     from luka_bench import config
     from luka_bench.data.pg19 import essays_text
 
     model_dir, ids_file = work / "model", work / "ids.json"
-    if not ids_file.exists():
+    if not (ids_file.exists() and (work / TEXT).exists() and (model_dir / "tokenizer_config.json").exists()):
         _, model_cfg = config.compose_method(["method=full", *model_overrides(args)])
         lm = instantiate(model_cfg).load()
         lm.model.save_pretrained(model_dir)
+        lm.tokenizer.save_pretrained(model_dir)
+        (work / TEXT).write_text(essays_text(), encoding="utf-8")
         ids_file.write_text(json.dumps(lm.tokenizer(essays_text(), add_special_tokens=False).input_ids))
     return str(model_dir), str(ids_file)
 

@@ -281,3 +281,22 @@ def test_a_compressing_prefill_peaks_below_full_attention_in_tensors(arch, reque
     for make in (lambda: SnapKV(budget=0.1, window=8), lambda: StreamingLLM(budget=0.1)):
         inside, after = peak(make()), peak(make(), manual=True)
         assert inside < 0.9 * after and after <= full * 1.05, (inside, after, full)
+
+
+def test_the_kvpress_side_tokenizes_the_text_and_must_get_our_ids(tmp_path, smollm2_tokenizer):
+    """``bench_memory``'s kvpress child tokenizes the essays' text itself (its heap then has the history ours has):
+    the ids it gets are ours, read back from the file; other ids stop the measurement with the file named."""
+    import json
+
+    from conftest import load_script
+
+    bench = load_script("bench_memory")
+    text = "Sixteen essays, one prompt.\n\nThe same ids on both sides."
+    (tmp_path / bench.TEXT).write_text(text, encoding="utf-8")
+    ids = smollm2_tokenizer(text, add_special_tokens=False).input_ids
+    ids_file = tmp_path / "ids.json"
+    ids_file.write_text(json.dumps(ids))
+    assert bench.tokenized_as_ours(smollm2_tokenizer, str(ids_file)) == ids
+    ids_file.write_text(json.dumps(ids[:-1] + [ids[-1] + 1]))
+    with pytest.raises(SystemExit, match="ids.json: the kvpress side's tokenizer gives other ids"):
+        bench.tokenized_as_ours(smollm2_tokenizer, str(ids_file))
