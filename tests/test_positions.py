@@ -146,8 +146,8 @@ def _run_reading(model, method, ids, n: int, steps: int, read_every: bool, chunk
 def test_positions_kept_as_one_description_for_every_head_read_back_as_if_written(name, tiny_gqa3):
     """A keep that drops the same tokens from every head (StreamingLLM's sinks and window) keeps their positions as
     runs or one [m] tensor, not a [B, Hkv, cap] table: the prefill holds no per-head positions while the next layers
-    run (issue 50), and positions, logits and what decode steps evict are those of a store whose positions were
-    written at once."""
+    run (issue 50); a per-head keep (SnapKV) one int32 [B, Hkv, m] tensor. Positions, logits and what decode steps
+    evict are those of a store whose positions were written at once."""
     from luka_bench.methods.snapkv import SnapKV
     from luka_bench.methods.streaming_llm import StreamingLLM
 
@@ -169,8 +169,10 @@ def test_positions_kept_as_one_description_for_every_head_read_back_as_if_writte
         for s in c.stores:
             b, h = s.keys.shape[:2]
             assert s.n < n
-            if name == "snapkv":
-                assert s._pos is not None and s._pos_shared is None
+            if name == "snapkv":  # per head: one int32 [B, Hkv, n] tensor, half an int64 table's bytes
+                assert s._pos is None and s._pos_shared.dtype == torch.int32
+                assert s._pos_shared.shape == (b, h, s.n)
+                assert s.allocated_bytes() == s._k.nbytes + s._v.nbytes + b * h * s.n * 4
                 continue
             assert s._pos is None, "a head-independent keep wrote a per-head positions table"
             assert isinstance(s._pos_shared, tuple)  # runs: no tensor at all
@@ -183,8 +185,9 @@ def test_positions_kept_as_one_description_for_every_head_read_back_as_if_writte
 
 @torch.no_grad()
 def test_a_keep_from_shared_positions_and_a_chunk_after_it_read_back_exactly(tiny_llama):
-    """Store level: a 1-D keep from the untouched state, a chunk appended after it, a decode step, a second keep
-    (which writes the shared positions into a table first) and a clone: each read back as if written at once."""
+    """Store level: a 1-D keep from the untouched state, a per-head one, a chunk appended after them, a decode step,
+    a second keep (which writes the shared positions into a table first) and a clone: each read back as if written
+    at once."""
     model = tiny_llama.model
     ids = _ids(90, 8)
     with attach(model, Full()) as att:
@@ -201,11 +204,20 @@ def test_a_keep_from_shared_positions_and_a_chunk_after_it_read_back_exactly(tin
         s2 = c.stores[1]
         s2.keep_ends(4, 6)
         assert s2._pos is None and s2._pos_shared == ((0, 0, 4), (4, 34, 10))
+        s3 = c.stores[2]  # per KV head, other tokens in each head: one int32 [B, Hkv, m] tensor
+        h = s3.keys.shape[1]
+        per_head = torch.stack([torch.arange(head, 40, 8)[:5] for head in range(h)]).unsqueeze(0)
+        s3.keep(per_head)
+        assert s3._pos is None and s3._pos_shared.dtype == torch.int32 and torch.equal(s3._pos_shared, per_head)
         twin = c.clone()
         for cache in (c, twin):
             model(ids[:, 40:60], past_key_values=cache)  # a chunk after the keep: a new run, nothing written
             model(ids[:, 60:61], past_key_values=cache)
-        t2 = twin.stores[1]
+        t2, t3 = twin.stores[1], twin.stores[2]
         assert t2._pos is None and t2._pos_shared == ((0, 0, 4), (4, 34, 10))
+        assert t3._pos is None and torch.equal(t3._pos_shared, per_head)
         for store in (c.stores[1], t2):
             assert torch.equal(store.positions[0, 0], torch.cat([torch.arange(4), torch.arange(34, 61)]))
+        for store in (s3, t3):
+            assert store.positions.dtype == torch.long
+            assert torch.equal(store.positions, torch.cat([per_head, torch.arange(40, 61).expand(1, h, -1)], -1))

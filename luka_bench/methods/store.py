@@ -74,11 +74,13 @@ class KVStore:
         # moved, every held token's position is its slot's (one run from slot 0, plus a pending decode step's), so
         # a store that never drops or moves a token (full attention) holds none (``_materialize_positions``)
         self._pos: torch.Tensor | None = None
-        # while ``_pos`` is None after a keep that dropped the same tokens from every head (StreamingLLM's sinks and
-        # window, a head-independent keep): the positions of slots 0..k-1, the same for every batch row and head —
-        # runs ((first slot, its position, end slot), ...) or one tensor [k] — instead of a [B, Hkv, cap] storage,
-        # so that a prefill compressing each layer holds no per-head positions table while the next layers run; the
-        # pending run (``_pos_run``) then starts at slot k. Written into the storage when it is made
+        # while ``_pos`` is None after a keep from the untouched state: the positions of slots 0..k-1 as a
+        # description instead of a [B, Hkv, cap] int64 storage, so that a prefill compressing each layer holds no
+        # such table while the next layers run — for a keep that dropped the same tokens from every head
+        # (StreamingLLM's sinks and window, a head-independent keep) the same for every batch row and head: runs
+        # ((first slot, its position, end slot), ...) or one tensor [k]; for a per-head keep (SnapKV) one int32
+        # tensor [B, Hkv, k] (half the table's bytes; positions stay below 2**31). The pending run (``_pos_run``)
+        # then starts at slot k. Written into the storage when it is made
         self._pos_shared: tuple[tuple[int, int, int], ...] | torch.Tensor | None = None
         self._row_base: tuple | None = None  # row_offsets(), keyed by storage shape
         self._aux: dict[str, torch.Tensor] = {}  # per-token method state [B, Hkv, cap], kept aligned with keys
@@ -153,8 +155,8 @@ class KVStore:
             b, h, cap = self._k.shape[:3]
             self._pos = torch.empty(b, h, cap, dtype=torch.long, device=self._k.device)
             shared, self._pos_shared = self._pos_shared, None
-            if isinstance(shared, torch.Tensor):
-                self._pos[:, :, : shared.shape[0]] = shared
+            if isinstance(shared, torch.Tensor):  # [k] or [B, Hkv, k]
+                self._pos[:, :, : shared.shape[-1]] = shared
             elif shared:
                 for first, pos, end in shared:
                     self._pos[:, :, first:end] = torch.arange(pos, pos + end - first, device=self._pos.device)
@@ -164,7 +166,7 @@ class KVStore:
         shared = self._pos_shared
         if shared is None:
             return 0
-        return shared.shape[0] if isinstance(shared, torch.Tensor) else max(end for _, _, end in shared)
+        return shared.shape[-1] if isinstance(shared, torch.Tensor) else max(end for _, _, end in shared)
 
     def settle_positions(self) -> None:
         """Write every pending position: the run of earlier decode steps' (one arange) and this decode step's
@@ -351,7 +353,7 @@ class KVStore:
         if (self._pos is None and self._pos_due is None and self._pos_shared is None and run is not None
                 and run[0] == 0 and run[2] == self.n):
             # every position is its slot's plus the run's first: the kept ones from the index (no positions storage
-            # written for the tokens dropped); the same for every head: kept as one description (``_pos_shared``)
+            # written for the tokens dropped), kept as a description (``_pos_shared``) until something reads them
             self._pos_run = None
             if index.dim() == 1 and runs is not None:
                 slots = list(itertools.accumulate((stop - start for start, stop in runs), initial=0))
@@ -359,6 +361,8 @@ class KVStore:
                 pos = None
             elif index.dim() == 1:
                 shared = pos = index.long() + run[1]
+            elif run[2] + run[1] <= torch.iinfo(torch.int32).max:
+                shared = pos = index.to(torch.int32, copy=True).add_(run[1])
             else:
                 pos = index.long() + run[1]
         else:
