@@ -39,9 +39,9 @@ does; the ids checked against the file), run a plain forward of the N tokens und
 process of its own with the same warm-up, reset and peak. ``compression_ratio = 1 - budget`` (``--budget``).
 Both sides tokenize because it changes the peak: tokenizing the essays leaves ~47 MB of free chunks in glibc's heap
 (mallinfo2), and glibc serves a request from a free chunk before it maps one, whatever ``MALLOC_MMAP_THRESHOLD_``:
-the prefill's mid-size tensors then land in trimmed heap pages, which stay resident
-after their free. kvpress's full attention at 8K grew 608.7 MB (median of 3 processes) reading the ids from the
-file and 620.4 MB tokenizing first (``results/summaries/memory/cpu_8k_session6.json``, ``cpu_8k_session7.json``).
+the prefill's mid-size tensors then land in trimmed heap pages, which stay resident after their free. kvpress's full
+attention at 8K grew 608.7 MB (median of 3 processes) reading the ids from the file and 620.4 MB tokenizing first
+(``results/summaries/memory/cpu_8k_session6.json``, ``cpu_8k_session7.json``).
 """
 from __future__ import annotations
 
