@@ -237,8 +237,9 @@ def export_for_kvpress(args, work: Path) -> tuple[str, str]:
         lm = instantiate(model_cfg).load()
         lm.model.save_pretrained(model_dir)
         lm.tokenizer.save_pretrained(model_dir)
-        (work / TEXT).write_text(essays_text(), encoding="utf-8")
-        ids_file.write_text(json.dumps(lm.tokenizer(essays_text(), add_special_tokens=False).input_ids))
+        text = essays_text()
+        (work / TEXT).write_text(text, encoding="utf-8")
+        ids_file.write_text(json.dumps(lm.tokenizer(text, add_special_tokens=False).input_ids))
     return str(model_dir), str(ids_file)
 
 
