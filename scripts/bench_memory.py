@@ -19,8 +19,10 @@ compresses after the prefill's whole forward, as every method did before the per
 manual cache whose ``end_prefill`` runs after the forward; the same tokens kept, the old peak. ``<name>@<chunk>``
 prefills in chunks of that many tokens (``prefill_chunk``: layer by layer for a method that compresses each layer in
 the prefill), ``<name>@<chunk>/chunkwise`` chunk by chunk through every layer (``layer_major=False``). The table
-(``--markdown``) gives each method's growth and its ratio to full attention's at each N; ``--plot`` draws peak
-growth against context length, one line per method. ``--json`` keeps every measurement.
+(``--markdown``) gives each method's growth, its ratio to full attention's and the KV it holds over full's at each N
+(below 1: a compressing method), then names the compressing methods that peak above full attention; ``--plot`` draws
+peak growth against context length, one line per method. ``--json`` keeps every measurement, with the bytes of free
+chunks in glibc's heap at the reset (``heap_free_bytes``: the history a process's measured work can land in).
 
     .venv/bin/python scripts/bench_memory.py --lengths 8192 16384 --repeats 3 \\
         --json results/summaries/memory/cpu.json --markdown results/summaries/memory/cpu.md \\
@@ -86,7 +88,7 @@ def measure(method: str, n: int, model_over: list[str], threads: int, warm: int,
         # would count its pages of libtorch in the peak (SnapKV unchunked at 8K: 2.2 MB of libtorch_cpu.so, smaps)
         warm_up(model, kv, tok)
         warm_up(model, kv, tok, prompt_len=warm, chunk=warm)
-        free_before_peak(keep_heap)
+        heap_free = free_before_peak(keep_heap)
         if dev.type == "cuda":
             D.synchronize(dev)
             before = torch.cuda.memory_allocated(dev)
@@ -116,14 +118,15 @@ def measure(method: str, n: int, model_over: list[str], threads: int, warm: int,
             tensors = tensor_peak(run)
     return {"method": method, "n": n, "peak_growth_bytes": peak - before, "tensor_peak_bytes": tensors,
             "kv_bytes": held, "kv_bytes_full": full, "seconds": seconds, "device": str(dev), "describe": kv.describe(),
-            "heap": "kept" if keep_heap else "trimmed"}
+            "heap": "kept" if keep_heap else "trimmed", "heap_free_bytes": heap_free}
 
 
-def free_before_peak(keep_heap: bool) -> None:
+def free_before_peak(keep_heap: bool) -> int | None:
     """Free what is left before the peak is reset: Python's garbage, and glibc's free heap pages handed back to the OS
     (``device.release_memory``: the growth then counts every heap page the measured work touches, its small
     temporaries' churn included) — unless ``keep_heap`` (``--keep-heap``, a sensitivity check): the free pages stay
-    resident and only heap pages beyond them count."""
+    resident and only heap pages beyond them count. Returns the bytes of free chunks left in glibc's heap
+    (``heap_free_bytes``): the process's history the measured work can land in."""
     import gc
 
     from luka_bench import device as D
@@ -132,6 +135,26 @@ def free_before_peak(keep_heap: bool) -> None:
         gc.collect()
     else:
         D.release_memory()
+    return heap_free_bytes()
+
+
+def heap_free_bytes() -> int | None:
+    """Bytes in free chunks of glibc's main heap and arenas (``mallinfo2().fordblks``; None where the C library is not
+    glibc >= 2.33). Trimmed pages of these chunks are not resident, but glibc serves a request from a free chunk before
+    it maps a new block, so a process with more of them (a tokenizer run before, say) puts more of its measured work's
+    mid-size buffers into heap pages that stay resident after their free: a peak to read beside this number."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+        return int(libc.mallinfo2().fordblks)
+    except (OSError, AttributeError):
+        return None
 
 
 def tensor_peak(fn) -> int:
@@ -198,7 +221,7 @@ def measure_kvpress(press_name: str, n: int, model_dir: str, ids_file: str, budg
     with torch.no_grad():
         run(ids[:258])  # warm-up: 256 tokens and two steps, as ``engine.warm_up``, then ``warm`` tokens
         run(ids[: warm + 2])
-        free_before_peak(keep_heap)
+        heap_free = free_before_peak(keep_heap)
         before = D.rss_bytes()
         D.reset_peak_rss()
         t0 = time.perf_counter()
@@ -210,7 +233,7 @@ def measure_kvpress(press_name: str, n: int, model_dir: str, ids_file: str, budg
     return {"method": KVPRESS + press_name, "n": n, "peak_growth_bytes": peak - before, "tensor_peak_bytes": tensors,
             "kv_bytes": held, "kv_bytes_full": None, "seconds": seconds, "device": "cpu",
             "describe": f"kvpress {press_name} (compression_ratio={1 - budget:g})" if press else "kvpress full",
-            "heap": "kept" if keep_heap else "trimmed"}
+            "heap": "kept" if keep_heap else "trimmed", "heap_free_bytes": heap_free}
 
 
 def tokenized_as_ours(tokenizer, ids_file: str) -> list[int]:
@@ -265,33 +288,58 @@ def run_child(method: str, n: int, args) -> dict:
     return row
 
 
+def median_or_none(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
 def model_overrides(args) -> list[str]:
     return [f"model={args.model}"] * bool(args.model) + [f"model.device={args.device}"] * bool(args.device) + \
         [f"model.dtype={args.dtype}"] * bool(args.dtype)
 
 
 def table(rows: list[dict], methods: list[str], lengths: list[int]) -> str:
-    """Markdown: per method and N, the median peak growth (GB, min-max over the repeats), its ratio to full and,
-    where measured (CPU), the median peak of the tensors alive at once (``tensor_peak``, MB)."""
+    """Markdown: per method and N, the median peak growth (GB, min-max over the repeats), its ratio to full's, the KV
+    it holds after the two steps over full attention's (``held``: below 1 a compressing method; at or above 1 a method
+    that keeps every token, plus its summaries or index) and, where measured (CPU), the median peak of the tensors
+    alive at once (``tensor_peak``, MB). Under the table, per N, the compressing methods whose peak is above full
+    attention's (the prefill-memory issue's check), or that there are none."""
     med = {(r["method"], r["n"]): r for r in rows}
     tensors = any(r.get("tensor_median") is not None for r in rows)
-    per_n = " | / full" + " | tensors' peak MB" * tensors
+    per_n = " | / full | held KV / full" + " | tensors' peak MB" * tensors
     head = "| method | " + " | ".join(f"N = {n}: peak growth GB (range)" + per_n for n in lengths) + " |"
-    lines = [head, "|---|" + ("--:|--:|" + "--:|" * tensors) * len(lengths)]
+    lines = [head, "|---|" + ("--:|--:|--:|" + "--:|" * tensors) * len(lengths)]
+    above = {n: [] for n in lengths}
     for m in methods:
         cells = []
         for n in lengths:
             r, f = med.get((m, n)), med.get(("full", n))
             if r is None:
-                cells += ["—", "—"] + ["—"] * tensors
+                cells += ["—", "—", "—"] + ["—"] * tensors
                 continue
+            held = held_fraction(r, f or med.get((KVPRESS + "full", n)))
             rng = f"{r['min'] / 1e9:.3f}–{r['max'] / 1e9:.3f}"
             cells += [f"{r['median'] / 1e9:.3f} ({rng})",
-                      f"{r['median'] / f['median']:.2f}" if f and f["median"] else "—"]
+                      f"{r['median'] / f['median']:.2f}" if f and f["median"] else "—",
+                      f"{held:.3f}" if held is not None else "—"]
             if tensors:
                 cells.append(f"{r['tensor_median'] / 1e6:.2f}" if r.get("tensor_median") is not None else "—")
+            if f and held is not None and held < 1 and r["median"] > f["median"]:
+                above[n].append(f"{m} (+{(r['median'] - f['median']) / 1e6:.1f} MB)")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"N = {n}: compressing methods (held KV / full < 1) peaking above full attention: "
+              + (", ".join(above[n]) or "none") + ("" if ("full", n) in med else " (no full row to compare)")
+              for n in lengths]
     return "\n".join(lines)
+
+
+def held_fraction(r: dict, full: dict | None) -> float | None:
+    """The KV a row holds after its prefill and two steps over full attention's at the same N: its own record of
+    full's bytes (``kv_bytes_full``, this project's rows) or a full row's held bytes (kvpress's rows: ours, else
+    kvpress's)."""
+    whole = r.get("kv_bytes_full") or (full or {}).get("kv_bytes")
+    return r["kv_bytes"] / whole if r.get("kv_bytes") is not None and whole else None
 
 
 def plot(rows: list[dict], methods: list[str], path: str) -> None:
@@ -390,6 +438,7 @@ def main() -> None:
             rows.append({"method": m, "n": n, "median": statistics.median(g), "min": min(g), "max": max(g),
                          "tensor_median": statistics.median(tp) if tp else None,
                          "allocator": got[0].get("allocator"), "warm_up": args.warm_up, "heap": got[0].get("heap"),
+                         "heap_free_median": median_or_none([r.get("heap_free_bytes") for r in got]),
                          "kv_bytes": got[0]["kv_bytes"], "kv_bytes_full": got[0]["kv_bytes_full"],
                          "seconds": statistics.median(r["seconds"] for r in got), "describe": got[0]["describe"]})
             full = got[0]["kv_bytes_full"]
@@ -397,6 +446,8 @@ def main() -> None:
                   f"(runs: {', '.join(f'{x / 1e9:.3f}' for x in g)}); kv held after {got[0]['kv_bytes'] / 1e9:.3f} GB"
                   + (f" of {full / 1e9:.3f}" if full else "")
                   + (f"; tensors' peak {rows[-1]['tensor_median'] / 1e9:.4f} GB" if tp else "")
+                  + (f"; heap's free chunks at the reset {rows[-1]['heap_free_median'] / 1e6:.1f} MB"
+                     if rows[-1]["heap_free_median"] is not None else "")
                   + f"; {rows[-1]['seconds']:.1f} s", flush=True)
             if args.json:
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)

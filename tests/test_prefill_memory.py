@@ -300,3 +300,50 @@ def test_the_kvpress_side_tokenizes_the_text_and_must_get_our_ids(tmp_path, smol
     ids_file.write_text(json.dumps(ids[:-1] + [ids[-1] + 1]))
     with pytest.raises(SystemExit, match="ids.json: the kvpress side's tokenizer gives other ids"):
         bench.tokenized_as_ours(smollm2_tokenizer, str(ids_file))
+
+
+def test_the_table_names_compressing_methods_above_full_and_not_those_holding_every_token():
+    """``bench_memory.table``: a held-KV column (a row's KV after the prefill over full attention's) and, per N, the
+    compressing methods (held < 1) whose peak is above full's; a method holding every token above full is not one."""
+    from conftest import load_script
+
+    bench = load_script("bench_memory")
+
+    def row(method, n, median, kv, full_kv=1000):
+        return {"method": method, "n": n, "median": median, "min": median, "max": median, "tensor_median": None,
+                "kv_bytes": kv, "kv_bytes_full": full_kv}
+
+    rows = [row("full", 8, 100e6, 1000), row("snapkv", 8, 101e6, 125), row("lychee", 8, 105e6, 1130),
+            row("full", 16, 200e6, 2000, 2000), row("snapkv", 16, 90e6, 250, 2000),
+            {**row("kvpress:snapkv", 16, 95e6, 250), "kv_bytes_full": None}]
+    md = bench.table(rows, ["full", "snapkv", "lychee", "kvpress:snapkv"], [8, 16])
+    lines = md.splitlines()
+    assert "held KV / full" in lines[0]
+    assert "| snapkv | 0.101 (0.101–0.101) | 1.01 | 0.125 |" in md and "| 1.130 |" in md
+    assert "0.095 (0.095–0.095) | 0.47 | 0.125 |" in md  # kvpress's held over the full row's KV
+    assert lines[-2] == "N = 8: compressing methods (held KV / full < 1) peaking above full attention: snapkv (+1.0 MB)"
+    assert lines[-1] == "N = 16: compressing methods (held KV / full < 1) peaking above full attention: none"
+
+
+def test_the_heap_free_bytes_count_freed_chunks_in_glibcs_heap():
+    """``bench_memory.heap_free_bytes`` (recorded at every reset, both sides): chunks freed in glibc's heap (below
+    the mmap threshold) and kept apart by live ones show up in it."""
+    import ctypes
+    import platform
+
+    from conftest import load_script
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's mallinfo2 only")
+    bench = load_script("bench_memory")
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    ptrs = [libc.malloc(4000) for _ in range(2000)]
+    before = bench.heap_free_bytes()
+    for p in ptrs[::2]:
+        libc.free(p)  # freed, each between two live chunks: not merged into the top, not trimmed
+    try:
+        assert bench.heap_free_bytes() - before >= 1000 * 4000 * 0.9
+    finally:
+        for p in ptrs[1::2]:
+            libc.free(p)
