@@ -8,15 +8,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from luka_bench.methods.adakv import AdaKV
+from luka_bench.methods.duo_attention import DuoAttention
 from luka_bench.methods.entropy_ols import EntropyOLS
+from luka_bench.methods.expected_attention import ExpectedAttention
 from luka_bench.methods.full import Full
 from luka_bench.methods.h2o import H2O
 from luka_bench.methods.hf import attach
 from luka_bench.methods.knorm import KNorm
 from luka_bench.methods.laser_kv import LaserKV
 from luka_bench.methods.layered import Layered
+from luka_bench.methods.pyramidkv import PyramidKV
+from luka_bench.methods.razor_attention import RazorAttention
 from luka_bench.methods.snapkv import SnapKV
 from luka_bench.methods.streaming_llm import StreamingLLM
+from luka_bench.methods.tova import TOVA
 
 N, STEPS = 120, 6
 
@@ -29,6 +35,17 @@ METHODS = {
     "knorm": lambda: KNorm(budget=0.2),
     "entropy_ols": lambda: EntropyOLS(budget=0.25, bin_size=8, rank=2),
     "knorm_full_layers": lambda: KNorm(budget=0.2, full_layers=1),
+    "tova_once": lambda: TOVA(budget=0.2, decode=False),
+    "expected_attention": lambda: ExpectedAttention(budget=0.2),
+    "pyramidkv": lambda: PyramidKV(budget=0.2, window=8, beta=4),
+    "adakv": lambda: AdaKV(budget=0.2, window=8),
+    "duo_attention": lambda: DuoAttention(pattern_seed=0, sink=2, recent=8),
+    # retrieval heads measured (a scoring forward before the prefill's, never inside a layer): mixed layers
+    "razor_attention": lambda: RazorAttention(sink=2, local=16, compression_ratio=0, heads_cache=None,
+                                              score_length=16),
+    # no retrieval head: every layer evicts for real
+    "razor_no_retrieval": lambda: RazorAttention(sink=2, local=16, compression_ratio=0, induction=0.0, echo=0.0,
+                                                 heads_cache=None, score_length=16),
     "layered": lambda: Layered(rules=[{"layers": "0", "method": SnapKV(budget=0.2, window=8)}],
                                default=KNorm(budget=0.3)),
 }
@@ -57,7 +74,7 @@ def test_compressing_inside_the_prefill_keeps_the_same_tokens_bit_for_bit(name, 
     inside, held_inside, flags, cache = run(model, METHODS[name](), ids, manual=False)
     assert not any(inside_after)
     assert any(flags), "no layer compressed inside the prefill's forward"
-    assert all(s.n < N for s, f in zip(cache.stores, flags) if f)
+    assert all(s.held_per_head() < N for s, f in zip(cache.stores, flags) if f)
     for a, b in zip(held_after, held_inside):
         assert torch.equal(a, b)
     assert torch.equal(after, inside)
@@ -92,7 +109,8 @@ def full_layers_alive(model, method, question_ids=None, prefill_chunk: int = 0) 
     return most[0]
 
 
-@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "knorm", "entropy_ols"])
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "knorm", "entropy_ols", "razor_no_retrieval",
+                                  "tova_once", "expected_attention", "pyramidkv", "adakv"])
 def test_one_full_layer_cache_at_a_time_during_a_compressing_prefill(name, tiny_llama):
     model = tiny_llama.model
     layers = model.config.num_hidden_layers
@@ -100,7 +118,8 @@ def test_one_full_layer_cache_at_a_time_during_a_compressing_prefill(name, tiny_
     assert full_layers_alive(model, METHODS[name]()) == 1
 
 
-@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "knorm", "entropy_ols"])
+@pytest.mark.parametrize("name", ["snapkv", "streaming_llm", "h2o", "knorm", "entropy_ols", "razor_no_retrieval",
+                                  "tova_once", "expected_attention", "pyramidkv", "adakv"])
 def test_a_chunked_prefill_holds_one_full_layer_cache_at_a_time(name, tiny_llama):
     """With ``prefill_chunk`` the chunks go through the model layer by layer (``hf._layer_major``): every chunk
     through a layer, which the last one compresses, before any enters the next — one layer holds the whole prefill

@@ -13,7 +13,9 @@ share by echo score (each at least one head when its share is > 0: ``ceil``). Th
 ``heads_file`` gives the retrieval heads instead (a JSON list of ``[layer, kv_head]`` pairs, or an object with
 ``"retrieval_heads"``: the cache's own format works).
 
-**After the prefill**, per layer, retrieval heads keep their whole cache. Every other KV head keeps its first
+**After the prefill**, per layer (inside the forward that ends it, right after the layer's attention: one layer's
+full cache alive at a time; the retrieval heads are found before that forward), retrieval heads keep their whole
+cache. Every other KV head keeps its first
 ``sink`` tokens, its last ``L = max(local, ceil(N / compression_ratio))`` tokens (N the prompt's tokens; Algorithm
 1's buffer length max(S0, N/C); ``compression_ratio: 0`` drops the N/C term, the port's rule) and one
 **compensation token** in place of the dropped ones D = [sink, N - L): the mean k^ of their keys (post-RoPE, as
@@ -156,7 +158,11 @@ def model_key(model, settings: dict) -> str:
 
 class RazorPolicy(LayerPolicy):
     """One layer: after the prefill, its non-retrieval KV heads keep sinks + the local window + one compensation
-    token; attention adds the per-token bias (log |D| on the compensation token, -inf on what a head dropped)."""
+    token; attention adds the per-token bias (log |D| on the compensation token, -inf on what a head dropped). The
+    compression needs only this layer once the retrieval heads are known (found before the forward that ends the
+    prefill: ``RazorAttention.compresses_in_forward``), so it runs right after the layer's attention in that forward."""
+
+    layer_local_prefill = True
 
     def __init__(self, method: "RazorAttention", info: LayerInfo):
         super().__init__(method, info)
@@ -191,6 +197,11 @@ class RazorPolicy(LayerPolicy):
         else:
             store.unhold(first, stop, other, b * sum(not r for r in retrieval))
         self.dropped = d
+
+    def after_prefill(self, store) -> None:
+        heads = self.method.retrieval_heads(store.cache)
+        li = self.info.layer_idx
+        self.compress(store, [(li, h) in heads for h in range(self.info.num_kv_heads)])
 
     def attend(self, store, query, scaling):
         if not self.dropped:
@@ -296,11 +307,9 @@ class RazorAttention(KVMethod):
                             encoding="utf-8")
         return got
 
-    def after_prefill(self, cache) -> None:
-        heads = self.retrieval_heads(cache)
-        for store in cache.stores:
-            if isinstance(store.policy, RazorPolicy):
-                li = store.policy.info.layer_idx
-                store.policy.compress(store, [(li, h) in heads for h in range(store.policy.info.num_kv_heads)])
-            elif not store.compressed_in_forward:
-                store.policy.after_prefill(store)
+    def compresses_in_forward(self, cache) -> bool:
+        """Yes: each layer compresses right after its attention in the forward that ends the prefill (one layer's
+        full cache alive at a time). The retrieval heads are found first, here, before that forward starts: the
+        scoring forward (when neither ``heads_file`` nor the disk cache has them) never runs inside a layer."""
+        self.retrieval_heads(cache)
+        return True
