@@ -486,6 +486,13 @@ def _prefill(lm, attached, plan: ExamplePlan, ids: list[int], question_ids, cach
 
 
 @torch.no_grad()
+def stand_in_question(method, prompt_len: int, tokens: int = 16) -> dict:
+    """Cache settings for a throwaway or measuring prefill of a method that needs the question inside the prompt
+    (FINCH, ``question_in_prompt``): the prompt's last ``tokens`` tokens (at most half of it) stand for the question;
+    {} for every other method."""
+    return {"question_span": min(tokens, prompt_len // 2)} if getattr(method, "question_in_prompt", False) else {}
+
+
 def warm_up(model, method=None, tokenizer=None, prompt_len: int = 256, chunk: int = 128, steps: int = 2,
             seed: int = 0) -> float:
     """A throwaway run through ``method`` (default: full attention) on ``model``: a prefill of ``prompt_len``
@@ -505,7 +512,8 @@ def warm_up(model, method=None, tokenizer=None, prompt_len: int = 256, chunk: in
     t0 = time.perf_counter()
     with hf.attach(model, method, tokenizer) as att:
         # the prefill in chunks of ``chunk`` (split by attach's hook), then decode steps, as the engine runs them
-        cache = att.new_cache(reference_length=prompt_len, prefill_chunk=max(1, chunk))
+        cache = att.new_cache(reference_length=prompt_len, prefill_chunk=max(1, chunk),
+                              **stand_in_question(method, prompt_len))  # FINCH refuses a prompt without one
         prefill(model, ids[:prompt_len], cache)
         for i in range(steps):
             forward(model, ids[prompt_len + i: prompt_len + i + 1], cache)

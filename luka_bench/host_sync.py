@@ -53,9 +53,11 @@ from luka_bench.device import _HOST_SIDE, host_side  # noqa: E402,F401
 
 
 def question_span(method, prompt_len: int) -> dict:
-    """Cache settings for a method that needs the question inside the prompt (FINCH): the prompt's last 16 tokens
-    (at most half of it) stand for the question; {} for every other method."""
-    return {"question_span": min(16, prompt_len // 2)} if getattr(method, "question_in_prompt", False) else {}
+    """Cache settings for a method that needs the question inside the prompt (FINCH): ``engine.stand_in_question``."""
+    from luka_bench.engine import stand_in_question
+
+    return stand_in_question(method, prompt_len)
+
 
 def _is_bool_index(args) -> bool:
     idx = args[1] if len(args) > 1 else None

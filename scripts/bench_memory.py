@@ -16,7 +16,9 @@ apart. ``--keep-heap`` (a sensitivity check, both sides) leaves glibc's free hea
 reset (``release_memory`` hands them back by default, and the growth then also counts the pages the measured
 work's small temporaries touch again in a heap shaped by the process's history). A method named ``<name>+after``
 compresses after the prefill's whole forward, as every method did before the per-layer compression (issue 50): a
-manual cache whose ``end_prefill`` runs after the forward; the same tokens kept, the old peak. ``<name>@<chunk>``
+manual cache whose ``end_prefill`` runs after the forward; the same tokens kept, the old peak. ``<name>,key=value``
+sets the method's ``key`` (``duo_attention,pattern_seed=0``); a method that needs the question inside the prompt
+(FINCH) reads the prompt's last ``--question`` tokens (32) as its question. ``<name>@<chunk>``
 prefills in chunks of that many tokens (``prefill_chunk``: layer by layer for a method that compresses each layer in
 the prefill), ``<name>@<chunk>/chunkwise`` chunk by chunk through every layer (``layer_major=False``). The table
 (``--markdown``) gives each method's growth, its ratio to full attention's and the KV it holds over full's at each N
@@ -62,20 +64,22 @@ AFTER = "+after"  # compress after the prefill's whole forward (a manual cache):
 DEFAULT = ["full", "streaming_llm", "snapkv", "knorm", "h2o", "laser_kv", "entropy_ols"]
 
 
-def measure(method: str, n: int, model_over: list[str], threads: int, warm: int, keep_heap: bool = False) -> dict:
+def measure(method: str, n: int, model_over: list[str], threads: int, warm: int, keep_heap: bool = False,
+            question: int = 32) -> dict:
     """One measurement in this process (the child's work)."""
     import torch
     from hydra.utils import instantiate
 
     from luka_bench import config, device as D
     from luka_bench.data.pg19 import essays_text
-    from luka_bench.engine import forward, warm_up
+    from luka_bench.engine import forward, stand_in_question, warm_up
     from luka_bench.methods.hf import attach
 
     torch.set_num_threads(threads)
     name, chunk, layer_major = parse_method(method)
+    name, settings = method_settings(name)
     after = name.endswith(AFTER)
-    kv, model_cfg = config.compose_method([f"method={name.removesuffix(AFTER)}", *model_over])
+    kv, model_cfg = config.compose_method([f"method={name.removesuffix(AFTER)}", *settings, *model_over])
     lm = instantiate(model_cfg).load()
     model, tok = lm.model, lm.tokenizer
     ids = tok(essays_text(), add_special_tokens=False).input_ids
@@ -100,7 +104,8 @@ def measure(method: str, n: int, model_over: list[str], threads: int, warm: int,
 
         def run() -> tuple[int, int]:
             with attach(model, kv, tok) as att:
-                cache = att.new_cache(reference_length=n, manual=after, prefill_chunk=chunk, layer_major=layer_major)
+                cache = att.new_cache(reference_length=n, manual=after, prefill_chunk=chunk, layer_major=layer_major,
+                                      **stand_in_question(kv, n, question))
                 forward(model, ids[:n], cache)
                 if after:
                     cache.end_prefill()
@@ -182,6 +187,16 @@ def tensor_peak(fn) -> int:
 TEXT = "essays.txt"  # beside the ids file: the text the kvpress child tokenizes
 KVPRESS = "kvpress:"  # rows measured with NVIDIA kvpress's presses (``--kvpress``)
 CHUNKWISE = "/chunkwise"  # a chunked prefill run chunk by chunk through every layer (``layer_major=False``)
+
+
+def method_settings(name: str) -> tuple[str, list[str]]:
+    """``config[,key=value...]`` -> (config, ["method.key=value", ...]): a method's settings given with its name
+    (``duo_attention,pattern_seed=0``: DuoAttention needs a head pattern, and none ships for the offline models)."""
+    base, *settings = name.split(",")
+    bad = [x for x in settings if "=" not in x or not x.split("=", 1)[0]]
+    if bad:
+        raise SystemExit(f"--methods {name}: {', '.join(bad)} is not key=value; allowed: <config>[,key=value...]")
+    return base, [f"method.{x}" for x in settings]
 
 
 def parse_method(method: str) -> tuple[str, int, bool]:
@@ -273,7 +288,7 @@ def run_child(method: str, n: int, args) -> dict:
             ["--keep-heap"] * args.keep_heap
     else:
         cmd = [sys.executable, __file__, "--child", method, str(n), "--threads", str(args.threads),
-               "--warm-up", str(args.warm_up)] + ["--keep-heap"] * args.keep_heap + \
+               "--warm-up", str(args.warm_up), "--question", str(args.question)] + ["--keep-heap"] * args.keep_heap + \
             sum((["--over", o] for o in model_overrides(args)), [])
     # large blocks always mmapped, so a freed tensor leaves the RSS at once: glibc otherwise raises its mmap threshold
     # after a free and serves later tensors from a heap it does not shrink, and the peak RSS then measures the
@@ -389,6 +404,9 @@ def main() -> None:
     ap.add_argument("--warm-up", type=int, default=2048,
                     help="tokens of the second warm-up prefill (one forward, both sides): kernels whose code depends "
                          "on the size (a sort, SDPA's blocking) are then not first run inside the measured prefill")
+    ap.add_argument("--question", type=int, default=32,
+                    help="for a method that needs the question inside the prompt (FINCH): the prompt's last tokens "
+                         "that stand for it (the others get no question)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
@@ -401,7 +419,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         print(json.dumps(measure(args.child[0], int(args.child[1]), args.over, args.threads, args.warm_up,
-                                 args.keep_heap)))
+                                 args.keep_heap, args.question)))
         return
     if args.kvpress_child:
         p, n, model_dir, ids_file = args.kvpress_child
@@ -419,7 +437,7 @@ def main() -> None:
         write_outputs(rows, methods, lengths, args)
         return
     known = sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
-    bad = [m for m in args.methods if parse_method(m)[0].removesuffix(AFTER) not in known]
+    bad = [m for m in args.methods if method_settings(parse_method(m)[0])[0].removesuffix(AFTER) not in known]
     if bad:
         sys.exit(f"--methods {' '.join(bad)}: unknown; allowed: {', '.join(known)}")
     methods = list(args.methods)

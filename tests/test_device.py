@@ -227,6 +227,19 @@ def test_warm_up_runs_a_chunked_prefill_and_decode_steps(tiny_qwen3, monkeypatch
     assert model.config._attn_implementation != "luka_bench"  # detached again
 
 
+def test_the_warm_up_runs_a_method_that_needs_the_question_in_the_prompt(tiny_qwen3):
+    """FINCH refuses a prefill without a question inside the prompt; the run's warm-up (on CUDA before the first timed
+    item) gives it the prompt's last tokens as a stand-in question (``engine.stand_in_question``), as the launch and
+    sync counters do — other methods get none."""
+    from luka_bench.methods.finch import Finch
+    from luka_bench.methods.snapkv import SnapKV
+
+    assert engine.stand_in_question(Finch(budget=0.25), 96) == {"question_span": 16}
+    assert engine.stand_in_question(Finch(budget=0.25), 20, tokens=32) == {"question_span": 10}
+    assert engine.stand_in_question(SnapKV(budget=0.25), 96) == {}
+    assert engine.warm_up(tiny_qwen3.model, Finch(budget=0.25), prompt_len=96, chunk=64, steps=2) > 0
+
+
 # -- on a GPU (LUKA_TEST_DEVICE=cuda): what the mocks above cannot confirm ----------------------------------
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or triton_kernel.triton is None

@@ -366,3 +366,17 @@ def test_the_heap_free_bytes_count_freed_chunks_in_glibcs_heap():
     finally:
         for p in ptrs[1::2]:
             libc.free(p)
+
+
+def test_a_method_row_can_carry_its_settings():
+    """``bench_memory --methods duo_attention,pattern_seed=0``: the config's name, then its settings as overrides; a
+    setting that is not key=value is a one-line error naming it."""
+    from conftest import load_script
+
+    bench = load_script("bench_memory")
+    assert bench.method_settings("duo_attention,pattern_seed=0,sink=8") == (
+        "duo_attention", ["method.pattern_seed=0", "method.sink=8"])
+    assert bench.method_settings("snapkv+after") == ("snapkv+after", [])
+    assert bench.parse_method("finch,chunk=512@4096") == ("finch,chunk=512", 4096, True)
+    with pytest.raises(SystemExit, match="seed is not key=value; allowed: <config>"):
+        bench.method_settings("duo_attention,seed")
