@@ -485,7 +485,6 @@ def _prefill(lm, attached, plan: ExamplePlan, ids: list[int], question_ids, cach
     return cache, info
 
 
-@torch.no_grad()
 def stand_in_question(method, prompt_len: int, tokens: int = 16) -> dict:
     """Cache settings for a throwaway or measuring prefill of a method that needs the question inside the prompt
     (FINCH, ``question_in_prompt``): the prompt's last ``tokens`` tokens (at most half of it) stand for the question;
@@ -493,6 +492,7 @@ def stand_in_question(method, prompt_len: int, tokens: int = 16) -> dict:
     return {"question_span": min(tokens, prompt_len // 2)} if getattr(method, "question_in_prompt", False) else {}
 
 
+@torch.no_grad()
 def warm_up(model, method=None, tokenizer=None, prompt_len: int = 256, chunk: int = 128, steps: int = 2,
             seed: int = 0) -> float:
     """A throwaway run through ``method`` (default: full attention) on ``model``: a prefill of ``prompt_len``

@@ -363,18 +363,22 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for m in methods:
+    fig, ax = plt.subplots(figsize=(6.4 + 2.2 * (len(methods) > 12), 4.2 + 1.0 * (len(methods) > 12)))
+    colors = plt.get_cmap("tab20").colors
+    for i, m in enumerate(methods):
         pts = sorted((r["n"], r["median"] / 1e9) for r in rows if r["method"] == m)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m,
-                    linestyle="--" if m == "full" else ":" if m.startswith(KVPRESS) else "-",
-                    color="black" if m == "full" else None)
+                    linestyle="--" if m == "full" else ":" if m.startswith(KVPRESS) else "-" if i < 20 else "-.",
+                    color="black" if m == "full" else colors[i % len(colors)])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("peak memory growth over the prefill + 2 steps (GB)")
     ax.set_title("Prefill peak per method (median over processes)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if len(methods) > 12:  # many methods: the legend beside the axes, not over the lines
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 + (len(methods) > 24))
+    else:
+        ax.legend(fontsize=8)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

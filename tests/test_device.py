@@ -237,7 +237,19 @@ def test_the_warm_up_runs_a_method_that_needs_the_question_in_the_prompt(tiny_qw
     assert engine.stand_in_question(Finch(budget=0.25), 96) == {"question_span": 16}
     assert engine.stand_in_question(Finch(budget=0.25), 20, tokens=32) == {"question_span": 10}
     assert engine.stand_in_question(SnapKV(budget=0.25), 96) == {}
-    assert engine.warm_up(tiny_qwen3.model, Finch(budget=0.25), prompt_len=96, chunk=64, steps=2) > 0
+    model, grad = tiny_qwen3.model, []
+    real = model.forward
+
+    def spy(*a, **kw):
+        grad.append(torch.is_grad_enabled())
+        return real(*a, **kw)
+
+    model.forward = spy
+    try:
+        assert engine.warm_up(model, Finch(budget=0.25), prompt_len=96, chunk=64, steps=2) > 0
+    finally:
+        del model.forward
+    assert grad and not any(grad)  # a throwaway run: no autograd graph
 
 
 # -- on a GPU (LUKA_TEST_DEVICE=cuda): what the mocks above cannot confirm ----------------------------------
