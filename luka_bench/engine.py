@@ -488,7 +488,7 @@ def _prefill(lm, attached, plan: ExamplePlan, ids: list[int], question_ids, cach
 def stand_in_question(method, prompt_len: int, tokens: int = 16) -> dict:
     """Cache settings for a throwaway or measuring prefill of a method that needs the question inside the prompt
     (FINCH, ``question_in_prompt``): the prompt's last ``tokens`` tokens (at most half of it) stand for the question;
-    {} for every other method."""
+    {} for every other method. The warm-up, ``host_sync``'s and ``launches``' counters and ``bench_memory`` use it."""
     return {"question_span": min(tokens, prompt_len // 2)} if getattr(method, "question_in_prompt", False) else {}
 
 

@@ -51,14 +51,6 @@ _ALWAYS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique
 from luka_bench.device import _HOST_SIDE, host_side  # noqa: E402,F401
 
 
-
-def question_span(method, prompt_len: int) -> dict:
-    """Cache settings for a method that needs the question inside the prompt (FINCH): ``engine.stand_in_question``."""
-    from luka_bench.engine import stand_in_question
-
-    return stand_in_question(method, prompt_len)
-
-
 def _is_bool_index(args) -> bool:
     idx = args[1] if len(args) > 1 else None
     return isinstance(idx, (list, tuple)) and any(
@@ -243,6 +235,7 @@ def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool =
     Counter of sites) per step. ``sync_debug`` ("warn" or "error", CUDA only): each step also runs under
     ``torch.cuda.set_sync_debug_mode`` — with "error" a synchronising CUDA call raises; with "warn" their number is
     added to the step's ops as ``cuda_sync_warnings`` (beside the counted syncs, not in them)."""
+    from luka_bench.engine import stand_in_question
     from luka_bench.methods import hf
 
     dev = model.device
@@ -253,7 +246,7 @@ def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool =
     ids = ids.to(dev)
     out = []
     with hf.attach(model, method, tokenizer) as att:
-        cache = att.new_cache(reference_length=prompt_len, **question_span(method, prompt_len))
+        cache = att.new_cache(reference_length=prompt_len, **stand_in_question(method, prompt_len))
         cache.add_tokens(host_ids[:prompt_len])
         model(input_ids=ids[:, :prompt_len], past_key_values=cache, use_cache=True, logits_to_keep=1)  # the prefill
         before = events(cache)

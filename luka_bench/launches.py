@@ -188,7 +188,7 @@ def decode_launch_counts(model, method, prompt_len: int, steps: int, seed: int =
     (as ``host_sync.decode_sync_counts``). Returns per step (launches, events — layers that took a host-side
     decision or compressed —, Counter of launching ops, trace or None). ``method_only``: the trace holds the ops
     of luka_bench's own code only (``method_scope``); the counts are always the whole forward's."""
-    from luka_bench.host_sync import question_span
+    from luka_bench.engine import stand_in_question
     from luka_bench.methods import cpu_kernel, hf
 
     ids = _ids(model, prompt_len, steps, seed)
@@ -196,7 +196,7 @@ def decode_launch_counts(model, method, prompt_len: int, steps: int, seed: int =
     ids = ids.to(model.device)
     out = []
     with hf.attach(model, method, tokenizer) as att, (method_scope() if method_only else contextlib.nullcontext()):
-        cache = att.new_cache(reference_length=prompt_len, **question_span(method, prompt_len))
+        cache = att.new_cache(reference_length=prompt_len, **stand_in_question(method, prompt_len))
         cache.add_tokens(host_ids[:prompt_len])
         model(input_ids=ids[:, :prompt_len], past_key_values=cache, use_cache=True, logits_to_keep=1)
         before = event_count(cache)

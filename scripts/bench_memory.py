@@ -456,9 +456,8 @@ def main() -> None:
             got = [run_child(m, n, args) for _ in range(args.repeats)]
             raw += got
             g = [r["peak_growth_bytes"] for r in got]
-            tp = [r["tensor_peak_bytes"] for r in got if r.get("tensor_peak_bytes") is not None]
             rows.append({"method": m, "n": n, "median": statistics.median(g), "min": min(g), "max": max(g),
-                         "tensor_median": statistics.median(tp) if tp else None,
+                         "tensor_median": median_or_none([r.get("tensor_peak_bytes") for r in got]),
                          "allocator": got[0].get("allocator"), "warm_up": args.warm_up, "heap": got[0].get("heap"),
                          "heap_free_median": median_or_none([r.get("heap_free_bytes") for r in got]),
                          "kv_bytes": got[0]["kv_bytes"], "kv_bytes_full": got[0]["kv_bytes_full"],
@@ -467,7 +466,8 @@ def main() -> None:
             print(f"N={n:6d} {m:22s} peak growth {statistics.median(g) / 1e9:.3f} GB "
                   f"(runs: {', '.join(f'{x / 1e9:.3f}' for x in g)}); kv held after {got[0]['kv_bytes'] / 1e9:.3f} GB"
                   + (f" of {full / 1e9:.3f}" if full else "")
-                  + (f"; tensors' peak {rows[-1]['tensor_median'] / 1e9:.4f} GB" if tp else "")
+                  + (f"; tensors' peak {rows[-1]['tensor_median'] / 1e9:.4f} GB"
+                     if rows[-1]["tensor_median"] is not None else "")
                   + (f"; heap's free chunks at the reset {rows[-1]['heap_free_median'] / 1e6:.1f} MB"
                      if rows[-1]["heap_free_median"] is not None else "")
                   + f"; {rows[-1]['seconds']:.1f} s", flush=True)

@@ -227,7 +227,7 @@ def test_warm_up_runs_a_chunked_prefill_and_decode_steps(tiny_qwen3, monkeypatch
     assert model.config._attn_implementation != "luka_bench"  # detached again
 
 
-def test_the_warm_up_runs_a_method_that_needs_the_question_in_the_prompt(tiny_qwen3):
+def test_the_warm_up_runs_a_method_that_needs_the_question_in_the_prompt(tiny_qwen3, monkeypatch):
     """FINCH refuses a prefill without a question inside the prompt; the run's warm-up (on CUDA before the first timed
     item) gives it the prompt's last tokens as a stand-in question (``engine.stand_in_question``), as the launch and
     sync counters do — other methods get none."""
@@ -244,11 +244,8 @@ def test_the_warm_up_runs_a_method_that_needs_the_question_in_the_prompt(tiny_qw
         grad.append(torch.is_grad_enabled())
         return real(*a, **kw)
 
-    model.forward = spy
-    try:
-        assert engine.warm_up(model, Finch(budget=0.25), prompt_len=96, chunk=64, steps=2) > 0
-    finally:
-        del model.forward
+    monkeypatch.setattr(model, "forward", spy)
+    assert engine.warm_up(model, Finch(budget=0.25), prompt_len=96, chunk=64, steps=2) > 0
     assert grad and not any(grad)  # a throwaway run: no autograd graph
 
 
