@@ -41,7 +41,7 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig, open_dict
 
-    from luka_bench.results import register_resolvers
+    from luka_bench.config import register_resolvers
 
     register_resolvers()
 

@@ -10,14 +10,43 @@ from typing import Any
 from luka_bench.errors import CONF_DIR, GROUPS, RunConfigError
 
 
+def register_resolvers() -> None:
+    """The config's resolvers: ``${luka_run_dir:...}`` for ``hydra.run.dir`` in conf/config.yaml (the run folder's
+    name, ``results.run_dir_name``), ``${luka_not_identity:}`` (the keys left out of it,
+    ``results.folder_name_excludes``) and ``${luka_laser_budget:...}`` (``laser_equal_budget``). Called by the
+    command line before Hydra composes the config (not on import)."""
+    from omegaconf import OmegaConf
+
+    from luka_bench.results import folder_name_excludes, run_dir_name
+
+    if not OmegaConf.has_resolver("luka_run_dir"):
+        OmegaConf.register_new_resolver("luka_run_dir", lambda *parts: run_dir_name(*parts))
+    if not OmegaConf.has_resolver("luka_not_identity"):
+        OmegaConf.register_new_resolver("luka_not_identity", folder_name_excludes)
+    if not OmegaConf.has_resolver("luka_laser_budget"):
+        OmegaConf.register_new_resolver("luka_laser_budget", laser_equal_budget)
+
+
+def laser_equal_budget(length, block: int, r: float = 0.25, divisor: int = 4) -> float:
+    """``${luka_laser_budget:<data.length>,<block>}``: the fraction of a BABILong context (``"16k"``: the nominal
+    ``16 * 1000 - 300`` tokens) that LASER-KV holds after its prefill with blocks of ``block``, ratio ``r`` and
+    protection divisor ``divisor`` (``methods.laser_kv.held_tokens``) — the budget that makes a baseline hold as many
+    tokens (the LASER-KV paper's tables, conf/laser_row/)."""
+    from luka_bench.methods.laser_kv import held_tokens
+
+    text = str(length).strip().lower()
+    if not text.endswith("k") or not text[:-1].isdigit() or int(text[:-1]) < 1:
+        raise ValueError(f"luka_laser_budget: data.length={length!r}; allowed: 1k, 2k, 4k, ... (BABILong lengths)")
+    context = int(text[:-1]) * 1000 - 300
+    return round(held_tokens(context, int(block), float(r), int(divisor)) / context, 6)
+
+
 def compose(overrides: list[str], run_names: bool = False):
     """The composed config. ``run_names``: also set ``model_name``/``method_name``/``data_name`` from the group
     choices (as ``python -m luka_bench`` does) and drop Hydra's own keys, so the result can go to ``run.run``."""
     from hydra import compose as hcompose
     from hydra import initialize_config_dir
     from omegaconf import open_dict
-
-    from luka_bench.results import register_resolvers
 
     register_resolvers()
 

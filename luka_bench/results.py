@@ -97,33 +97,6 @@ def run_dir_name(model: str, method: str, data: str, overrides: str = "") -> str
     return name
 
 
-def register_resolvers() -> None:
-    """``${luka_run_dir:...}`` for ``hydra.run.dir`` in conf/config.yaml. Called by the command line before
-    Hydra composes the config (not on import)."""
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.has_resolver("luka_run_dir"):
-        OmegaConf.register_new_resolver("luka_run_dir", lambda *parts: run_dir_name(*parts))
-    if not OmegaConf.has_resolver("luka_not_identity"):
-        OmegaConf.register_new_resolver("luka_not_identity", folder_name_excludes)
-    if not OmegaConf.has_resolver("luka_laser_budget"):
-        OmegaConf.register_new_resolver("luka_laser_budget", laser_equal_budget)
-
-
-def laser_equal_budget(length, block: int, r: float = 0.25, divisor: int = 4) -> float:
-    """``${luka_laser_budget:<data.length>,<block>}``: the fraction of a BABILong context (``"16k"``: the nominal
-    ``16 * 1000 - 300`` tokens) that LASER-KV holds after its prefill with blocks of ``block``, ratio ``r`` and
-    protection divisor ``divisor`` (``methods.laser_kv.held_tokens``) — the budget that makes a baseline hold as many
-    tokens (the LASER-KV paper's tables, conf/laser_row/)."""
-    from luka_bench.methods.laser_kv import held_tokens
-
-    text = str(length).strip().lower()
-    if not text.endswith("k") or not text[:-1].isdigit() or int(text[:-1]) < 1:
-        raise ValueError(f"luka_laser_budget: data.length={length!r}; allowed: 1k, 2k, 4k, ... (BABILong lengths)")
-    context = int(text[:-1]) * 1000 - 300
-    return round(held_tokens(context, int(block), float(r), int(divisor)) / context, 6)
-
-
 class RunFolderError(OneLineError, RuntimeError):
     """The folder cannot take this run. One line."""
 

@@ -18,7 +18,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def _resolvers():
     """The config's resolvers (run folder names, what identifies a run), as the command line registers them
     before Hydra composes."""
-    from luka_bench.results import register_resolvers
+    from luka_bench.config import register_resolvers
 
     register_resolvers()
 

@@ -276,7 +276,7 @@ def test_finch_windows_the_question_under_the_query_aware_protocol(tiny_llama, m
 
 def test_laser_budget_is_laser_kvs_held_fraction():
     from luka_bench.methods.laser_kv import held_tokens
-    from luka_bench.results import laser_equal_budget
+    from luka_bench.config import laser_equal_budget
 
     for length, block in (("16k", 4096), ("64k", 4096), ("2k", 512)):
         n = int(length[:-1]) * 1000 - 300
@@ -296,7 +296,7 @@ def test_laser_experiments_compose_every_row(table, rows):
 
     from luka_bench import config
     from luka_bench.config import build
-    from luka_bench.results import laser_equal_budget
+    from luka_bench.config import laser_equal_budget
 
     exp = yaml.safe_load((config.CONF_DIR / "experiment" / f"{table}.yaml").read_text())
     assert exp["hydra"]["sweeper"]["params"]["+laser_row"].split(",") == rows

@@ -130,7 +130,7 @@ def test_a_failing_job_does_not_sink_the_sweep(tmp_path):
 def compose_multirun(*overrides: str):
     from hydra import compose, initialize_config_dir
 
-    from luka_bench.results import register_resolvers
+    from luka_bench.config import register_resolvers
 
     register_resolvers()  # as the command line does before Hydra composes
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
