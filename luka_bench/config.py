@@ -114,7 +114,7 @@ def group_overrides(group: str, name: str, settings: dict[str, Any]) -> list[str
     return args
 
 
-def build_group(group: str, name: str, **settings):
+def build_group(group: str, name: str, /, **settings):
     """``conf/<group>/<name>.yaml`` with ``settings`` on top, instantiated and validated."""
     cfg = compose(group_overrides(group, name, settings), run_names=True)
     return build(cfg, group)

@@ -301,3 +301,14 @@ def test_bad_settings_are_one_line_errors(bad, says):
     with pytest.raises(MethodConfigError) as e:
         ArkVale(**bad)
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_setting_named_group_or_name_reaches_the_method_through_the_library_api():
+    """``lb.method(name, **settings)``: a method's own settings may be called ``group`` or ``name`` (ArkVale's
+    ``group``); they once collided with the builder's parameters (TypeError)."""
+    import luka_bench as lb
+
+    assert lb.method("arkvale", group="kv_head").group == "kv_head"
+    from luka_bench.config import build_group
+
+    assert build_group("method", "arkvale", group="kv_head").group == "kv_head"

@@ -169,9 +169,9 @@ def test_layered_hooks_see_only_their_layers(tiny_llama):
             super().__init__()
             self.tag = tag
 
-        def after_prefill(self, cache):
+        def after_prefill_cache(self, cache):
             seen[self.tag] = [s.policy.info.layer_idx for s in cache.stores]
-            super().after_prefill(cache)
+            super().after_prefill_cache(cache)
 
     cache, _ = prefill(tiny_llama.model, Layered(rules=[{"layers": "0,2", "method": Probe("a")}], default=Probe("b")),
                        ids_of(20, 9))

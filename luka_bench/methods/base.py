@@ -1,66 +1,74 @@
-"""The KV method interface.
+"""The KV method interface, in two tiers.
 
 A *method* (``KVMethod``) is a typed, validated config (a dataclass built by Hydra from ``conf/method/*.yaml``)
 and a factory of per-layer *policies* (``LayerPolicy``). A policy holds the method's state for one layer of one
 prompt; a fresh set is made for every prompt (``luka_bench.methods.cache.MethodCache``), so nothing can leak
-between examples. The policy sees its layer's storage (``KVStore``: the physically held keys, values and the
-logical position of every held token) and acts at these points:
+between examples. The policy sees its layer's storage (a ``Store``: the physically held keys, values and the
+logical position of every held token).
+
+**Core tier** — all that a prefill scorer or a simple decode-time method needs to know:
 
 ====================  ==========================================================================================
+settings              the method's dataclass fields (``budget``, ``full_layers`` and its own), checked in
+                      ``__post_init__``; ``capacity(seen, reference_length)`` is the budget rule below.
+``score``             a prefill scorer (``luka_bench.methods.scorer.ScorerPolicy``) only scores the held tokens;
+                      the base keeps the best per KV head (KNorm: one line).
 ``attend``            every forward of this layer, after the new keys/values were appended. Returns the
                       attention output. Default: exact attention over what is held (SDPA, GQA-aware).
-                      Methods that read attention (H2O) or replace it (LuKA clustered) override it.
-``step``              instead of ``attend``, a decode step: a forward of one new token per row after the prefill
-                      (the caller decides, not the policy). Gets the step's state as one argument
-                      (``DecodeStep``: the token's position as a device counter, its slot, the free-slot mask,
-                      per-step device constants). Default: ``attend``. Methods with a fixed-shape decode path
-                      (retrieval, LuKA's cover, the graph-ready exact layers) override it.
 ``after_prefill``     once, after the prefill (the first forward through a fresh cache; ``MethodCache.end_prefill``).
                       Prefill-time methods (SnapKV, StreamingLLM) compress here.
 ``after_step``        after ``attend`` of every forward *after* the prefill (question chunk, each generated or
                       teacher-forced token). Decode-time methods (StreamingLLM, H2O, LuKA) evict/compress here.
 ====================  ==========================================================================================
 
-Entries held outside the store (LuKA's summaries, entropy_ols's synthetic key/value pairs) have no position and
-may carry a per-entry logit bias: ``attention_with_extra`` attends over the held tokens plus such entries in one
-softmax. A policy holding them declares them: ``extra_bytes()`` (REAL bytes, in ``kv_bytes``),
-``extra_entries()`` (entries per KV head, counted against the budget: FAIR tokens) and ``attended_extra()``.
-``MethodCache.method_report()`` gives every run ``method_stats`` in metrics.json: ``fair_entries`` (held tokens
-+ extra entries, mean per layer and KV head), ``real_bytes`` and whatever the policy's ``report()`` adds.
+The core protocols (``CoreStore``, ``CorePromptCache``) name what such a policy may use of its store and its cache.
+The rules every policy follows:
 
-What the last ``attend`` read is declared by ``attended(store)`` (a mask over held tokens; None = all of them)
-and ``attended_extra()`` (entries read from outside the store, e.g. summaries); the fidelity probe
-(``luka_bench/probe.py``) measures recall, attention mass and bytes read from them, between ``attend`` and
-``after_step`` (``MethodCache.observer``).
+- Three phases (``cache.phase``): "prefill" (the context, maybe in chunks), "decode" (every forward after it) and
+  "scratch" (``MethodCache.scratch_forward``: some ids run at given positions, their keys/values dropped after).
+  A policy that accumulates state in ``attend`` ignores scratch forwards it did not ask for.
+- A policy changes its store only through the store's methods and keeps per-token state in ``store.aux``, per-prompt
+  state shared by layers in ``cache.state``: it never sets an attribute of the store or the cache
+  (``tests/test_protocols.py`` reads every method file for it).
+- A tensor kept beyond the call (observation queries) is a clone: a slice of a forward's tensor keeps the whole chunk
+  alive.
+- ``store.positions`` writes pending positions first; ``store.positions_before(stop)`` reads slots below ``stop``
+  without writing a decode step's pending one (for an eviction that then moves that token).
 
-Cross-layer methods (LASER-KV) override ``KVMethod.after_prefill(cache)``, which sees every layer at once.
+**Capabilities** — opt-in, each declared where its rules are written:
 
-Method-level hooks (all optional; defaults keep existing behaviour):
+==============================  ======================================================================================
+fixed-shape decode              ``LayerPolicy.step`` (a decode step's attention, with the step's device state
+                                ``DecodeStep``), ``static_decode``, ``storage_multiple``; store side
+                                ``FixedShapeStore``, cache side ``FixedShapeCache``. A graph-ready step holds no
+                                step-dependent Python number in an op.
+eviction during decode          ``MovingStore`` (``evict_into``, ``move_last_into``, ``rotate_keys``,
+                                ``set_next_position``), ``LayerPolicy.moves_tokens_every_step``. Slots leave time
+                                order after a move: read ``positions``.
+per-head budgets                ``HeadBudgetStore`` (``keep_heads``, ``unhold``); ``ScorerPolicy.head_capacities``.
+entries held outside the store  ``LayerPolicy.extra_bytes`` / ``extra_entries`` / ``attended_extra``; ``AccountedStore``.
+                                LuKA's summaries, entropy_ols's synthetic pairs: ``attention_with_extra`` attends over
+                                the held tokens plus such entries in one softmax; they count in ``kv_bytes`` (REAL
+                                bytes) and against the budget (FAIR entries, ``MethodCache.method_report``).
+self-timing                     ``LayerPolicy.times_itself``; ``TimingCache`` (``span``, ``mark``, ``add_span``).
+what the last attend read       ``LayerPolicy.attended`` / ``attended_count`` (the fidelity probe, ``probe.py``, and
+                                the attended-tokens metric; exact methods read everything they hold).
+layer-local prefill             ``LayerPolicy.layer_local_prefill``: ``after_prefill`` runs inside the prefill's last
+                                forward, right after the layer's attention (one layer's full cache alive at a time).
+cross-layer and per-prompt      ``KVMethod.after_prefill_cache(cache)`` (after the prefill, every layer at once:
+                                LASER-KV; the default runs each layer's ``after_prefill``), ``KVMethod.after_forward``
+                                (after every forward's last layer, not a scratch one: LASER-KV's blocks),
+                                ``KVMethod.prefill_chunk()`` (the chunk size the method needs), ``cache.question_ids``
+                                / ``question_span`` (question-aware compression), ``cache.token_ids`` and
+                                ``KVMethod.bind(tokenizer)`` (methods that read the text: LycheeCluster).
+==============================  ======================================================================================
 
-==============================  =====================================================================
-``KVMethod.after_forward``      once after every model forward through the cache (after the last layer), in
-                                the prefill (each prefill chunk) and decode phases, not in a scratch forward.
-                                Block-wise prefill compression (LASER-KV) selects here.
-``KVMethod.prefill_chunk()``    the prefill chunk size the method needs (LASER-KV: its block size S); the
-                                runner prefills in chunks of this size (0: the runner's ``prefill_chunk``).
-``MethodCache.question_ids``    the question's token ids, given when the cache is made (several
-                                questions on one context: their ids concatenated in order), None when there is
-                                no question (perplexity). For question-aware prefill compression.
-``MethodCache.scratch_forward`` a forward of some ids at given logical positions (default: right after the
-                                context) whose keys/values are dropped afterwards; ``cache.phase == "scratch"``
-                                during it, so a policy's ``attend`` can read the queries. Policies that
-                                accumulate state in ``attend`` must ignore scratch forwards they did not ask for.
-``MethodCache.state``           a per-prompt dict for cross-layer method state (copied by ``clone``).
-==============================  ============================================================================
-=======
-Token ids and the tokenizer (for methods that look at the text, e.g. LycheeCluster's structure-aware chunks): the
-ids of every forward (prefill chunks, the question, each generated or teacher-forced token) are in
-``MethodCache.token_ids`` *before* the forward (the engine announces them, ``MethodCache.add_tokens``; for other
-callers ``attach``'s hook copies them from ``input_ids``), so during a forward
-``cache.token_ids[:store.seen]`` are the ids of the tokens the store has seen; and ``hf.attach(model, method,
-tokenizer)`` calls ``KVMethod.bind(tokenizer)`` once (``method.tokenizer``). Code that drives the model itself
-(tests) may skip both; a method that needs them says so with a one-line error. Per-prompt state shared by
-the layers of one cache goes in ``MethodCache.state`` (copied by ``clone``).
+Token ids and the tokenizer: the ids of every forward (prefill chunks, the question, each generated or teacher-forced
+token) are in ``MethodCache.token_ids`` *before* the forward (the engine announces them, ``MethodCache.add_tokens``;
+for other callers ``attach``'s hook copies them from ``input_ids``), so during a forward ``cache.token_ids[:store.seen]``
+are the ids of the tokens the store has seen; ``hf.attach(model, method, tokenizer)`` calls ``KVMethod.bind(tokenizer)``
+once (``method.tokenizer``). Code that drives the model itself (tests) may skip both; a method that needs them says
+so with a one-line error.
 
 What the last ``attend`` read (``LayerPolicy.attended`` / ``attended_extra``) feeds the *attended* metric: the
 runner averages, per decode step, the held tokens (and their bytes) every layer's attention read
@@ -101,12 +109,16 @@ from luka_bench.errors import OneLineError
 from .attention import HeldKV, exact_attention
 
 
-class PromptCache(Protocol):
-    """What a policy or a method-level hook may use of the prompt's cache (``luka_bench.methods.cache.MethodCache``):
-    its phase, its layers' stores, the per-prompt state, the question and the token ids, the scratch forward, the
-    timers. A decode step's per-step device values reach a policy as ``DecodeStep`` (``LayerPolicy.step``); the
-    position counter below is the store's (it writes a step's token at a device slot), and ``held_mask`` lets an
-    event (a compression after a step) lay out the next steps' mask ahead of them."""
+class CorePromptCache(Protocol):
+    """Core tier: what any policy or method-level hook may use of the prompt's cache
+    (``luka_bench.methods.cache.MethodCache``): its phase, its layers' stores, the per-prompt state, the question and
+    the token ids, and a scratch forward.
+
+    Rules: ``phase`` is "prefill" (the context, maybe in chunks), "decode" (every forward after it: the question
+    chunk, each generated or teacher-forced token) or "scratch" (``scratch_forward``: keys and values dropped
+    afterwards) — a policy that accumulates state in ``attend`` must ignore scratch forwards it did not ask for.
+    ``token_ids[:store.seen]`` are the ids of the tokens a store has seen (announced before each forward).
+    Per-prompt state shared by the layers goes in ``state`` (copied by ``clone``), never in a new attribute."""
 
     phase: str  # "prefill" | "decode" | "scratch"
     reference_length: int
@@ -115,7 +127,6 @@ class PromptCache(Protocol):
     token_ids: list[int]
     state: dict
     model: Any
-    observer: Any
 
     @property
     def stores(self) -> list["Store"]: ...
@@ -125,13 +136,32 @@ class PromptCache(Protocol):
 
     def scratch_forward(self, ids, start: int | None = None) -> torch.Tensor: ...
 
-    def position_holds(self, counter: torch.Tensor, seen: int) -> bool: ...
+
+class TimingCache(Protocol):
+    """Capability *self-timing* (``LayerPolicy.times_itself = True``): a policy with finer latency components than
+    ``attention`` / ``eviction`` records them itself. Rules: ``mark`` returns a device-side timestamp (an event on
+    CUDA) and never syncs; ``add_span(key, start, end)`` books the time between two marks under ``key``; ``span`` is
+    the same as a context manager. Keys are the ``latency_breakdown`` components (attention, refinement,
+    segment_compress, index_build, update, retrieval, eviction)."""
 
     def span(self, key: str, device: torch.device) -> ContextManager: ...
 
     def mark(self, device: torch.device) -> Any: ...
 
     def add_span(self, key: str, start: Any, end: Any) -> None: ...
+
+
+class FixedShapeCache(Protocol):
+    """Capability *fixed-shape decode* (see ``FixedShapeStore``), the cache's side: per-step device values shared by
+    every layer. Rules: ``position_tensor`` / ``position_before`` give a step's position (minus ``delta``) as a
+    0-dim device tensor made once per step; ``position_holds`` says whether the cache's counter still holds
+    ``seen``; ``held_mask`` lays out, ahead of the next steps, an additive mask over a buffer (an event, such as a
+    compression after a step, that changes what the next steps read). Nothing here may be turned into a Python
+    number on a decode step (no ``.item()``, ``int(t)``, ``.tolist()``)."""
+
+    observer: Any
+
+    def position_holds(self, counter: torch.Tensor, seen: int) -> bool: ...
 
     def position_tensor(self, seen: int, device: torch.device) -> torch.Tensor: ...
 
@@ -141,11 +171,17 @@ class PromptCache(Protocol):
                   dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
 
 
+class PromptCache(CorePromptCache, TimingCache, FixedShapeCache, Protocol):
+    """Everything a policy may use of the prompt's cache: the core tier and the capabilities' members. A member no
+    protocol here names is not part of the contract (``tests/test_protocols.py`` reads every method file)."""
+
+
 class DecodeStep(Protocol):
-    """The decode step under way, handed to ``LayerPolicy.step`` (``luka_bench.methods.cache.Step``): one new token
-    per row, after the prefill. Everything a fixed-shape step needs that changes from step to step comes from here
-    as a device tensor made once per step for all layers, so that consecutive steps dispatch the same ops with no
-    step-dependent Python number in them (the graph-ready steady state, ``tests/test_graph_ready.py``)."""
+    """Capability *fixed-shape decode*: the decode step under way, handed to ``LayerPolicy.step``
+    (``luka_bench.methods.cache.Step``): one new token per row, after the prefill. Everything a fixed-shape step
+    needs that changes from step to step comes from here as a device tensor made once per step for all layers, so
+    that consecutive steps dispatch the same ops with no step-dependent Python number in them (the graph-ready
+    steady state, ``tests/test_graph_ready.py``)."""
 
     position: int  # the step's token's logical position (host bookkeeping only: never put it in an op)
     device: torch.device
@@ -171,15 +207,20 @@ class DecodeStep(Protocol):
         ``slot(store, held - store.n)``) with one kernel for all the layers."""
 
 
-class Store(HeldKV, Protocol):
-    """What a policy may use of its layer's storage (``luka_bench.methods.store.KVStore``, whose docstrings say what
-    each does): the held keys, values and positions, per-token state (``aux``), removals (``keep``, ``keep_ends``,
-    ``evict_into``, ``move_last_into``), row gathers, and the fixed-shape views of a graph-ready decode step."""
+class CoreStore(HeldKV, Protocol):
+    """Core tier: what any policy may use of its layer's storage (``luka_bench.methods.store.KVStore``, whose
+    docstrings say what each does): the held keys, values and positions (``HeldKV``: ``n``, ``seen``, ``keys``,
+    ``values``, ``positions``, ``device``, ``head_mask``), per-token state (``aux``), removals (``keep``,
+    ``keep_ends``) and row gathers.
+
+    Rules: ``n`` is the physical length (tokens held), ``seen`` the logical one (tokens that went through the
+    layer: RoPE positions); keys are stored after RoPE, so a removal never changes another token's position.
+    ``positions`` writes every pending position first; ``positions_before(stop)`` reads the slots below ``stop``
+    without writing a decode step's pending one (for an eviction that moves that token). A policy changes the store
+    only through its methods, never by setting an attribute; a tensor it keeps beyond the call (e.g. observation
+    queries) is a clone, never a slice of a forward's tensor (a slice keeps the whole chunk alive)."""
 
     policy: "LayerPolicy"
-    pos_shift: int
-    compressed_in_forward: bool  # the policy's after_prefill ran inside the prefill's forward
-    static_kv: tuple[torch.Tensor, torch.Tensor] | None  # a decode step's own keys and values (``DecodeStep.slot``)
 
     @property
     def cache(self) -> PromptCache: ...
@@ -192,27 +233,82 @@ class Store(HeldKV, Protocol):
 
     def keep(self, index: torch.Tensor) -> None: ...
 
-    def keep_heads(self, index: torch.Tensor, held: torch.Tensor) -> None: ...
-
-    def held_per_head(self) -> float: ...
-
     def keep_ends(self, head: int, tail: int) -> None: ...
-
-    def evict_into(self, slot: torch.Tensor, sources: dict[str, torch.Tensor] | None = None) -> None: ...
-
-    def move_last_into(self, slot: torch.Tensor, start: int = 0, may_be_last: bool = False) -> None: ...
-
-    def unhold(self, start: int, stop: int, heads: torch.Tensor, count: int) -> None: ...
 
     def positions_before(self, stop: int) -> torch.Tensor: ...
 
     def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def storage(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+class MovingStore(Protocol):
+    """Capability *eviction during decode*: moving a token into a freed slot and re-numbering positions (H2O, TOVA,
+    StreamingLLM, LuKA lined). Rules: after ``move_last_into`` / ``evict_into`` the slots leave time order (read
+    ``positions`` for time order, never the slot index); a policy that moves tokens on every decode step sets
+    ``LayerPolicy.moves_tokens_every_step``; ``rotate_keys`` re-rotates held keys by a position delta and
+    ``set_next_position`` says which position the next token gets (the two together move positions, as
+    StreamingLLM's ``positions=cache`` and FINCH's ``rerotate`` do)."""
+
+    def evict_into(self, slot: torch.Tensor, sources: dict[str, torch.Tensor] | None = None) -> None: ...
+
+    def move_last_into(self, slot: torch.Tensor, start: int = 0, may_be_last: bool = False) -> None: ...
 
     def rotate_keys(self, start: int, stop: int, delta: int | torch.Tensor) -> None: ...
 
     def rope_cos_sin(self, positions: torch.Tensor, scaled: bool = False) -> tuple[torch.Tensor, ...]: ...
+
+    def set_next_position(self, position: int) -> None: ...
+
+
+class HeadBudgetStore(Protocol):
+    """Capability *per-head budgets*: KV heads of one layer holding different numbers of tokens (AdaKV,
+    DuoAttention, RazorAttention). Rules: the slots a head does not hold are masked out of attention
+    (``head_mask``) and out of every count; ``held_per_head`` is the mean count per KV head."""
+
+    def keep_heads(self, index: torch.Tensor, held: torch.Tensor) -> None: ...
+
+    def unhold(self, start: int, stop: int, heads: torch.Tensor, count: int) -> None: ...
+
+    def held_per_head(self) -> float: ...
+
+
+class FixedShapeStore(Protocol):
+    """Capability *fixed-shape decode* (``LayerPolicy.static_decode`` / ``storage_multiple``, ``LayerPolicy.step``):
+    a decode step that attends over the whole storage capacity with the free slots masked, or gathers rows of the
+    flattened storage, so consecutive steps dispatch the same ops on the same shapes. Rules: a graph-ready step holds
+    no step-dependent Python number in an op (take it from ``DecodeStep``); free slots are finite (zero or a dropped
+    token's) and must be masked; ``gather_stacked`` / ``stacked`` / ``pages`` are None where keys and values are
+    stored apart; ``row_offsets`` is the same tensor until the storage is reallocated."""
+
+    static_kv: tuple[torch.Tensor, torch.Tensor] | None  # a decode step's own keys and values (``DecodeStep.slot``)
+
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def row_offsets(self) -> torch.Tensor: ...
+
+    def gather_flat(self, flat: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def gather_stacked(self, flat: torch.Tensor, m: int) -> torch.Tensor | None: ...
+
+    def stacked(self, start: int, stop: int) -> torch.Tensor | None: ...
+
+    def pages(self, start: int, size: int) -> torch.Tensor | None: ...
+
+
+class AccountedStore(Protocol):
+    """Capability *accounting of entries held outside the store* (``LayerPolicy.extra_bytes`` / ``extra_entries``):
+    a policy sizing what it holds beside the store in the store's units. ``compressed_in_forward``: read-only, the
+    policy's ``after_prefill`` ran inside the prefill's forward (``layer_local_prefill``)."""
+
+    compressed_in_forward: bool
+
+    def token_bytes(self) -> int: ...
+
+    def held_bytes(self) -> int: ...
+
+
+class Store(CoreStore, MovingStore, HeadBudgetStore, FixedShapeStore, AccountedStore, Protocol):
+    """Everything a policy may use of its layer's storage: the core tier and the capabilities' members. A member no
+    protocol here names is not part of the contract (``tests/test_protocols.py`` reads every method file)."""
 
 
 class MethodConfigError(OneLineError, ValueError):
@@ -368,6 +464,12 @@ class KVMethod:
     handles_sliding: ClassVar[bool] = False
     policy_class: ClassVar[type[LayerPolicy]] = LayerPolicy
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "after_prefill" in vars(cls):  # the hook's old name: it would never be called
+            raise TypeError(f"{cls.__name__}.after_prefill: the method-level hook is KVMethod.after_prefill_cache(cache) "
+                            "(LayerPolicy.after_prefill(store) is the per-layer one)")
+
     def __post_init__(self) -> None:
         b = self.budget
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not (0.0 < float(b) <= 1.0):
@@ -416,13 +518,13 @@ class KVMethod:
 
     def compresses_in_forward(self, cache: "PromptCache") -> bool:
         """Whether the layers whose policy is ``layer_local_prefill`` compress inside the forward that ends the prefill
-        (each right after its attention) instead of after it: yes unless the method overrides ``after_prefill``
+        (each right after its attention) instead of after it: yes unless the method overrides ``after_prefill_cache``
         (a cross-layer or question-aware compression needs the whole prefilled cache; such a method says when it
         can, as SnapKV without a question does). The result is the same tokens kept either way
         (``tests/test_prefill_memory.py``); what changes is the peak memory of the prefill."""
-        return type(self).after_prefill is KVMethod.after_prefill
+        return type(self).after_prefill_cache is KVMethod.after_prefill_cache
 
-    def after_prefill(self, cache: "PromptCache") -> None:
+    def after_prefill_cache(self, cache: "PromptCache") -> None:
         """Cross-layer hook after the context prefill; the default runs every layer's policy (but for the layers that
         compressed inside the prefill's forward)."""
         for store in cache.stores:

@@ -251,7 +251,7 @@ class MethodCache:
         """The context has been prefilled: run prefill-time compression; later forwards are decode steps."""
         if self.phase != "prefill":
             raise RuntimeError("end_prefill() called twice for one prompt")
-        self.method.after_prefill(self)
+        self.method.after_prefill_cache(self)
         self.phase = "decode"
         self.in_forward = False
         self._note()

@@ -83,7 +83,7 @@ class FinchPolicy(ScorerPolicy):
         if m.rerotate:  # the key at slot i moves to position i; the next token takes position n_kept
             target = torch.arange(store.n, device=index.device).expand_as(index)
             store.rotate_keys(0, store.n, target - store.positions)
-            store.pos_shift = store.seen - store.n
+            store.set_next_position(store.n)
 
 
 @dataclass

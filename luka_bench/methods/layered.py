@@ -14,7 +14,7 @@ Layer selectors (``layers``), combined with commas:
 Each rule's method keeps its own settings (budget, ``full_layers`` included): in YAML, point them at one value
 with an interpolation such as ``budget: ${method.budget}``. Each layer's policy is what the rule's method would run
 there alone (``policies.layer_policy``: its ``full_layers``, sliding windows, its own policy), and every
-method-level hook reaches every rule's method: ``after_prefill``, ``after_forward`` and ``bind`` with a view of the
+method-level hook reaches every rule's method: ``after_prefill_cache``, ``after_forward`` and ``bind`` with a view of the
 cache whose ``stores`` are that method's layers only (``LayerView``; everything else — the phase, the question,
 the per-prompt state, the scratch forward, the timers — is the prompt's cache), in rule order, the default's
 last; ``prefill_chunk`` is the chunk size the methods ask for (two different ones are refused). So a question-aware
@@ -146,9 +146,9 @@ class Layered(KVMethod):
     def _views(self, cache) -> list[tuple[KVMethod, LayerView]]:
         return [(m, LayerView(cache, m)) for m in self.methods()]
 
-    def after_prefill(self, cache) -> None:
+    def after_prefill_cache(self, cache) -> None:
         for m, view in self._views(cache):
-            m.after_prefill(view)
+            m.after_prefill_cache(view)
 
     def compresses_in_forward(self, cache) -> bool:
         return all(m.compresses_in_forward(view) for m, view in self._views(cache))

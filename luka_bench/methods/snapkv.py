@@ -78,7 +78,8 @@ class SnapKVPolicy(ScorerPolicy):
         super().__init__(method, info)
         self.q_window: torch.Tensor | None = None
         self.q_question: torch.Tensor | None = None
-        self._observe: tuple[torch.Tensor, bool] | None = None  # (observation queries, causal) during compress
+        # (observation queries, causal, recent tokens protected) during compress
+        self._observe: tuple[torch.Tensor, bool, int] | None = None
 
     def attend(self, store, query, scaling):
         if store.cache.phase == "scratch" and self.method.question_aware:
@@ -145,7 +146,7 @@ class SnapKV(KVMethod):
     def _asks_the_question(self, cache) -> bool:
         return bool(self.question_aware and cache.question_ids and self.budget < 1.0)
 
-    def after_prefill(self, cache) -> None:
+    def after_prefill_cache(self, cache) -> None:
         if self._asks_the_question(cache):
             cache.scratch_forward(cache.question_ids)  # policies keep the question's queries (attend)
-        super().after_prefill(cache)
+        super().after_prefill_cache(cache)

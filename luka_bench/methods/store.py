@@ -625,6 +625,12 @@ class KVStore:
         out = x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
         self._k[:, :, start:stop, :rot] = out.to(k.dtype)
 
+    def set_next_position(self, position: int) -> None:
+        """The next token appended gets logical position ``position`` (transformers' ``cache_position`` follows it:
+        ``get_seq_length``), not ``seen``: after ``rotate_keys`` moved the held keys to new positions (StreamingLLM's
+        ``positions=cache``, FINCH's ``rerotate``: slot i at position i, the next token at ``n``)."""
+        self.pos_shift = self.seen - position
+
     def rope_cos_sin(self, positions: torch.Tensor, scaled: bool = False) -> tuple[torch.Tensor, ...]:
         """The model's rotary embedding at ``positions`` [1, m] (int64): (cos, sin) [m, rot] fp32 with its attention
         scaling divided out (a pure rotation; the rotate-half layout of Llama / Qwen / Mistral / Gemma; ``rot`` the

@@ -16,7 +16,7 @@ and a new token gets its logical position, so the gap left by evicted tokens sta
 assigned inside the cache, the held key at index i sits at position i and a new token at the cache length, so no
 distance exceeds the cache size (needed to stream past the trained context). Implemented by re-rotating: after an
 eviction the kept window's keys move by minus the number of tokens evicted (``KVStore.rotate_keys``; RoPE
-rotations compose), and the store tells transformers the cache length as the next position (``pos_shift``).
+rotations compose), and the store tells transformers the cache length as the next position (``set_next_position``).
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class StreamingPolicy(ScorerPolicy):
     def _shift_positions(self, store, before: int) -> None:
         """positions=cache: the window moves down by the tokens evicted (re-rotated keys, the store's shift)."""
         store.rotate_keys(min(self.method.sink, store.n), store.n, store.n - before)
-        store.pos_shift = store.seen - store.n
+        store.set_next_position(store.n)
 
     def protected(self, store, cap: int) -> tuple[int, int]:
         sink = min(self.method.sink, cap)
