@@ -12,8 +12,8 @@ from luka_bench.methods.base import LayerInfo, MethodConfigError
 from luka_bench.methods.policies import StaticExactPolicy
 from luka_bench.methods.full import Full
 from luka_bench.methods.hf import MethodCache, attach
-from luka_bench.methods.lychee import (Chunker, Lychee, LycheePolicy, boundary_levels, split_chunks, token_levels,
-                                       vocab_levels)
+from luka_bench.methods.lychee import Lychee, LycheePolicy
+from luka_bench.methods.lychee_chunking import Chunker, boundary_levels, split_chunks, token_levels, vocab_levels
 from luka_bench.models import byte_tokenizer
 from luka_bench.engine import forward, prefill
 from luka_bench.methods.cache import policy_attention
