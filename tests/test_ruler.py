@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from luka_bench.data.base import DataError, qa_prompt_ids
-from luka_bench.data.ruler import (DEPTHS, NEEDLE, TASKS, TEMPLATES, Ruler, split_sentences, tokens_to_generate)
+from luka_bench.data.ruler import TASKS, Ruler
+from luka_bench.data.ruler_gen import DEPTHS, NEEDLE, TEMPLATES, split_sentences, tokens_to_generate
 from luka_bench.data.scoring_ruler import (clean_prediction, ruler_summary, score_item, string_match_all,
                                            string_match_part)
 
@@ -147,7 +148,7 @@ def test_essay_haystack_is_rulers_own_files_joined_as_ruler(samples):
     same repository), sorted by name and concatenated with nothing between them: a file's last word and the next
     file's first word become one word, which the essay haystack holds."""
     from luka_bench.data.pg19 import essay_files
-    from luka_bench.data.ruler import essay_words, ruler_essays_text
+    from luka_bench.data.ruler_gen import essay_words, ruler_essays_text
 
     files = essay_files()
     assert len(files) == 49 and files == sorted(files, key=lambda f: f.name)
@@ -306,7 +307,7 @@ def test_metrics_say_what_the_headline_averages_and_where_qa_comes_from():
 
 
 def test_qa_pools_read_like_ruler():
-    from luka_bench.data.ruler import hotpot_pool, squad_pool
+    from luka_bench.data.ruler_gen import hotpot_pool, squad_pool
 
     squad = {"data": [{"title": "A", "paragraphs": [
         {"context": "P2", "qas": [{"question": "q1", "answers": [{"text": "x"}], "is_impossible": False},

@@ -1,4 +1,4 @@
-"""``python -m luka_bench.data.ruler export``: a generated RULER set written in the hub schema reads back with
+"""``python -m luka_bench.ruler_export export``: a generated RULER set written in the hub schema reads back with
 data.source=file to the same prompts (same token ids), answers and tokens to generate; ``lengths`` prints the
 table; bad input is one line."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from conftest import ROOT
 
 from luka_bench.data.base import qa_prompt_ids
 from luka_bench.data.ruler import HUB_FIELDS, TASKS, Ruler
-from luka_bench.data.ruler_export import export_rows, main
+from luka_bench.ruler_export import export_rows, main
 from luka_bench.models import byte_tokenizer
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from luka_bench.data.base import qa_prompt_ids
-from luka_bench.data.ruler import TASKS, Ruler, _search, tokens_to_generate
+from luka_bench.data.ruler import TASKS, Ruler
+from luka_bench.data.ruler_gen import largest_fit, tokens_to_generate
 
 LENGTHS = (4096, 8192, 16384)
 LONG = 32768
@@ -46,7 +47,7 @@ def test_search_is_not_capped_by_the_fixed_part_of_the_prompt():
     """A prompt with a large fixed part (template, example) and cheap units: the search still reaches the
     largest size that fits (RULER's bound from the tokens per unit at the first step would stop far below)."""
     fixed, per_unit, budget = 1000, 3, 16384
-    best = _search(lambda m: fixed + per_unit * m, incremental=10, budget=budget, gen=120)
+    best = largest_fit(lambda m: fixed + per_unit * m, incremental=10, budget=budget, gen=120)
     assert best == (budget - 120 - fixed) // per_unit
 
 
@@ -59,7 +60,7 @@ def test_search_finds_the_boundary(fixed, per_unit, budget, inc):
         calls.append(m)
         return fixed + per_unit * m
 
-    best = _search(total, inc, budget, 0)
+    best = largest_fit(total, inc, budget, 0)
     assert total(best) <= budget < total(best + 1)
     assert len(calls) <= 20  # a few tokenizations, not a scan
-    assert _search(lambda m: budget + 1, inc, budget, 0) is None  # nothing fits
+    assert largest_fit(lambda m: budget + 1, inc, budget, 0) is None  # nothing fits

@@ -231,7 +231,7 @@ def _loaders(path: str):
     from luka_bench.data.babilong import BABILong, _haystack_text as babilong_haystack
     from luka_bench.data.longbench_v2 import LongBenchV2
     from luka_bench.data.pg19 import PG19
-    from luka_bench.data.ruler import read_haystack
+    from luka_bench.data.ruler_gen import read_haystack
     from luka_bench.data.wikisalad import load_squad_file
 
     return {

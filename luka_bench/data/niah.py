@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from luka_bench.data.base import Task, DataError, QAExample, Question, evidence_positions, qa_prompt_ids
-from luka_bench.data.ruler import NEEDLE, TEMPLATES, _Gen, read_haystack
+from luka_bench.data.ruler_gen import NEEDLE, TEMPLATES, Generator, read_haystack
 from luka_bench.data.scoring_ruler import ruler_summary, score_item
 
 __all__ = ["NIAH", "insert_needle"]
@@ -133,7 +133,7 @@ class NIAH(Task):
         if self._tok is None:
             raise DataError("niah: samples are measured in the model's tokens; call prepare() first")
         text = re.sub(r"\s+", " ", read_haystack(self.haystack)).strip()
-        gen = _Gen("niah_single_2", self.seed, 0, None)
+        gen = Generator("niah_single_2", self.seed, 0, None)
         n = 1 if self.limit is None else self.limit
         exs = []
         for k in range(n):

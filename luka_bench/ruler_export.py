@@ -1,7 +1,7 @@
-"""``python -m luka_bench.data.ruler``: write a generated RULER set in the hub schema, or print its lengths.
+"""``python -m luka_bench.ruler_export``: write a generated RULER set in the hub schema, or print its lengths.
 
-    python -m luka_bench.data.ruler export --model smollm2_135m --task all --length 4096 --limit 10 --out ruler.jsonl
-    python -m luka_bench.data.ruler lengths --model smollm2_135m --length 4096,8192,16384
+    python -m luka_bench.ruler_export export --model smollm2_135m --task all --length 4096 --limit 10 --out ruler.jsonl
+    python -m luka_bench.ruler_export lengths --model smollm2_135m --length 4096,8192,16384
 
 ``export`` writes one JSON line per sample with the fields of the ``simonjegou/ruler`` set (context, question,
 answer_prefix, answer, task, max_new_tokens), so the exact items can be run by another harness, and read back
@@ -85,7 +85,7 @@ def length_table(tok, chat: bool, tasks: str, lengths: list[int], seed: int, hay
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m luka_bench.data.ruler", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m luka_bench.ruler_export", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("export", help="write a generated set in the hub schema (JSON lines)")
     ln = sub.add_parser("lengths", help="print each task's total tokens (prompt + to generate) per length")
@@ -139,3 +139,7 @@ def main(argv: list[str] | None = None) -> int:
           f"data=ruler data.source=file data.path={out} data.length={a.length} {task_arg} data.limit=null",
           file=sys.stderr)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
