@@ -22,9 +22,10 @@ import torch
 
 from luka_bench import engine as E
 from luka_bench.metrics import kv_ratio
+from luka_bench.prompting import qa_tail, with_tail
 
 
-def method(name: str, /, **settings):
+def method(name: str, **settings):
     """A KV method from ``conf/method/<name>.yaml`` with ``settings`` on top (``budget=0.125``), validated as the
     command line validates ``method=<name> method.<key>=<value>``: an unknown name, key or value is one line
     naming it and the allowed ones."""
@@ -109,7 +110,7 @@ class KV:
         through the compressed cache before its first token (the engine's tail rule). Keyword arguments:
         ``MethodCache``'s (``reference_length`` defaults to the compressed part)."""
         flat = [int(t) for t in (ids.reshape(-1).tolist() if torch.is_tensor(ids) else ids)]
-        head, _ = E.with_tail(flat[: len(flat) - tail], flat[len(flat) - tail:])
+        head, _ = with_tail(flat[: len(flat) - tail], flat[len(flat) - tail:])
         kwargs.setdefault("reference_length", len(head))
         cache = self.new_cache(**kwargs)
         E.prefill(self.model, head, cache)
@@ -143,8 +144,8 @@ class KV:
             if not isinstance(context, str):
                 raise TypeError("query_aware=True needs the context and question as text (where the question "
                                 "ends is read from the text)")
-            tail = E.qa_tail(self.tokenizer, self.chat_template, context, question or "", answer_prefix) if q else 0
-        head, tail_ids = E.with_tail(ctx + q[: len(q) - tail], q[len(q) - tail:] if tail else [])
+            tail = qa_tail(self.tokenizer, self.chat_template, context, question or "", answer_prefix) if q else 0
+        head, tail_ids = with_tail(ctx + q[: len(q) - tail], q[len(q) - tail:] if tail else [])
         model = self.model
         eos = E.eos_token_ids(model, self.tokenizer)
         aware = q if (q and question_aware and not query_aware) else None

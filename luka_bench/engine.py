@@ -5,19 +5,20 @@ lm-eval (``--model luka_bench``).
 precedes it. A prompt is split in two: the part that is prefilled and then compressed by the method, and a *tail*
 of at least one token fed through the compressed cache as a decode-phase forward; the first scored or generated
 token comes from the tail's last logits (``prefill_with_tail``). The prefill's own logits (exact attention over
-the whole prompt) are never used. Where the tail comes from:
+the whole prompt) are never used. Where the tail comes from (the prompt's layout is planned in
+``luka_bench.prompting``, nothing there runs the model):
 
 - the runner's default protocol and ``KV.generate``: the question part (question, end of turn, assistant header,
   answer prefix), the context alone compressed;
 - ``query_aware=true`` (kvpress's query-aware protocol): the question joins the context in the compressed part;
-  the tail is everything after the question's text (``qa_tail``): the chat template's end of turn and assistant
-  header and the answer prefix; without a chat template the answer prefix, at least the prompt's last token;
-- lm-eval: the generation prompt lm-eval's chat template puts after the last user message (``text_tail``), else
-  the context's last token.
+  the tail is everything after the question's text (``prompting.qa_tail``): the chat template's end of turn and
+  assistant header and the answer prefix; without a chat template the answer prefix, at least the prompt's last
+  token;
+- lm-eval: the generation prompt lm-eval's chat template puts after the last user message
+  (``prompting.text_tail``), else the context's last token.
 
-Protocols (each used by every client that needs it):
-- ``plan_qa``: a QA dataset's prompts as token ids (context part, each question part and its query-aware tail,
-  its new-token limit, the evidence positions), checked against the model's context before any work is done;
+Protocols (each used by every client that needs it), on prompts planned by ``prompting.plan_qa`` (a QA dataset's
+prompts as token ids, checked against the model's context before any work is done):
 - ``prefill``: the compressed part through a fresh cache (the method compresses after it: ``MethodCache``);
 - ``prefill_with_tail``: the rule above, timed, with what the cache held after the compression (``Prefilled``);
 - ``teacher_force``: tokens scored one by one through a cache from given logits (log-probabilities, is-greedy);
@@ -34,13 +35,14 @@ so ``model.generate(..., past_key_values=attached.new_cache())`` follows the sam
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
 from luka_bench import device as D
 from luka_bench.methods.hf import MethodCache
+from luka_bench.prompting import ExamplePlan, QuestionPlan, with_tail
 
 
 def sync(device: torch.device) -> None:
@@ -80,18 +82,6 @@ def feed(model, ids: list[int] | torch.Tensor, cache: MethodCache) -> torch.Tens
     return forward(model, ids, cache)
 
 
-def with_tail(head: list[int], tail: list[int]) -> tuple[list[int], list[int]]:
-    """(compressed part, tail) with a tail of at least one token: an empty tail takes the head's last token (the
-    tail rule: the first scored or generated token comes from logits computed through the compressed cache)."""
-    head, tail = list(head), list(tail)
-    if not tail:
-        if len(head) < 2:
-            raise ValueError(f"a prompt of {len(head)} token(s) cannot be split into a compressed part and a tail; "
-                             "allowed: at least 2 tokens")
-        head, tail = head[:-1], head[-1:]
-    return head, tail
-
-
 @dataclass
 class Prefilled:
     """What ``prefill_with_tail`` did: the logits after the tail, and the timed figures."""
@@ -128,8 +118,8 @@ def timed_prefill(model, ids: list[int] | torch.Tensor, cache: MethodCache) -> d
 @torch.no_grad()
 def prefill_with_tail(model, head: list[int], tail: list[int], cache: MethodCache) -> Prefilled:
     """The tail rule: ``head`` prefilled through the fresh ``cache`` and compressed by the method, then ``tail`` (at
-    least one token: ``with_tail``) fed through the compressed cache as one decode-phase forward. Returns the
-    tail's last logits and the timed figures."""
+    least one token: ``prompting.with_tail``) fed through the compressed cache as one decode-phase forward. Returns
+    the tail's last logits and the timed figures."""
     if not tail:
         raise ValueError("prefill_with_tail() needs a tail of at least one token (the tail rule; see with_tail)")
     info = timed_prefill(model, head, cache)
@@ -138,66 +128,6 @@ def prefill_with_tail(model, head: list[int], tail: list[int], cache: MethodCach
     sync(model.device)
     return Prefilled(logits, info["prefill_s"], time.perf_counter() - t0, len(tail), info["kv_bytes_prefill"],
                      info["kv_bytes_full_prefill"], info["kv_tokens_prefill"])
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Where the tail starts in a prompt
-# ---------------------------------------------------------------------------------------------------------
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def text_tail(encode, text: str, tail_text: str) -> int:
-    """How many of ``encode(text)``'s last tokens are ``tail_text`` (which ``text`` ends with): the tokens after
-    the longest common prefix of ``encode(text)`` and ``encode(text minus tail_text)`` (a token that straddles the
-    boundary goes to the tail). At least 1 (the tail rule); 1 when ``text`` does not end with ``tail_text``."""
-    if not tail_text or not text.endswith(tail_text):
-        return 1
-    ids = list(encode(text))
-    head = list(encode(text[: len(text) - len(tail_text)]))
-    return max(1, len(ids) - _common_prefix(ids, head))
-
-
-def generation_prompt(tokenizer) -> str | None:
-    """What a chat template puts after a user message's text when the assistant's turn is opened (the end of the
-    user's turn and the assistant header, e.g. SmolLM2's ``<|im_end|>\\n<|im_start|>assistant\\n``); None without a
-    template, or when the template does not end the message right after its text."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        return None
-    from luka_bench.data.base import chat_text
-
-    marker = "\u2063LUKATAIL\u2063"
-    try:
-        text = chat_text(tokenizer, marker)
-    except Exception:  # noqa: BLE001 - a template that refuses a lone user message: no generation prompt known
-        return None
-    if text.count(marker) != 1:
-        return None
-    return text.split(marker)[1] or None
-
-
-def qa_tail(tokenizer, use_chat: bool, context_block: str, question_block: str, answer_prefix: str) -> int:
-    """The query-aware tail of a QA prompt whose question part ``data.base.qa_prompt_ids`` tokenised: how many of
-    that part's last tokens come after the question's text — with a chat template the end of the user's turn, the
-    assistant header (``generation_prompt``) and the answer prefix; without one the answer prefix. At least 1 (the
-    tail rule; kvpress's query-aware protocol: the question is compressed with the context, the rest goes through
-    the compressed cache)."""
-    encode = (lambda s: tokenizer(s, add_special_tokens=False).input_ids)
-    if use_chat:
-        from luka_bench.data.base import chat_text
-
-        marker = "\u2063LUKASPLIT\u2063"  # the split qa_prompt_ids makes: the question part's text is after it
-        text = chat_text(tokenizer, context_block + marker + question_block).split(marker)[1] + answer_prefix
-        tail_text = (generation_prompt(tokenizer) or "") + answer_prefix
-    else:
-        text, tail_text = question_block + answer_prefix, answer_prefix
-    return text_tail(encode, text, tail_text)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -369,62 +299,6 @@ def evidence_kept(cache: MethodCache, positions: list[int]) -> float | None:
         held = (pos.unsqueeze(-1) == want).any(dim=2).float().mean(dim=-1)  # [B, Hkv]
         shares.append(held.flatten())
     return float(torch.cat(shares).mean())
-
-
-# ---------------------------------------------------------------------------------------------------------
-# QA prompts: planned once, for every client
-# ---------------------------------------------------------------------------------------------------------
-
-@dataclass
-class QuestionPlan:
-    question: Any  # data.base.Question
-    ids: list[int]  # the question part of the prompt (after the context part)
-    max_new_tokens: int
-    tail: int = 1  # query-aware protocol: the last ``tail`` ids (end of turn, assistant header, answer prefix)
-
-
-@dataclass
-class ExamplePlan:
-    example: Any  # data.base.QAExample
-    context_ids: list[int]
-    questions: list[QuestionPlan]
-    evidence: list[int] | None = None  # token positions of the supporting facts, when the dataset gives them
-    question_ids: list[int] = field(default_factory=list)  # every question's ids in order (question-aware methods)
-
-
-def plan_qa(task, lm, max_new_tokens: int | None = None, questions: int | None = None,
-            evidence: bool = True) -> list[ExamplePlan]:
-    """Every example's prompt as token ids, with the dataset's prompt blocks, answer prefix and chat template;
-    ``max_new_tokens`` (None: each question's own, ``Task.max_new_tokens_for``) reserved after it. The first
-    ``questions`` questions of each example (None: all). An over-long prompt is a one-line ``PromptTooLong``
-    before any work is done."""
-    from luka_bench.data.base import evidence_positions, qa_prompt_ids
-    from luka_bench.errors import PromptTooLong
-
-    tok = lm.tokenizer
-    task.prepare(tok, lm.max_context - (max_new_tokens or task.max_new_tokens), chat_template=lm.chat_template)
-    plans = []
-    for ex in task.examples():
-        ctx_ids, qs = None, []
-        for q in ex.questions[: questions if questions else None]:
-            c, qi = qa_prompt_ids(tok, lm.chat_template, task.context_block(ex), task.question_block(q),
-                                  task.answer_prefix(q))
-            ctx_ids = ctx_ids or c
-            new = int(max_new_tokens if max_new_tokens is not None else task.max_new_tokens_for(q))
-            need = len(c) + len(qi) + new
-            if need > lm.max_context:
-                raise PromptTooLong(
-                    f"example {ex.id!r} needs {need} tokens (context {len(c)} + question {len(qi)} + "
-                    f"{new} new) but model.max_context={lm.max_context} for '{lm.name}'; allowed: <= "
-                    f"{lm.max_context} — use a shorter data setting or a model with a longer context")
-            qs.append(QuestionPlan(q, qi, new, qa_tail(tok, lm.chat_template, task.context_block(ex),
-                                                       task.question_block(q), task.answer_prefix(q))))
-        ev = None
-        spans = task.evidence_spans(ex) if evidence else None
-        if spans:
-            ev = evidence_positions(tok, lm.chat_template, task.context_block(ex), spans)
-        plans.append(ExamplePlan(ex, ctx_ids, qs, ev, [t for p in qs for t in p.ids]))
-    return plans
 
 
 @dataclass

@@ -51,6 +51,7 @@ from tqdm import tqdm
 from luka_bench import engine as E
 from luka_bench.errors import OneLineError, RunConfigError
 from luka_bench.metrics import kv_ratio
+from luka_bench.prompting import generation_prompt, text_tail
 
 log = logging.getLogger("luka_bench.lm_eval")
 
@@ -251,7 +252,7 @@ class LukaBenchLM(HFLM):
         self.method = built
         self._eos_ids = E.eos_token_ids(self.model, self.tokenizer)
         self._chat = False  # lm-eval applies a chat template (apply_chat_template is called per request then)
-        self._gen_prompt = E.generation_prompt(self.tokenizer)
+        self._gen_prompt = generation_prompt(self.tokenizer)
         self.not_applied = generation_config_not_applied(self.model)
         if self.not_applied:
             log.warning("the model's generation config sets %s, which --model hf's generate applies to greedy "
@@ -278,7 +279,7 @@ class LukaBenchLM(HFLM):
         if self._chat and self._gen_prompt and context:
             at = context.rfind(self._gen_prompt)
             if at >= 0:
-                n = E.text_tail(self.tok_encode, context, context[at:])
+                n = text_tail(self.tok_encode, context, context[at:])
         return max(1, min(n, n_ids - 1)) if n_ids > 1 else 0
 
     def _prefill(self, ids: list[int], tail: int):

@@ -11,7 +11,7 @@ after the question for QA, the document's last tokens for perplexity data). The 
 (``probe.cache_dir``, keyed by model + prompt tokens + steps). Each method is then *replayed without the model*:
 a fresh ``MethodCache`` gets the captured keys/values layer by layer through the public interface
 (``hf.replay_forward``: ``store.update``, ``policy.attend``, ``after_step``; ``cache.end_prefill()`` after the
-context, so a cross-layer ``KVMethod.after_prefill_cache(cache)`` sees every layer), and every decode step is compared
+context, so a cross-layer ``KVMethod.after_prefill(cache)`` sees every layer), and every decode step is compared
 with exact attention over the full keys/values. Every method sees the same queries, so the differences are the
 methods' alone (errors do not compound across layers).
 
@@ -371,8 +371,8 @@ def needle_positions(tokenizer, use_chat: bool, task, ex) -> list[int] | None:
 
 def prompts(lm, task, steps: int, questions: int) -> list[Prompt]:
     """The probed prompts of a dataset (``data.limit`` examples / documents): the engine's plan of them
-    (``engine.plan_qa``, the runner's prompts), ``steps`` new tokens reserved."""
-    from luka_bench.engine import plan_qa
+    (``prompting.plan_qa``, the runner's prompts), ``steps`` new tokens reserved."""
+    from luka_bench.prompting import plan_qa
     from luka_bench.errors import PromptTooLong
 
     out = []
@@ -599,7 +599,7 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig, open_dict
 
-    from luka_bench.results import register_resolvers
+    from luka_bench.config import register_resolvers
 
     register_resolvers()
 

@@ -31,6 +31,7 @@ from luka_bench import stats as S
 from luka_bench.config import build
 from luka_bench.errors import PromptTooLong, RunConfigError, RunInterrupted, one_line_errors, unwrap
 from luka_bench.methods.hf import attach
+from luka_bench.prompting import plan_qa
 from luka_bench.tables import run_summary
 from luka_bench.results import RunFolder, RunFolderBusy, config_difference, environment, write_job_error
 
@@ -69,7 +70,7 @@ def cache_settings(cfg: DictConfig) -> dict:
 
 
 def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=None) -> list[dict]:
-    plans = E.plan_qa(task, lm, cfg.get("max_new_tokens"))  # every prompt checked before any work is done
+    plans = plan_qa(task, lm, cfg.get("max_new_tokens"))  # every prompt checked before any work is done
     eos = E.eos_token_ids(lm.model, lm.tokenizer)
 
     def new_records():

@@ -175,7 +175,7 @@ def test_readme_python_snippet_runs_as_written_and_snapkv_holds_an_eighth(one_th
 
 
 def _plan(ctx, q):
-    from luka_bench.engine import ExamplePlan, QuestionPlan
+    from luka_bench.prompting import ExamplePlan, QuestionPlan
 
     qp = QuestionPlan(question=None, ids=q, max_new_tokens=3, tail=3)
     return ExamplePlan(example=None, context_ids=ctx, questions=[qp], question_ids=q), qp

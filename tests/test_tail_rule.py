@@ -10,6 +10,7 @@ import torch
 
 import luka_bench as lb
 from luka_bench import engine as E
+from luka_bench.prompting import qa_tail
 
 from conftest import TailFeed, compose
 
@@ -73,7 +74,7 @@ def test_the_library_feeds_the_tail_as_decode_steps(tiny_llama, monkeypatch, one
 
 
 def _plan(ctx, q, tail):
-    from luka_bench.engine import ExamplePlan, QuestionPlan
+    from luka_bench.prompting import ExamplePlan, QuestionPlan
 
     qp = QuestionPlan(question=None, ids=q, max_new_tokens=2, tail=tail)
     return ExamplePlan(example=None, context_ids=ctx, questions=[qp], question_ids=q), qp
@@ -90,8 +91,8 @@ def test_query_aware_compresses_up_to_the_question_and_feeds_the_tail_through_th
     ctx, q = _prompt(5, 200), _prompt(6, 14)
     plan, qp = _plan(ctx, q, 4)
     seen = []
-    real = SnapKV.after_prefill_cache
-    monkeypatch.setattr(SnapKV, "after_prefill_cache", lambda self, cache: seen.append(list(cache.token_ids)) or
+    real = SnapKV.after_prefill
+    monkeypatch.setattr(SnapKV, "after_prefill", lambda self, cache: seen.append(list(cache.token_ids)) or
                         real(self, cache))
     feed = TailFeed(model, monkeypatch)
     try:
@@ -115,10 +116,10 @@ def test_qa_tail_is_what_follows_the_questions_text(smollm2_tokenizer):
                                (True, "", "<|im_end|>\n<|im_start|>assistant\n"),
                                (False, " Answer:", " Answer:")):
         _, q = qa_prompt_ids(tok, chat, "Some context here.", "\n\nQuestion: where is it?", prefix)
-        n = E.qa_tail(tok, chat, "Some context here.", "\n\nQuestion: where is it?", prefix)
+        n = qa_tail(tok, chat, "Some context here.", "\n\nQuestion: where is it?", prefix)
         assert tok.decode(q[-n:]) == want and tok.decode(q[:-n]).endswith("where is it?"), (chat, prefix)
     _, q = qa_prompt_ids(tok, False, "Some context here.", "\n\nQuestion: where is it?", "")
-    assert E.qa_tail(tok, False, "Some context here.", "\n\nQuestion: where is it?", "") == 1
+    assert qa_tail(tok, False, "Some context here.", "\n\nQuestion: where is it?", "") == 1
 
 
 def _watched(lm, feed):
