@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from luka_bench.data.base import DataError, qa_prompt_ids
+from luka_bench.data.base import DataError, qa_prompt_ids, read_json_or_jsonl
 from luka_bench.data.ruler import TASKS, Ruler
 from luka_bench.data.ruler_gen import DEPTHS, NEEDLE, TEMPLATES, split_sentences, tokens_to_generate
 from luka_bench.data.scoring_ruler import (clean_prediction, ruler_summary, score_item, string_match_all,
@@ -232,6 +232,20 @@ def test_hub_schema_errors():
                           "x.json")
     with pytest.raises(DataError, match="no sample of task 'vt'"):
         Ruler(task="vt", source="file", path=str(FIX / "ruler_4096.jsonl")).examples()
+
+
+def test_a_json_lines_file_of_one_row_is_one_row(tmp_path):
+    """One object on one line: in a ``.jsonl`` file it is one row (JSON lines), in a ``.json`` file the object."""
+    row = json.loads((FIX / "ruler_4096.jsonl").read_text().splitlines()[0])
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    exs = Ruler(task="niah_single_1", source="file", path=str(one)).examples()
+    assert len(exs) == 1 and exs[0].context == row["context"] and exs[0].questions[0].answers == row["answer"]
+    assert read_json_or_jsonl(str(one), "ruler") == [row]
+    doc = tmp_path / "one.json"
+    doc.write_text(json.dumps({"4096": [row]}), encoding="utf-8")
+    assert read_json_or_jsonl(str(doc), "ruler") == {"4096": [row]}
+    assert len(Ruler(task="niah_single_1", source="file", path=str(doc)).examples()) == 1
 
 
 # -- bad settings -------------------------------------------------------------------------------------------

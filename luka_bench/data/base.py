@@ -173,9 +173,14 @@ def file_problem(path: str | os.PathLike) -> str | None:
     return "is a directory" if kind == "a directory" else f"is {kind}, not a regular file"
 
 
+_JSON_LINES = (".jsonl", ".ndjson")
+
+
 def read_json_or_jsonl(path: str, dataset: str):
-    """A local data file: JSON, or JSON lines (one object per line). One-line DataError naming the dataset and
-    the file when it is missing, unreadable or neither."""
+    """A local data file: JSON, or JSON lines (one object per line). A file named ``*.jsonl`` / ``*.ndjson`` is rows,
+    one per line, however many: a list also when it holds one row (as JSON, one object on one line would be that
+    object). Any other name whose text is one JSON document is that document. One-line DataError naming the dataset
+    and the file when it is missing, unreadable or neither."""
     import json
     from pathlib import Path
 
@@ -188,12 +193,15 @@ def read_json_or_jsonl(path: str, dataset: str):
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{dataset}: cannot read {path}: {e}") from None
     try:
-        return json.loads(raw)
+        obj = json.loads(raw)
     except json.JSONDecodeError as e:
         try:
             return [json.loads(line) for line in raw.splitlines() if line.strip()]
         except json.JSONDecodeError:
             raise DataError(f"{dataset}: {path} is neither JSON nor JSON lines ({e.msg} at line {e.lineno})") from None
+    if p.suffix.lower() in _JSON_LINES and not isinstance(obj, list):
+        return [obj]  # JSON lines of one row
+    return obj
 
 
 def chat_text(tokenizer, user_message: str) -> str:
