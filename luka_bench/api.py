@@ -25,7 +25,7 @@ from luka_bench.metrics import kv_ratio
 from luka_bench.prompting import qa_tail, with_tail
 
 
-def method(name: str, **settings):
+def method(name: str, /, **settings):
     """A KV method from ``conf/method/<name>.yaml`` with ``settings`` on top (``budget=0.125``), validated as the
     command line validates ``method=<name> method.<key>=<value>``: an unknown name, key or value is one line
     naming it and the allowed ones."""

@@ -11,7 +11,7 @@ after the question for QA, the document's last tokens for perplexity data). The 
 (``probe.cache_dir``, keyed by model + prompt tokens + steps). Each method is then *replayed without the model*:
 a fresh ``MethodCache`` gets the captured keys/values layer by layer through the public interface
 (``hf.replay_forward``: ``store.update``, ``policy.attend``, ``after_step``; ``cache.end_prefill()`` after the
-context, so a cross-layer ``KVMethod.after_prefill(cache)`` sees every layer), and every decode step is compared
+context, so a cross-layer ``KVMethod.after_prefill_cache(cache)`` sees every layer), and every decode step is compared
 with exact attention over the full keys/values. Every method sees the same queries, so the differences are the
 methods' alone (errors do not compound across layers).
 

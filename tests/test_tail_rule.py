@@ -91,8 +91,8 @@ def test_query_aware_compresses_up_to_the_question_and_feeds_the_tail_through_th
     ctx, q = _prompt(5, 200), _prompt(6, 14)
     plan, qp = _plan(ctx, q, 4)
     seen = []
-    real = SnapKV.after_prefill
-    monkeypatch.setattr(SnapKV, "after_prefill", lambda self, cache: seen.append(list(cache.token_ids)) or
+    real = SnapKV.after_prefill_cache
+    monkeypatch.setattr(SnapKV, "after_prefill_cache", lambda self, cache: seen.append(list(cache.token_ids)) or
                         real(self, cache))
     feed = TailFeed(model, monkeypatch)
     try:
