@@ -4,6 +4,7 @@ predictions; the simonjegou/ruler schema (file and hub); bad settings are one-li
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from pathlib import Path
 
@@ -246,6 +247,23 @@ def test_a_json_lines_file_of_one_row_is_one_row(tmp_path):
     doc.write_text(json.dumps({"4096": [row]}), encoding="utf-8")
     assert read_json_or_jsonl(str(doc), "ruler") == {"4096": [row]}
     assert len(Ruler(task="niah_single_1", source="file", path=str(doc)).examples()) == 1
+
+
+def test_a_file_of_some_tasks_runs_them_under_task_all(caplog):
+    """data.task=all over a file that holds some of the 13 tasks: those run, and one log line names the tasks it
+    holds and the ones it lacks; a task asked by name that the file lacks is still refused."""
+    r = Ruler(source="file", path=str(FIX / "ruler_4096.jsonl"), limit=None)
+    assert r.task == "all"
+    with caplog.at_level(logging.WARNING, logger="luka_bench.data.ruler"):
+        exs = r.examples()
+    assert [e.meta["task"] for e in exs] == ["niah_single_1", "niah_single_1", "qa_1"]
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "luka_bench.data.ruler"]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    held, lacked = lines[0].split("hold no sample of")
+    assert "(niah_single_1, qa_1)" in held and "vt" not in held
+    assert [t.strip() for t in lacked.split(",")] == [t for t in TASKS if t not in ("niah_single_1", "qa_1")]
+    with pytest.raises(DataError, match="no sample of task 'vt'.*they hold: niah_single_1, qa_1"):
+        Ruler(task="niah_single_1,vt", source="file", path=str(FIX / "ruler_4096.jsonl")).examples()
 
 
 # -- bad settings -------------------------------------------------------------------------------------------

@@ -12,10 +12,13 @@ haystack steps of the length (``Ruler.step``): one step more would overflow.
 
 Sources: ``synthetic`` (the generator: :mod:`luka_bench.data.ruler_gen`), ``hub`` (the pre-generated
 ``simonjegou/ruler`` set the KV-compression leaderboard uses: columns context, question, answer_prefix, answer, task,
-max_new_tokens), ``file`` (a JSON / JSON-lines file in that schema).
+max_new_tokens), ``file`` (a JSON / JSON-lines file in that schema). A file or hub set that holds only some of the
+tasks runs those under ``data.task=all`` (a log line names the tasks it holds and lacks); a task named in
+``data.task`` that it lacks is refused.
 """
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +32,8 @@ from luka_bench.data.ruler_gen import (INCREMENT, TASKS, Generator, Sample, essa
 from luka_bench.data.scoring_ruler import headline_rule, ruler_summary, score_item
 
 __all__ = ["Ruler", "TASKS", "Sample", "HUB_ID", "HUB_FIELDS", "QA_SOURCES", "validate_hub_rows"]
+
+log = logging.getLogger(__name__)
 
 HUB_ID = "simonjegou/ruler"
 SOURCES = ("synthetic", "hub", "file")
@@ -308,9 +313,12 @@ class Ruler(Task):
                 q = Question(id=f"{ex_id}-q", question=row["question"], answers=list(row["answer"]), meta=meta)
                 exs.append(QAExample(id=ex_id, context=row["context"], questions=[q], meta=dict(meta)))
             absent = [t for t in self.tasks if t not in seen]
-            if absent:
+            if absent and (self.task != "all" or not seen):  # a task asked by name, or none at all
                 raise DataError(f"ruler: {self.source} rows hold no sample of task {absent[0]!r}; "
-                                f"they hold: {', '.join(sorted({r['task'] for r in rows}))}")
+                                f"they hold: {', '.join(sorted({r['task'] for r in rows})) or 'no rows'}")
+            if absent:  # data.task=all: the tasks the rows hold
+                log.warning("ruler: data.task=all runs the %d tasks the %s rows hold (%s); they hold no sample of %s",
+                            len(seen), self.source, ", ".join(t for t in self.tasks if t in seen), ", ".join(absent))
         self._cache = exs
         return exs
 
