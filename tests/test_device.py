@@ -2,7 +2,7 @@
 CPU-only machine through mocks of the ``torch.cuda`` calls they make: the launch guard of the Triton kernel
 (``model.device=cuda:1``), CUDA events recorded on the tensors' device's stream and only when a latency breakdown
 is asked for, the peak-memory pair, the shared-memory limit and the kernel's fall-back to smaller tiles, the
-sync-free host-to-device hand-over, the warm-up run. What only a GPU can confirm is in methods/gpu.md."""
+sync-free host-to-device hand-over, the warm-up run. What only a GPU can confirm is in docs/gpu.md."""
 from __future__ import annotations
 
 import contextlib
