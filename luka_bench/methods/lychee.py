@@ -32,12 +32,14 @@ A decode step (one query), vectorised over KV heads, units, clusters and tokens 
 3. their fine clusters ranked the same way; the top ``k_c`` (``k_c: null``: the chunks of the clusters in rank
    order, each cluster's chunks by their own score q_s.v, while their tokens fit the retrieval budget =
    ``token_budget`` - sinks - the unchunked recent tokens: whole clusters, then the best chunks of the first one
-   that does not fit whole — ``_fill``);
+   that does not fit whole — ``_select``);
 4. exact attention (softmax over the union, fp32 by SDPA) over the ``sink`` first tokens + every token of the
    chosen clusters' chunks + the recent unchunked tokens (the buffer).
-With ``k_c: null`` (the default) steps 1-4 run as ``_decode_attend``: one matmul scores every node and chunk, the
-unit rule counts the tokens of the units scoring above each unit, and two stable sorts give ``_fill``'s chunk order
-— the same tokens in a few dozen kernels instead of ~100 (docs/speed.md); ``retrieve`` is the general path.
+With ``k_c: null`` (the default) steps 1-3 are one rule, ``_select``, which the decode step (``_decode_attend``)
+and ``retrieve`` both call: one matmul scores every node and chunk (``_score``), a unit is kept when the tokens of
+the units scoring above it stay under the line (exact ties: both or neither), and two stable sorts give the chunk
+order — a few dozen kernels instead of ~100 (docs/speed.md). An integer ``k_c`` runs ``retrieve``'s general path
+(sorted units, CSR member gathers).
 Lazy update (at the next step): each new chunk joins the fine cluster with the nearest centroid direction and that
 cluster's coarse unit; centroids move to the new member mean (a moving average) and each touched radius becomes
 max(r + ||mu' - mu||, ||x - mu'||): the old members' bound grows by the centroid shift (triangle inequality), so r
@@ -301,20 +303,6 @@ class LycheePolicy(LayerPolicy):
         return s.masked_fill(cnt <= 0, NEG)
 
     @staticmethod
-    def _prefix(score: torch.Tensor, tokens: torch.Tensor, limit: float | None, k: int | None) -> torch.Tensor:
-        """Nodes in descending score order: the top ``k``, or (k None) the longest prefix whose tokens fit ``limit``
-        (``limit`` given as an 'at least' cover: see ``retrieve``). Returns a bool mask [B, H, N]."""
-        order = torch.sort(score, dim=-1, descending=True, stable=True).indices
-        live = score.gather(2, order) > NEG
-        if k is not None:
-            take = torch.arange(order.shape[-1], device=order.device) < k
-            take = take & live
-        else:
-            cum = tokens.gather(2, order).cumsum(-1)
-            take = (cum <= limit) & live
-        return torch.zeros_like(take).scatter(2, order, take)
-
-    @staticmethod
     def _rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [B, H, N, D] at idx [B, H, K] -> [B, H, K, D]."""
         return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
@@ -329,30 +317,6 @@ class LycheePolicy(LayerPolicy):
         pos = torch.where(valid, pos, torch.zeros_like(pos)).flatten(2)
         return members.gather(2, pos), valid.flatten(2)
 
-    def _fill(self, cand: torch.Tensor, uc: torch.Tensor, qs: torch.Tensor, R: int, ch: Chunker):
-        """The ``k_c: null`` fill rule over the candidate clusters ``cand`` [B, H, Kc] (scores ``uc``, -inf where not
-        a candidate): their chunks ordered by their cluster's rank and, inside a cluster, by their own score q_s.v;
-        the longest prefix whose tokens fit ``R``. So whole clusters are taken in UB order and the cluster that
-        does not fit whole contributes its best chunks (App. D's index drift: a cluster grown by lazy updates ranks
-        first with an inflated radius; stopping at it, as the plain rule did, left most steps with no chunk at
-        all). The budget is filled to within one chunk whenever the chosen units hold R tokens. Returns the chosen
-        chunk ids [B, H, cmax] (``cmax = R_max // min_chunk``: every chunk has >= min_chunk tokens) and validity."""
-        m = self.method
-        kc = cand.shape[-1]
-        rank = torch.empty_like(cand).scatter_(
-            2, torch.sort(uc, dim=-1, descending=True, stable=True).indices,
-            torch.arange(kc, device=cand.device).expand_as(cand))
-        chunks, ok = self._members(self.c_members, self.c_start, self.c_count, self.c_width, cand, uc > NEG)
-        crank = torch.where(ok, rank.repeat_interleave(self.c_width, dim=2), torch.full_like(chunks, kc))
-        own = torch.matmul(self._rows(self.ck, chunks), qs.unsqueeze(-1)).squeeze(-1)  # q_s.v per chunk
-        o1 = torch.sort(own, dim=-1, descending=True, stable=True).indices
-        order = o1.gather(2, torch.sort(crank.gather(2, o1), dim=-1, stable=True).indices)
-        ids = chunks.gather(2, order)
-        lens = ch.lens[ids].to(own.dtype)
-        take = (lens.cumsum(-1) <= R) & ok.gather(2, order)  # a prefix: the invalid slots sort last
-        cmax = max(1, min(ids.shape[-1], (m.token_budget - m.sink - m.buffer) // m.min_chunk))
-        return ids[:, :, :cmax], take[:, :, :cmax]
-
     def chosen_clusters(self) -> torch.Tensor:
         """The fine clusters the last retrieval read chunks of, as a mask [B, H, L] (tests, diagnostics)."""
         cid, ok = self.last["cid"], self.last["cvalid"]
@@ -363,19 +327,34 @@ class LycheePolicy(LayerPolicy):
     def retrieve(self, store, query):
         """Coarse-to-fine selection for one query [B, Hq, 1, D]. Returns the held-token indices to attend
         [B, H, T] (sinks, the chosen chunks' tokens padded to ``max_chunk`` per chunk, the recent unchunked tokens)
-        and their validity [B, H, T] (a padding slot points at the newest token and is masked out)."""
+        and their validity [B, H, T] (a padding slot points at the newest token and is masked out). ``k_c: null``
+        (the default): the decode step's rule, ``_select`` over ``_score``'s scores, the one both paths call;
+        an integer ``k_c``: the top ``k_c`` fine clusters of the kept units (sorted units, CSR member gathers),
+        every chunk of each."""
         m = self.method
         ch = self.chunker(store)
+        n, fr = store.n, ch.frontier
+        R = m.token_budget - m.sink - (n - fr)  # tokens left for retrieved chunks
+        if m.k_c is None:
+            b, hq, _, d = query.shape
+            hkv = store.keys.shape[1]
+            P, L = self.mu_g.shape[2], self.mu_c.shape[2]
+            cmax, C = self._slots()
+            qa, above, _, (neg, _, _) = self._buffers(query, hkv, P, C, 0)
+            sc = self._score(query.reshape(b, hkv, hq // hkv, d), qa)
+            start_len = self._flat_tables(store, ch)[3]
+            cfR = m.coarse_factor * R if m.k_g is None else None  # rounded as ``_cf``'s product is
+            order, _, lens, sel = self._select(sc, start_len, above, neg, P, L, R, cfR, cmax)
+            self.last = self._materialise({"order": order, "lens": lens, "sel": sel, "n": n, "frontier": fr,
+                                           "starts": ch.starts})
+            return self.last["idx"], self.last["valid"]
         if self._layout_due is not None:
             self._layout(units=self._layout_due)
             self._layout_due = None
         b, hq, _, d = query.shape
         hkv = store.keys.shape[1]
-        dev = query.device
-        n, fr = store.n, ch.frontier
         qg = query.reshape(b, hkv, hq // hkv, d).float()
         qs, qn = qg.sum(2), qg.norm(dim=-1).sum(2)
-        R = m.token_budget - m.sink - (n - fr)  # tokens left for retrieved chunks
         ug = self.scores(qs, qn, self.mu_g, self.r_g, self.cnt_g)
         order = torch.sort(ug, dim=-1, descending=True, stable=True).indices[:, :, : self.ku]  # [B, H, Ku]
         live = ug.gather(2, order) > NEG
@@ -391,13 +370,10 @@ class LycheePolicy(LayerPolicy):
         cand, cand_ok = self._members(self.u_members, self.u_start, self.u_count, self.u_width, order_g, unit_ok)
         uc = self.scores(qs, qn, self._rows(self.mu_c, cand), self.r_c.gather(2, cand), self.cnt_c.gather(2, cand))
         uc = uc.masked_fill(~cand_ok, NEG)  # [B, H, Kc]: the candidate clusters' scores
-        if m.k_c is not None:
-            top = torch.sort(uc, dim=-1, descending=True, stable=True).indices[:, :, : m.k_c]
-            chosen = cand.gather(2, top)
-            cid, cvalid = self._members(self.c_members, self.c_start, self.c_count, self.c_width, chosen,
-                                        uc.gather(2, top) > NEG)
-        else:
-            cid, cvalid = self._fill(cand, uc, qs, R, ch)
+        top = torch.sort(uc, dim=-1, descending=True, stable=True).indices[:, :, : m.k_c]
+        chosen = cand.gather(2, top)
+        cid, cvalid = self._members(self.c_members, self.c_start, self.c_count, self.c_width, chosen,
+                                    uc.gather(2, top) > NEG)
         idx, valid = self._token_set(ch.starts, cid, ch.lens[cid] * cvalid, fr, n)
         self.last = {"sel_g": sel_g, "cid": cid, "cvalid": cvalid, "idx": idx, "valid": valid, "frontier": fr,
                      "candidates": cand_ok.sum(-1)}
@@ -466,16 +442,10 @@ class LycheePolicy(LayerPolicy):
         return self._buf[1:]
 
     def _decode_attend(self, store, query, scaling, step):
-        """One decode step's retrieval and attention in the fewest kernels, with the chunk set of ``retrieve``
-        (``k_c: null``): one matmul scores every unit, fine cluster and chunk (``_decode_tables``); a unit is kept
-        when the tokens of the units scoring above it stay under ``coarse_factor`` x R (``k_g``: when fewer than
-        k_g units score above it) — the rank-order rule without a sort; every chunk gets its cluster's UB where
-        its unit is kept (-inf elsewhere), and two stable sorts order the chunks by (cluster UB, own score), which
-        is ``_fill``'s order (whole clusters in rank order, each one's chunks by q_s.v); the prefix whose tokens
-        fit R is read. The chunks' token rows are written straight into the flattened storage's row ids, and one
-        SDPA attends over the gathered rows with an additive mask for the chunk slots past each chunk's end.
-        Exact ties between two units' scores keep both or neither (``retrieve`` keeps the lower-numbered first);
-        otherwise the same tokens as ``retrieve``.
+        """One decode step's retrieval and attention in the fewest kernels (``k_c: null``): one matmul scores every
+        unit, fine cluster and chunk (``_score``), ``_select`` chooses the chunks (the rule ``retrieve`` calls too),
+        their token rows are written straight into the flattened storage's row ids (``_token_rows``), and one SDPA
+        attends over the gathered rows with an additive mask for the chunk slots past each chunk's end.
 
         The torch ops (what CUDA runs) are graph-ready between chunk closings (``_static_layout``): the recent
         tokens are read from a region of fixed width with its free slots masked, the budget R left to the chunks
@@ -486,9 +456,8 @@ class LycheePolicy(LayerPolicy):
         b, hq, _, d = query.shape
         hkv = self.info.num_kv_heads
         n, fr, S, mc = store.n, ch.frontier, m.sink, m.max_chunk
-        P, L, M = self.mu_g.shape[2], self.mu_c.shape[2], self.M
-        cmax = max(1, min(M, (m.token_budget - S - m.buffer) // m.min_chunk))
-        C = min(cmax * mc, m.token_budget - S - m.buffer)  # the chunks' token slots, compacted (<= R tokens)
+        P, L = self.mu_g.shape[2], self.mu_c.shape[2]
+        cmax, C = self._slots()
         rows, start, last_row, start_len = self._flat_tables(store, ch)
         cap = rows.shape[-1]
         width = max(n - fr, min(m.buffer + mc, cap - fr))  # the recent region: n - fr tokens, free slots after
@@ -518,12 +487,9 @@ class LycheePolicy(LayerPolicy):
             R = step.per_step(("lychee_R", top), lambda pos: torch.rsub(pos, top))
             cf = self._cf(dev)
             cfR = None if m.k_g is not None else step.per_step(("lychee_cfR", top), lambda _: torch.mul(R, cf))
-            torch.sum(qg, dim=2, dtype=torch.float32, out=qa[:, :, 0, :d])
-            if m.ranking == "ub":  # each query head's norm weighs its own radius row: sum_i ||q_i|| r in the product
-                torch.linalg.vector_norm(qg, dim=-1, dtype=torch.float32, out=qa[:, :, 0, d: d + hq // hkv])
-            sc = torch.matmul(qa, self._tab).squeeze(-2)  # [B, H, P + L + M]
-            order, lens, sel, pad = self._choose(sc, start_len, last_row, above, neg, within, P, L, R, cfR, cmax, C,
-                                                 out=idx[:, :, S: S + C])
+            sc = self._score(qg, qa)
+            order, sl, lens, sel = self._select(sc, start_len, above, neg, P, L, R, cfR, cmax)
+            pad = self._token_rows(sl, lens, last_row, within, C, out=idx[:, :, S: S + C])
             torch.where(pad, neg, zero, out=bias[:, :, 0, S: S + C])
         t1 = cache.mark(dev)
         gk, gv = store.gather_flat(idx.view(-1), T)
@@ -564,14 +530,40 @@ class LycheePolicy(LayerPolicy):
         self._open = n - fr
         return lay[1]
 
-    def _choose(self, sc, start_len, last_row, above, neg, within, P: int, L: int, R, cfR, cmax: int, C: int,
-                out: torch.Tensor):
-        """``_decode_attend``'s choice as torch ops (what CUDA runs; ``cpu_kernel``'s ``lychee_decode`` on the
-        CPU): (chunks read in order [B, H, cmax], their lengths (0 after), units kept [B, H, P], padding flags of
-        the token slots [B, H, C]); the slots' storage rows [B, H, C] are written into ``out``. ``R`` / ``cfR``:
-        the tokens left to the chunks and ``coarse_factor`` x them, 0-dim device tensors (graph-ready)."""
+    def _slots(self) -> tuple[int, int]:
+        """(cmax, C): the most chunks a step reads (every chunk holds >= ``min_chunk`` tokens of the largest
+        retrieval budget) and the chunks' token slots, compacted (<= that budget)."""
         m = self.method
-        b, hkv = sc.shape[:2]
+        r_max = m.token_budget - m.sink - m.buffer
+        cmax = max(1, min(self.M, r_max // m.min_chunk))
+        return cmax, min(cmax * m.max_chunk, r_max)
+
+    def _score(self, qg: torch.Tensor, qa: torch.Tensor) -> torch.Tensor:
+        """Every unit's, fine cluster's and chunk's score [B, H, P + L + M] for the grouped query qg [B, H, g, D]:
+        one product of the query row ``qa`` (``_buffers``; the group's summed query and, ``ranking: ub``, each
+        query head's norm — it weighs its own radius row: sum_i ||q_i|| r — written by the sum and the norm
+        themselves) with the node table (``_decode_tables``)."""
+        d = qg.shape[-1]
+        torch.sum(qg, dim=2, dtype=torch.float32, out=qa[:, :, 0, :d])
+        if self.method.ranking == "ub":
+            torch.linalg.vector_norm(qg, dim=-1, dtype=torch.float32, out=qa[:, :, 0, d: d + qg.shape[2]])
+        return torch.matmul(qa, self._tab).squeeze(-2)
+
+    def _select(self, sc, start_len, above, neg, P: int, L: int, R, cfR, cmax: int):
+        """The retrieval rule (``k_c: null``), as torch ops, on one step's scores ``sc`` (``_score``): what
+        ``retrieve`` and the decode step's torch path (what CUDA runs; on the CPU, ``cpu_kernel``'s
+        ``lychee_decode`` is the same rule in C++) both call. A unit is kept when the tokens of the units scoring
+        above it stay under ``cfR`` = ``coarse_factor`` x R (``k_g``: when fewer than k_g units score above it):
+        the rank-order rule without a sort, exact ties keeping both or neither. Every chunk of a kept unit gets its
+        cluster's UB (-inf elsewhere) and two stable sorts order the chunks by (cluster UB, own score q_s.v): whole
+        clusters in rank order, each one's chunks best first; the prefix whose tokens fit ``R`` is read. So the
+        cluster that does not fit whole contributes its best chunks (App. D's index drift: a cluster grown by lazy
+        updates ranks first with an inflated radius; stopping at it left most steps with no chunk at all), and the
+        budget is filled to within one chunk whenever the kept units hold R tokens. ``R`` / ``cfR``: Python
+        numbers, or 0-dim device tensors (graph-ready). Returns (the chunks in reading order [B, H, cmax], their
+        (first row, length) [B, H, cmax, 2] from ``start_len``, the lengths read (0 after the prefix), the units
+        kept [B, H, P])."""
+        m = self.method
         su = sc[:, :, :P]
         torch.gt(su.unsqueeze(-2), su.unsqueeze(-1), out=above)  # [B, H, u, v]: unit v scores above unit u
         if m.k_g is None:
@@ -587,14 +579,20 @@ class LycheePolicy(LayerPolicy):
         take = lens.cumsum(-1) <= R
         if m.k_g is not None:  # kept units may hold fewer than R tokens: never read past them
             take &= top[:, :, :cmax] > NEG
-        lens = lens * take
+        return order, sl, lens * take, sel
+
+    def _token_rows(self, sl, lens, last_row, within, C: int, out: torch.Tensor) -> torch.Tensor:
+        """The decode step's chunk token slots: the storage rows of the chunks read (``_select``'s ``sl`` /
+        ``lens``), the read tokens first, in order (a stable sort of the padding flags), the first C written into
+        ``out`` [B, H, C]. Returns the slots' padding flags [B, H, C]."""
+        m = self.method
+        b, hkv = lens.shape[:2]
         tok = sl[..., 0].unsqueeze(-1) + within  # [B, H, cmax, max_chunk] storage rows
         if m.buffer < m.max_chunk - m.min_chunk:  # a chunk's padding could run past the storage's last row
             tok.clamp_max_(last_row)
-        # the read tokens first, in order (a stable sort of the padding flags), the first C slots kept
         pad, first = torch.sort((within >= lens.unsqueeze(-1)).view(b, hkv, -1), dim=-1, stable=True)
         torch.gather(tok.view(b, hkv, -1), 2, first[:, :, :C], out=out)
-        return order, lens, sel, pad[:, :, :C]
+        return pad[:, :, :C]
 
     def _token_set(self, starts: torch.Tensor, cid: torch.Tensor, lens: torch.Tensor, fr: int, n: int):
         """The held tokens a retrieval reads, as ``retrieve`` returns them: idx / valid [B, H, sink + cmax *
