@@ -135,7 +135,7 @@ def code_version() -> str:
 
 def needle_summary(obs, pr: dict, layers: int) -> dict:
     """Means over steps, layers and KV heads of the needle metrics; per layer the needle recall."""
-    from luka_bench.probe import frame
+    from luka_bench.probe_report import frame
 
     df = frame(obs, "m")
     if df.empty:

@@ -1,5 +1,5 @@
-"""The fidelity probe (luka_bench/probe.py): exact methods measure 0, replay is faithful to a real run, LuKA
-declares what it attended, and every method config runs through it."""
+"""The fidelity probe (luka_bench/probe.py; its report luka_bench/probe_report.py): exact methods measure 0, replay
+is faithful to a real run, LuKA declares what it attended, and every method config runs through it."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import open_dict
 
 from luka_bench import probe as P
+from luka_bench import probe_report as R
 from luka_bench.errors import group_options
 from luka_bench.methods.base import MethodConfigError
 
@@ -39,7 +40,7 @@ def _method(name, *overrides):
 
 
 def _df(obs):
-    return P.frame(obs, "m")
+    return R.frame(obs, "m")
 
 
 def test_full_and_budget_one_methods_are_exact(cap):
@@ -135,13 +136,13 @@ def test_command_writes_tables(tmp_path, monkeypatch):
             f"probe.cache_dir={tmp_path / 'cache'}", "probe.methods=[full,\"h2o budget=0.5\"]"])
         with open_dict(cfg):
             cfg.model_name, cfg.data_name = "tiny_llama", "pg19"
-        s = P.probe(cfg, tmp_path / "out", ["model=tiny_llama", "data=pg19", "data.max_tokens=120"])
+        s = R.probe(cfg, tmp_path / "out", ["model=tiny_llama", "data=pg19", "data.max_tokens=120"])
         assert list(s.index) == ["full", "h2o budget=0.5"]
         assert s.loc["full", "rel_err"] == 0.0 and s.loc["h2o budget=0.5", "rel_err"] > 0
         for f in ("probe_summary.md", "probe_layers.csv", "probe_steps.csv", "probe_by_layer.png"):
             assert (tmp_path / "out" / f).exists()
         with pytest.raises(MethodConfigError, match="h20"):
-            P.compose_method("h20", [])
+            R.compose_method("h20", [])
 
 
 def test_block_prefill_is_replayed_block_by_block(cap):
@@ -244,9 +245,9 @@ def test_needle_metrics_closed_loop_and_plot(lm, tmp_path):
     df = _df(P.closed_loop(lm, m, mid, topk=8))
     assert (df["needle_recall"] == 0).all()
     full = _df(P.closed_loop(lm, _method("full"), mid, topk=8))
-    frames = [P.frame(P.closed_loop(lm, _method("full"), mid, topk=8), "full"),
-              P.frame(P.closed_loop(lm, m, mid, topk=8), "streaming_llm")]
-    md, summary = P.write_tables(frames, {}, {}, tmp_path, 8, True, True, "test")
+    frames = [R.frame(P.closed_loop(lm, _method("full"), mid, topk=8), "full"),
+              R.frame(P.closed_loop(lm, m, mid, topk=8), "streaming_llm")]
+    md, summary = R.write_tables(frames, {}, {}, tmp_path, 8, True, True, "test")
     assert "needle read" in md
     assert summary.loc["full", "needle_recall"] == 1.0 and summary.loc["streaming_llm", "needle_recall"] == 0.0
     assert (tmp_path / "probe_needle_by_layer.png").exists()
@@ -271,7 +272,7 @@ def test_probe_on_niah_gives_needle_metrics(tmp_path):
         assert lm.tokenizer.decode([pr.context[j] for j in pr.needle]).strip() == \
             ex.context[q.meta["needle_span"][0]: q.meta["needle_span"][1]].strip()
         assert lm.tokenizer.decode(pr.chunks[0]).endswith(task.answer_prefix(q))
-        s = P.probe(cfg, tmp_path / "out", ov)
+        s = R.probe(cfg, tmp_path / "out", ov)
         assert s.loc["full", "needle_recall"] == 1.0 and s.loc["streaming_llm budget=0.25", "needle_recall"] == 0.0
         assert (tmp_path / "out" / "probe_needle_by_layer.png").exists()
         assert "needle read" in (tmp_path / "out" / "probe_summary.md").read_text()
