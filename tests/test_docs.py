@@ -1,6 +1,6 @@
 """The front door and the docs site: README.md stays short and its sample output is the committed one; the MkDocs
-site builds with ``--strict`` (a broken link fails), shows every method and dataset card, and reads its result
-tables from the committed files."""
+site builds with ``--strict`` (a broken link fails), shows every method and dataset card and the index of the
+methods, and reads its result tables from the committed files."""
 from __future__ import annotations
 
 import os
@@ -54,7 +54,11 @@ def test_readme_sample_summary_is_the_committed_one():
 def test_site_builds_strictly_with_every_card(site):
     for kind in ("methods", "datasets"):
         for card in (ROOT / kind).glob("*.md"):
-            assert (site / kind / card.stem / "index.html").exists(), card
+            if card.name != "README.md":  # a folder's index, not a card: the section's first page
+                assert (site / kind / card.stem / "index.html").exists(), card
+    index = (site / "methods" / "index.html").read_text(encoding="utf-8")  # methods/README.md: a row per config
+    for p in (ROOT / "conf" / "method").glob("*.yaml"):
+        assert f"conf/method/{p.name}" in index
     page = (site / "results" / "index.html").read_text(encoding="utf-8")
     committed = (ROOT / "results/summaries/eviction_table/pivot_em_lenient-kv_ratio.md").read_text(encoding="utf-8")
     first_row = committed.splitlines()[2].split("|")[1].strip()  # a row name of the committed table
