@@ -77,6 +77,12 @@ Which policy runs on which layer is ``policies.layer_policy``: the first ``full_
 method) attend exactly, sliding-window layers (Gemma3) get exact attention within their window unless a method
 sets ``handles_sliding = True``, and every other layer gets ``KVMethod.policy_for_layer``.
 
+Settings: a method's own settings are its dataclass fields, each constraint stated once beside its field with
+``setting`` (``window: int = setting(64, at_least=1, note="reference: 32-64")``); ``KVMethod.__post_init__`` checks
+``budget``, ``full_layers``, then every declared field in field order, each refusal one line naming
+``method.<field>=<value>``. A subclass's ``__post_init__`` keeps what no declaration states (checks that relate
+settings to each other, an unusual rule).
+
 Conventions (all methods):
 - Tensors are ``[batch, heads, tokens, head_dim]``; queries have ``num_attention_heads`` heads, keys/values the
   model's ``num_key_value_heads`` (GQA). Scores are per KV head: a method sums over the query heads of a group.
@@ -99,8 +105,8 @@ This module depends on torch only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any, Callable, ClassVar, ContextManager, NamedTuple, Protocol
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable, ClassVar, ContextManager, NamedTuple, Protocol, get_args
 
 import torch
 
@@ -332,6 +338,100 @@ def check_holds_every_token(method, what_it_reads: str) -> None:
                                 f"holds every token; {what_it_reads}")
 
 
+# -- settings: each setting's constraint stated once, beside its field -------------------------------------------------
+
+@dataclass(frozen=True)
+class Allowed:
+    """What one setting allows (``setting``'s keywords). The kind comes from the field's annotation: ``int`` (an
+    integer, never a bool), ``float`` (a number, stored as a float), ``bool`` (true or false), ``str`` (one of
+    ``choices``), ``X | None`` (null too). ``note`` ends the message, in parentheses."""
+
+    at_least: float | None = None  # "must be >= lo" ("an integer >= lo" for an int)
+    above: float | None = None  # "must be > lo"
+    within: str | None = None  # an interval as the message writes it: "[0, 1]", "(0, 1]"
+    choices: tuple | None = None  # strings: "is unknown; allowed: a, b"; integers: "must be 1, 2 or 3"
+    nested: type | None = None  # a dataclass of settings (a mapping is made one); its own fields are checked in turn
+    holds_every_token: str = ""  # budget only: it must be 1.0 (``check_holds_every_token``'s what_it_reads)
+    note: str = ""
+
+
+def setting(default: Any = MISSING, *, default_factory: Any = MISSING, **allowed: Any) -> Any:
+    """A dataclass field with its constraint beside it (``window: int = setting(64, at_least=1, note="reference:
+    32-64")``); ``KVMethod.__post_init__`` checks every such field in field order (``check_settings``). A subclass
+    that redeclares the field with a plain default keeps the constraint."""
+    return field(default=default, default_factory=default_factory, metadata={"allowed": Allowed(**allowed)})
+
+
+def check_settings(obj: Any, prefix: str = "method.") -> None:
+    """One-line MethodConfigError for the first field of the dataclass ``obj`` declared with ``setting`` whose value it
+    does not allow, in field order: ``method.<field>=<value!r> must be ... (note)``. Float settings are stored as
+    floats; a nested dataclass of settings is checked as ``method.<field>.<its field>``."""
+    for f, allowed, kind, optional in declared_settings(type(obj)):
+        name, v = f"{prefix}{f.name}", getattr(obj, f.name)
+        if allowed.nested is not None:
+            if not isinstance(v, allowed.nested):
+                v = allowed.nested(**dict(v))
+                setattr(obj, f.name, v)
+            check_settings(v, f"{name}.")
+        elif allowed.holds_every_token:
+            check_holds_every_token(obj, allowed.holds_every_token)
+        elif not (optional and v is None):
+            problem = _problem(allowed, kind, optional, v)
+            if problem:
+                raise MethodConfigError(f"{name}={v!r} {problem}" + (f" ({allowed.note})" if allowed.note else ""))
+            if kind == "float":
+                setattr(obj, f.name, float(v))
+
+
+def _problem(a: Allowed, kind: str, optional: bool, v: Any) -> str:
+    """What is wrong with ``v`` ("must be ...", "is unknown; allowed: ..."), or "" when it is allowed."""
+    if kind == "bool":
+        return "" if isinstance(v, bool) else "must be true or false"
+    if kind == "str":
+        return "" if a.choices is None or v in a.choices else f"is unknown; allowed: {', '.join(a.choices)}"
+    number = isinstance(v, int) and not isinstance(v, bool) or (kind != "int" and isinstance(v, float))
+    if a.choices is not None:
+        *most, last = map(str, a.choices)
+        return "" if number and v in a.choices else f"must be {', '.join(most)} or {last}"
+    ok, bound = number, ""
+    if a.within is not None:
+        lo, hi = (float(x) for x in a.within[1:-1].split(","))
+        ok = number and (lo < v if a.within[0] == "(" else lo <= v) and (v < hi if a.within[-1] == ")" else v <= hi)
+        bound = f"in {a.within}"
+    elif a.above is not None:
+        ok, bound = number and v > a.above, f"> {_setting(a.above)}"
+    elif a.at_least is not None:
+        ok, bound = number and v >= a.at_least, f">= {_setting(a.at_least)}"
+    what = " ".join(x for x in ("an integer" if kind == "int" else "", bound) if x) or "a number"
+    return "" if ok else f"must be {'null or ' if optional else ''}{what}"
+
+
+_DECLARED: dict[type, list] = {}
+
+
+def declared_settings(cls: type) -> list:
+    """(field, Allowed, kind, optional) of every field of ``cls`` declared with ``setting``, here or (redeclared with
+    a plain default) in a base class; in field order."""
+    if cls not in _DECLARED:
+        out = []
+        for f in fields(cls):
+            declared = [d.metadata["allowed"] for c in cls.__mro__
+                        if (d := getattr(c, "__dataclass_fields__", {}).get(f.name)) and "allowed" in d.metadata]
+            if declared:
+                out.append((f, declared[0], *_kind(f.type)))
+        _DECLARED[cls] = out
+    return _DECLARED[cls]
+
+
+def _kind(annotation: Any) -> tuple[str, bool]:
+    """("int" | "float" | "bool" | "str" | "" for another, whether null is allowed) of a field's annotation (a string
+    under ``from __future__ import annotations``)."""
+    parts = [p.strip() for p in annotation.split("|")] if isinstance(annotation, str) else \
+        [getattr(t, "__name__", str(t)) for t in (get_args(annotation) or (annotation,))]
+    rest = [p for p in parts if p not in ("None", "NoneType")]
+    return (rest[0] if len(rest) == 1 else "", len(rest) < len(parts))
+
+
 @dataclass(frozen=True)
 class LayerInfo:
     """What a policy may know about its layer."""
@@ -481,6 +581,7 @@ class KVMethod:
         f = self.full_layers
         if isinstance(f, bool) or not isinstance(f, int) or f < 0:
             raise MethodConfigError(f"method.full_layers={f!r} must be an integer >= 0 (the first layers kept exact)")
+        check_settings(self)  # every field declared with ``setting``, in field order
 
     # -- budget --------------------------------------------------------------------------------------------
     def capacity(self, seen: int, reference_length: int = 0) -> int:
