@@ -8,8 +8,9 @@ import torch
 
 from luka_bench.methods.base import MethodConfigError
 from luka_bench.methods.attention import attention_with_extra, attention_with_mass
-from luka_bench.methods.entropy_ols import (EntropyOLS, bin_attention, fit_bias, fit_linear_map, fit_ols_entries,
-                                            fit_values, kmeans)
+from luka_bench.methods.entropy_ols import EntropyOLS
+from luka_bench.methods.entropy_ols_fit import bin_attention, fit_bias, fit_linear_map, fit_ols_entries, fit_values
+from luka_bench.methods.kmeans import euclidean_kmeans
 from luka_bench.methods.hf import attach
 
 
@@ -32,7 +33,7 @@ def test_rank_equal_bin_size_with_bin_keys_reproduces_the_bin_exactly():
     kb, vb, bb = rnd(3, m, d), rnd(3, m, d), torch.zeros(3, m)
     q_fit, q_new = rnd(3, mq, d), rnd(3, 20, d)
     s = d ** -0.5
-    keys, onehot = kmeans(kb, m, 5)
+    keys, onehot = euclidean_kmeans(kb, m, 5)
     assert torch.equal(keys, kb)
     logits, lz, out = bin_attention(q_fit, kb, vb, bb, s)
     bias = fit_bias(logits, onehot, q_fit, keys, s)

@@ -187,13 +187,14 @@ def test_attention_masses_and_entropies_are_fp32(lq, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_kmeans_ols_and_lsh_are_fp32(dtype):
-    from luka_bench.methods.entropy_ols import fit_ols_entries, kmeans
+    from luka_bench.methods.entropy_ols_fit import fit_ols_entries
+    from luka_bench.methods.kmeans import euclidean_kmeans
     from luka_bench.methods.laser_kv import simhash_codes
     from luka_bench.methods.lychee import node_stats, spherical_kmeans
 
     gen = torch.Generator().manual_seed(0)
     kb = torch.randn(1, 2, 3, 16, 32, generator=gen).to(dtype)  # [B, H, bins, m, D]
-    c, onehot = kmeans(kb, 4, 5)
+    c, onehot = euclidean_kmeans(kb, 4, 5)
     assert c.dtype == onehot.dtype == torch.float32
     q = torch.randn(1, 2, 1, 8, 32, generator=gen).to(dtype)
     vb = torch.randn(1, 2, 3, 16, 32, generator=gen).to(dtype)

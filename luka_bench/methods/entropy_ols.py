@@ -27,6 +27,9 @@ Attention is one softmax over both (``attention.attention_with_extra``). Every h
 
 Reference queries: the last ``n_ref`` queries this layer saw (all query heads of a KV group: g x n_ref rows per
 KV head), held in a buffer whose bytes count in REAL memory.
+
+The maths (the priority, the log partition mass, the fits: ``fit_ols_entries``, ``fit_linear_entries``) are in
+``entropy_ols_fit.py``, its Euclidean k-means in ``kmeans.py``; this file is the policy: when to flush, what is held.
 """
 from __future__ import annotations
 
@@ -38,101 +41,12 @@ import torch
 
 from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
 from luka_bench.methods.attention import attention_with_extra, kept_indices
+from luka_bench.methods.entropy_ols_fit import (fit_linear_entries, fit_ols_entries, log_partition, merged_stats,
+                                                priority)
 
 MASS, ENT = "ols_mass", "ols_entropy"
 MODES = ("ols", "linear", "drop")
 
-
-# ---------------------------------------------------------------------------------------------------------
-# The fit (pure torch; leading dims are batch dims: [B, Hkv, bins, ...])
-# ---------------------------------------------------------------------------------------------------------
-
-def bin_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, bb: torch.Tensor, scaling: float):
-    """The bin's own attention for queries q [..., m_q, D] over its entries (keys kb [..., m, D], values vb,
-    log-mass biases bb [..., m]; 0 for raw tokens): (logits [..., m_q, m], log partition mass [..., m_q],
-    normalised output [..., m_q, Dv])."""
-    logits = (q @ kb.transpose(-1, -2)).float() * scaling + bb.float().unsqueeze(-2)
-    lz = torch.logsumexp(logits, dim=-1)
-    out = torch.softmax(logits, dim=-1) @ vb.float()
-    return logits, lz, out
-
-
-def kmeans(x: torch.Tensor, r: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batched Lloyd k-means over the second-to-last axis: x [..., m, D] -> (centroids [..., r, D], one-hot
-    assignment [..., m, r]). Initialised at r evenly spaced members (deterministic); an emptied cluster keeps its
-    previous centroid. r >= m: every member is its own cluster (centroids = x)."""
-    m = x.shape[-2]
-    if r >= m:
-        eye = torch.eye(m, dtype=x.dtype, device=x.device).expand(*x.shape[:-2], m, m)
-        return x.clone(), eye.clone()
-    x = x.float()
-    init = (torch.arange(r, device=x.device) * m) // r
-    c = x[..., init, :].clone()
-    for _ in range(iters + 1):
-        a = torch.cdist(x, c).argmin(dim=-1)  # [..., m]
-        onehot = (a.unsqueeze(-1) == torch.arange(r, device=a.device)).to(x.dtype)  # [..., m, r]; one_hot syncs
-        cnt = onehot.sum(-2)  # [..., r]
-        new = (onehot.transpose(-1, -2) @ x) / cnt.clamp_min(1).unsqueeze(-1)
-        c = torch.where(cnt.unsqueeze(-1) > 0, new, c)
-    return c, onehot
-
-
-def fit_bias(logits: torch.Tensor, onehot: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
-             scaling: float) -> torch.Tensor:
-    """Per-entry log-mass bias: b_j = mean over the reference queries of (log Z_j(q) - q.k_j * scaling), with
-    Z_j(q) the exact partition mass of cluster j's members (logits [..., m_q, m], onehot [..., m, r]); the
-    least-squares fit of log Z_j(q) ~ q.k_j * scaling + b_j in b_j. Empty clusters get -1e4 (no mass)."""
-    member = torch.log(onehot.float()).unsqueeze(-3)  # [..., 1, m, r] (0 or -inf)
-    lzj = torch.logsumexp(logits.unsqueeze(-1) + member, dim=-2)  # [..., m_q, r]
-    own = (q @ keys.transpose(-1, -2)).float() * scaling  # [..., m_q, r]
-    empty = onehot.sum(-2) == 0
-    resid = torch.where(empty.unsqueeze(-2), torch.zeros_like(lzj), lzj - own)
-    return resid.mean(-2).masked_fill(empty, -1e4)
-
-
-def fit_values(p: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, ridge: float) -> torch.Tensor:
-    """argmin_V sum_q w_q^2 ||p_q V - t_q||^2 + lam ||V||^2 (p [..., m_q, r], target [..., m_q, Dv], weight
-    [..., m_q]), lam = ridge * trace(P_w^T P_w) / r: the normal equations, solved batched."""
-    pw = p.float() * weight.unsqueeze(-1)
-    tw = target.float() * weight.unsqueeze(-1)
-    gram = pw.transpose(-1, -2) @ pw
-    r = gram.shape[-1]
-    lam = ridge * gram.diagonal(dim1=-2, dim2=-1).sum(-1) / r
-    eye = torch.eye(r, dtype=gram.dtype, device=gram.device)
-    # solve_ex: no error check (linalg.solve's reads the device's info flag: a host sync per flush on CUDA); the
-    # ridge keeps the system positive definite
-    return torch.linalg.solve_ex(gram + lam[..., None, None] * eye + 1e-12 * eye, pw.transpose(-1, -2) @ tw).result
-
-
-def fit_ols_entries(q, kb, vb, bb, lz_all, scaling: float, rank: int, iters: int, ridge: float):
-    """Synthetic entries for bins: q [..., m_q, D] reference queries, bin keys/values/biases [..., m, *],
-    lz_all [..., m_q] the log partition mass of everything held for each reference query (weights each query by
-    the bin's share of its attention). Returns (keys [..., r, D], values [..., r, Dv], biases [..., r], one-hot
-    membership [..., m, r]). rank >= m: the bin itself (exact)."""
-    if rank >= kb.shape[-2]:
-        eye = torch.eye(kb.shape[-2], device=kb.device).expand(*kb.shape[:-1], kb.shape[-2])
-        return kb.clone(), vb.clone(), bb.clone().float(), eye.clone()
-    logits, lz, out = bin_attention(q, kb, vb, bb, scaling)
-    keys, onehot = kmeans(kb, rank, iters)
-    bias = fit_bias(logits, onehot, q.float(), keys, scaling)
-    p = torch.softmax((q.float() @ keys.transpose(-1, -2)) * scaling + bias.unsqueeze(-2), dim=-1)
-    share = torch.exp((lz - lz_all).clamp_max(0.0))
-    values = fit_values(p, out, share, ridge)
-    return keys.to(kb.dtype), values.to(vb.dtype), bias, onehot
-
-
-def fit_linear_map(q: torch.Tensor, target: torch.Tensor, rank: int):
-    """The post's literal OLS map W = pinv(Q_ref) Attn(Q_ref, K_bin, V_bin) [..., D, Dv], truncated to ``rank``
-    by SVD: returns (A = U_k S_k [..., D, k], B = V_k^T [..., k, Dv], singular values [..., min(D, Dv)]); the
-    bin's output for a query q is q A B."""
-    w = torch.linalg.pinv(q.float()) @ target.float()
-    u, s, vh = torch.linalg.svd(w, full_matrices=False)
-    return u[..., :rank] * s[..., None, :rank], vh[..., :rank, :], s
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The policy
-# ---------------------------------------------------------------------------------------------------------
 
 class EntropyOLSPolicy(LayerPolicy):
     # its compaction reads only this layer's store and the reference queries its attend kept: it runs inside the
@@ -311,21 +225,6 @@ class EntropyOLSPolicy(LayerPolicy):
         hkv = self.info.num_kv_heads
         return q.reshape(b, hkv, (hq // hkv) * m, d)
 
-    def _lz_all(self, store, q):
-        logits = (q @ store.keys.transpose(-1, -2)).float() * self.scaling
-        if self.S:
-            el = (q @ self.sk.transpose(-1, -2)).float() * self.scaling + self.sb.unsqueeze(-2)
-            logits = torch.cat([logits, el], dim=-1)
-        return torch.logsumexp(logits, dim=-1)
-
-    @staticmethod
-    def _priority(ent: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
-        """Percentile rank of entropy + percentile rank of low mass, over the last axis (higher = bin first)."""
-        n = ent.shape[-1]
-        re = ent.argsort(dim=-1, stable=True).argsort(dim=-1).float()
-        rm = (-mass).argsort(dim=-1, stable=True).argsort(dim=-1).float()
-        return (re + rm) / max(n - 1, 1)
-
     def per_bin(self) -> int:
         """Entries one flushed bin becomes: rank (ols), rank + 1 (linear: factor pairs + the mass centroid), 0."""
         m = self.method
@@ -366,7 +265,7 @@ class EntropyOLSPolicy(LayerPolicy):
         if nb <= 0:
             return False
         b, h = store.keys.shape[:2]
-        prio = self._priority(store.aux(ENT)[:, :, lo:hi], store.aux(MASS)[:, :, lo:hi])
+        prio = priority(store.aux(ENT)[:, :, lo:hi], store.aux(MASS)[:, :, lo:hi])
         order = torch.sort(prio, dim=-1, descending=True, stable=True).indices
         chosen = order[..., : nb * m.bin_size] + lo  # [B, H, nb*bin]
         keep_mask = torch.ones(b, h, store.n, dtype=torch.bool, device=store.device)
@@ -398,24 +297,17 @@ class EntropyOLSPolicy(LayerPolicy):
     def _add_from_bins(self, store, kb, vb, bb, mass, ent) -> None:
         m = self.method
         q = self._ref().unsqueeze(2)  # [B, H, 1, m_q, D]
-        lz_all = self._lz_all(store, self._ref()).unsqueeze(2)  # [B, H, 1, m_q]
+        lz_all = log_partition(self._ref(), store.keys, self.scaling, self.sk if self.S else None,
+                               self.sb).unsqueeze(2)  # [B, H, 1, m_q]
         b, h, nb = kb.shape[:3]
         if m.mode == "ols":
             keys, values, bias, onehot = fit_ols_entries(q, kb, vb, bb, lz_all, self.scaling, m.rank,
                                                          m.kmeans_iters, m.ridge)
-            r = keys.shape[3]
             la = lb = None
         else:  # linear: one centroid carrying the bin's log-mass + the rank-k map
-            logits, _, out = bin_attention(q, kb, vb, bb, self.scaling)
-            keys, onehot = kmeans(kb, 1, 0)
-            bias = fit_bias(logits, onehot, q.float(), keys, self.scaling)
-            values = torch.zeros(b, h, nb, 1, vb.shape[-1], dtype=vb.dtype, device=vb.device)
-            a_, b_, _ = fit_linear_map(q.expand(b, h, nb, *q.shape[3:]), out, m.rank)
-            la, lb = a_.unsqueeze(3), b_.unsqueeze(3)  # [B, H, nb, 1, D, k], [B, H, nb, 1, k, Dv]
-            r = 1
-        w = onehot / onehot.sum(-2, keepdim=True).clamp_min(1)  # membership weights [.., m, r]
-        smass = (mass.unsqueeze(-2) @ onehot).squeeze(-2)  # summed member mass
-        sent = (ent.unsqueeze(-2) @ w).squeeze(-2)  # mean member entropy
+            keys, values, bias, onehot, la, lb = fit_linear_entries(q, kb, vb, bb, self.scaling, m.rank)
+        r = keys.shape[3]
+        smass, sent = merged_stats(onehot, mass, ent)
         new = [keys.reshape(b, h, nb * r, -1).to(store.keys.dtype), values.reshape(b, h, nb * r, -1).to(store.values.dtype),
                bias.reshape(b, h, nb * r).float(), smass.reshape(b, h, nb * r).float(), sent.reshape(b, h, nb * r).float()]
         if la is not None:
@@ -458,7 +350,7 @@ class EntropyOLSPolicy(LayerPolicy):
             self._keep_synthetic(keep)
             self.stats["dropped_tokens"] += n_drop
             return True
-        prio = self._priority(self.sent, self.smass)
+        prio = priority(self.sent, self.smass)
         order = torch.sort(prio, dim=-1, descending=True, stable=True).indices
         chosen = order[..., : m.bin_size]
         keep_mask = torch.ones(b, h, S, dtype=torch.bool, device=self.sk.device)
@@ -479,7 +371,7 @@ class EntropyOLSPolicy(LayerPolicy):
         if excess <= 0:
             return
         b, h = store.keys.shape[:2]
-        prio = self._priority(store.aux(ENT)[:, :, lo:hi], store.aux(MASS)[:, :, lo:hi])
+        prio = priority(store.aux(ENT)[:, :, lo:hi], store.aux(MASS)[:, :, lo:hi])
         chosen = torch.sort(prio, dim=-1, descending=True, stable=True).indices[..., :excess] + lo
         keep_mask = torch.ones(b, h, store.n, dtype=torch.bool, device=store.device)
         keep_mask.scatter_(2, chosen, False)
