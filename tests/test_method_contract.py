@@ -84,7 +84,7 @@ def test_the_scorer_base_keeps_sinks_recent_and_the_best_scored_in_time_order(ti
         def protected(self, store, cap):
             return 3, 5
 
-        def score(self, store, start, stop):
+        def score(self, store, start, stop, obs):
             return (store.positions[:, :, start:stop] % 2).float()
 
     class Odd(KVMethod):
@@ -214,13 +214,13 @@ def test_describe_and_lm_evals_settings_come_from_one_place():
 class HeadKNormPolicy(ScorerPolicy):
     """KNorm's score with the capacities a test gives per KV head (``Heads.caps``: a function of cap and n)."""
 
-    def score(self, store, start, stop):
+    def score(self, store, start, stop, obs):
         return -store.keys[:, :, start:stop].float().norm(dim=-1)
 
     def protected(self, store, cap):
         return self.method.sinks, self.method.recent
 
-    def head_capacities(self, store, cap):
+    def head_capacities(self, store, cap, scores):
         return None if self.method.caps is None else self.method.caps(cap, store.n)
 
 

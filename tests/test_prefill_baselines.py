@@ -114,7 +114,7 @@ def _scores_before(cache):
     """Each layer's pooled SnapKV scores of its non-window tokens, from the uncompressed cache."""
     out = []
     for s in cache.stores:
-        p, m = s.policy, s.policy.method
+        p, m = s.policy.inner, s.policy.method  # AdaKV: the scores are its inner SnapKV policy's
         sc = window_scores(p.q_window, s.keys, p.scaling)[:, :, : s.n - m.window]
         out.append(pool_scores(sc, m.kernel, m.pooling)[0])
     return out
@@ -176,7 +176,7 @@ def _finch_reference(cache):
     over queries and over the group's heads."""
     out = []
     for s in cache.stores:
-        q, k = s.policy.q_question[0].double(), s.keys[0].double()  # [Hq, w, D], [Hkv, n, D]
+        q, k = s.policy.q_window[0].double(), s.keys[0].double()  # [Hq, w, D], [Hkv, n, D]: the question's
         hq, w, _ = q.shape
         n, g = k.shape[1], hq // k.shape[0]
         sc = torch.zeros(k.shape[0], n, dtype=torch.double)

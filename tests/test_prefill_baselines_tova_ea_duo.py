@@ -191,9 +191,9 @@ def test_expected_attention_scores_equal_the_formula_on_a_model(tiny_gqa3):
     got, pre, before = {}, {}, {}
 
     class Spy(ExpectedAttentionPolicy):
-        def score(self, store, start, stop):
+        def score(self, store, start, stop, obs):
             before[self.info.layer_idx] = (store.keys[0].clone(), store.values[0].clone())
-            got[self.info.layer_idx] = s = super().score(store, start, stop)
+            got[self.info.layer_idx] = s = super().score(store, start, stop, obs)
             return s
 
     class SpyEA(ExpectedAttention):

@@ -1,9 +1,10 @@
 """AdaKV (Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM
-Inference", 2024) on SnapKV's scores: a layer's budget is split across its KV heads by where the highest scores
-are, each head guaranteed a floor; each head then keeps its own top tokens plus the window. Method card:
-methods/adakv.md.
+Inference", 2024) on SnapKV's scores — or on any prefill scorer's (``scorer``: KNorm, ExpectedAttention, ..., as
+kvpress's ``AdaKVPress(press)`` wraps any press): a layer's budget is split across its KV heads by where the highest
+scores are, each head guaranteed a floor; each head then keeps its own top tokens plus the protected ones (SnapKV's
+window). Method card: methods/adakv.md.
 
-With ``B' = capacity - window`` scored tokens per head on average and ``H`` KV heads, the layer's ``H * B'`` best
+With ``B' = capacity - window`` scored tokens (``window``: the tokens the scorer protects, sinks and recent) per head on average and ``H`` KV heads, the layer's ``H * B'`` best
 scores over all its heads are counted per head (``n_h``), then
 
 - ``rule: paper`` (the authors' FFY0/AdaKV ``AdaptiveSnapKVCluster``): head h keeps ``round((1 - alpha) n_h +
@@ -22,7 +23,8 @@ from typing import ClassVar
 import torch
 
 from luka_bench.methods.base import LayerPolicy, MethodConfigError
-from luka_bench.methods.snapkv import SnapKV, SnapKVPolicy
+from luka_bench.methods.scorer import WrappedScorerPolicy
+from luka_bench.methods.snapkv import OverScores
 
 RULES = ("paper", "kvpress")
 
@@ -47,36 +49,24 @@ def head_counts(scores: torch.Tensor, room: int, alpha: float, rule: str, window
     return n.clamp_(0, m)
 
 
-class AdaKVPolicy(SnapKVPolicy):
-    def __init__(self, method, info):
-        super().__init__(method, info)
-        self._memo: tuple | None = None  # (start, stop, scores) while compressing: scored once for counts and picks
-
-    def score(self, store, start: int, stop: int) -> torch.Tensor:
-        if self._memo is None or self._memo[:2] != (start, stop):
-            self._memo = (start, stop, super().score(store, start, stop))
-        return self._memo[2]
-
-    def head_capacities(self, store, cap: int) -> torch.Tensor | None:
-        recent = self.protected(store, cap)[1]
-        room = cap - recent
+class AdaKVPolicy(WrappedScorerPolicy):
+    def head_capacities(self, store, cap: int, scores: torch.Tensor) -> torch.Tensor | None:
+        sinks, recent = self.protected(store, cap)
+        kept = min(sinks, cap) + min(recent, cap - min(sinks, cap))
+        room = cap - kept
         if room <= 0:
             return None
         m = self.method
-        return recent + head_counts(self.score(store, 0, store.n - recent), room, m.alpha, m.rule, recent)
-
-    def compress(self, store) -> bool:
-        try:
-            return super().compress(store)
-        finally:
-            self._memo = None
+        return kept + head_counts(scores, room, m.alpha, m.rule, kept)
 
 
 @dataclass
-class AdaKV(SnapKV):
+class AdaKV(OverScores):
     """SnapKV's scores (window, kernel, pooling as there; defaults the AdaKV authors' experiments: window 32,
     kernel 7, max pooling) with the layer's budget split across KV heads. alpha: each head's floor, a fraction of
-    the per-head budget (0.2: the authors' experiments; kvpress's AdaKVPress also 0.2); rule: paper | kvpress."""
+    the per-head budget (0.2: the authors' experiments; kvpress's AdaKVPress also 0.2); rule: paper | kvpress.
+    scorer: another prefill scorer whose scores are split instead of SnapKV's (None: SnapKV with window, kernel,
+    pooling and question_aware above, which are then the only ones read)."""
 
     window: int = 32
     kernel: int = 7
@@ -93,3 +83,4 @@ class AdaKV(SnapKV):
             raise MethodConfigError(f"method.alpha={self.alpha!r} must be a number in [0, 1] (paper: 0.2; 1 = SnapKV)")
         if self.rule not in RULES:
             raise MethodConfigError(f"method.rule={self.rule!r} is unknown; allowed: {', '.join(RULES)}")
+

@@ -26,7 +26,6 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.attention import exact_attention
 from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
 from luka_bench.methods.scorer import ScorerPolicy
 
@@ -126,15 +125,13 @@ class ExpectedAttentionPolicy(ScorerPolicy):
         super().__init__(method, info)
         self.moments = QueryMoments(method.use_covariance)
 
-    def attend(self, store, query, scaling):
-        if store.cache.phase == "prefill" and self.method.budget < 1.0:
-            lq, seen = query.shape[2], store.seen
-            first = max(0, self.method.n_sink - (seen - lq))  # the chunk's queries at positions >= n_sink
-            if first < lq:
-                pos = torch.arange(seen - lq + first, seen, device=query.device)
-                cos, sin, scale = store.rope_cos_sin(pos.view(1, -1), scaled=True)  # the layer's own RoPE
-                self.moments.add(unrotate(query[:, :, first:].float(), cos, sin, scale))
-        return exact_attention(store, query, scaling)
+    def observe(self, store, query) -> None:
+        lq, seen = query.shape[2], store.seen
+        first = max(0, self.method.n_sink - (seen - lq))  # the chunk's queries at positions >= n_sink
+        if first < lq:
+            pos = torch.arange(seen - lq + first, seen, device=query.device)
+            cos, sin, scale = store.rope_cos_sin(pos.view(1, -1), scaled=True)  # the layer's own RoPE
+            self.moments.add(unrotate(query[:, :, first:].float(), cos, sin, scale))
 
     def protected(self, store, cap: int) -> tuple[int, int]:
         return self.method.n_sink, 0
@@ -150,7 +147,7 @@ class ExpectedAttentionPolicy(ScorerPolicy):
         cov = self.moments.cov()
         return mu, None if cov is None else r @ cov @ r.T
 
-    def score(self, store, start: int, stop: int) -> torch.Tensor:
+    def score(self, store, start: int, stop: int, obs) -> torch.Tensor:
         mu, cov = self.statistics(store)
         return expected_scores(mu, cov, store.keys[:, :, start:stop], store.values[:, :, start:stop],
                                self.method.use_vnorm, self.method.epsilon)
@@ -158,7 +155,7 @@ class ExpectedAttentionPolicy(ScorerPolicy):
     def after_prefill(self, store) -> None:
         try:
             if self.moments.count:
-                self.compress(store)
+                self.compress(store, self.take_observation())
         finally:
             self.moments = QueryMoments(self.method.use_covariance)  # freed: not needed after the compression
 

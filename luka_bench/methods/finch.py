@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.attention import exact_attention, group_logits, top_indices
+from luka_bench.methods.attention import group_logits, top_indices
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError
 from luka_bench.methods.scorer import ScorerPolicy
 
@@ -43,28 +43,23 @@ def finch_scores(q: torch.Tensor, keys: torch.Tensor, scaling: float, normalize:
 
 
 class FinchPolicy(ScorerPolicy):
-    def __init__(self, method, info):
-        super().__init__(method, info)
-        self.q_question: torch.Tensor | None = None
+    """The question's queries (the prompt's last ``question_span``) are the base's observation window; the selection
+    per run of ``chunk`` tokens is FINCH's own (``after_prefill``)."""
 
-    def attend(self, store, query, scaling):
-        if store.cache.phase == "prefill" and self.method.budget < 1.0:  # budget 1.0: nothing to select
-            span = store.cache.question_span
-            if span <= 0:
-                raise MethodConfigError(NEEDS_QUESTION)
-            q = query if self.q_question is None else torch.cat([self.q_question, query], dim=2)
-            self.q_question = q[:, :, -span:].detach().clone()  # a copy: a slice keeps the chunk's queries alive
-            self.scaling = scaling
-        return exact_attention(store, query, scaling)
+    def observation_window(self, store) -> int:
+        span = store.cache.question_span
+        if span <= 0:
+            raise MethodConfigError(NEEDS_QUESTION)
+        return span
 
     def after_prefill(self, store) -> None:
-        q, self.q_question = self.q_question, None
+        q, scaling = self.take_observation()[:2]
         if q is None:
             return
         m, n, span = self.method, store.n, q.shape[2]
         if m.budget >= 1.0:
             return
-        scores = finch_scores(q, store.keys, self.scaling, m.normalize)
+        scores = finch_scores(q, store.keys, scaling, m.normalize)
         scores[:, :, n - span:] = float("inf")  # the question stays (kvpress: the window's score is above all)
         size = m.chunk if m.chunk else n
         parts = []

@@ -122,7 +122,7 @@ class H2OPolicy(ScorerPolicy):
     def protected(self, store, cap: int) -> tuple[int, int]:
         return 0, self.split(super().capacity(store))[1]
 
-    def score(self, store, start: int, stop: int) -> torch.Tensor:
+    def score(self, store, start: int, stop: int, obs) -> torch.Tensor:
         return store.aux(MASS)[:, :, start:stop]
 
     def after_prefill(self, store) -> None:

@@ -13,7 +13,7 @@ from luka_bench.methods.scorer import ScorerPolicy
 
 
 class KNormPolicy(ScorerPolicy):
-    def score(self, store, start, stop):
+    def score(self, store, start, stop, obs):
         return -store.keys[:, :, start:stop].float().norm(dim=-1)  # [B, Hkv, stop - start]: low norm scores high
 
 

@@ -1,6 +1,6 @@
 """PyramidKV (Cai et al., "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling", 2024):
-SnapKV's scores with per-layer capacities that fall linearly from the first layer to the last. Method card:
-methods/pyramidkv.md.
+SnapKV's scores — or any prefill scorer's (``scorer``) — with per-layer capacities that fall linearly from the
+first layer to the last. Method card: methods/pyramidkv.md.
 
 ``budget_rule: paper`` (the authors' KVCache-Factory ``PyramidKVCluster``, integer arithmetic): with ``B`` the
 uniform capacity of a layer (``ceil(budget * context)``, window included) and ``w`` the window, layer ``l`` of ``L``
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from luka_bench.methods.base import LayerPolicy, MethodConfigError
-from luka_bench.methods.snapkv import SnapKV, SnapKVPolicy
+from luka_bench.methods.scorer import WrappedScorerPolicy
+from luka_bench.methods.snapkv import OverScores
 
 RULES = ("paper", "kvpress")
 
@@ -48,19 +49,22 @@ def layer_capacity(rule: str, n: int, cap: int, budget: float, window: int, beta
     return round(hi - layer * step)
 
 
-class PyramidKVPolicy(SnapKVPolicy):
+class PyramidKVPolicy(WrappedScorerPolicy):
     def capacity(self, store) -> int:
         m, cap = self.method, super().capacity(store)
         if m.budget >= 1.0:
             return cap
-        return layer_capacity(m.budget_rule, store.n, cap, m.budget, m.window, m.beta, self.info.layer_idx,
+        # the window: SnapKV's setting (as the references), else what the scorer protects at the uniform capacity
+        window = m.window if m.scorer is None else sum(self.protected(store, cap))
+        return layer_capacity(m.budget_rule, store.n, cap, m.budget, window, m.beta, self.info.layer_idx,
                               self.info.num_layers)
 
 
 @dataclass
-class PyramidKV(SnapKV):
+class PyramidKV(OverScores):
     """SnapKV (window, kernel, pooling as there) with pyramidal per-layer capacities. beta: the pyramid's
-    steepness (the first layer's scored tokens / the last's ~ 2 beta - 1); budget_rule: paper | kvpress."""
+    steepness (the first layer's scored tokens / the last's ~ 2 beta - 1); budget_rule: paper | kvpress. scorer:
+    another prefill scorer whose scores the layers keep instead of SnapKV's (None: SnapKV with the settings above)."""
 
     beta: float = 20
     budget_rule: str = "paper"
@@ -74,3 +78,4 @@ class PyramidKV(SnapKV):
             raise MethodConfigError(f"method.beta={self.beta!r} must be a number >= 1 (paper: 20; 1 = SnapKV)")
         if self.budget_rule not in RULES:
             raise MethodConfigError(f"method.budget_rule={self.budget_rule!r} is unknown; allowed: {', '.join(RULES)}")
+

@@ -28,9 +28,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from luka_bench.methods.attention import exact_attention, group_logits
+from luka_bench.methods.attention import group_logits
 from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
-from luka_bench.methods.scorer import ScorerPolicy
+from luka_bench.methods.scorer import ScorerPolicy, ScorerWrapper
 
 
 POOLINGS = ("avg", "max", "avg_inrange")
@@ -74,44 +74,18 @@ class SnapKVPolicy(ScorerPolicy):
     """On the scorer base: the last ``window`` context tokens protected, the rest scored by the pooled attention of
     the observation queries (the window's, or the question's)."""
 
-    def __init__(self, method, info):
-        super().__init__(method, info)
-        self.q_window: torch.Tensor | None = None
-        self.q_question: torch.Tensor | None = None
-        # (observation queries, causal, recent tokens protected) during compress
-        self._observe: tuple[torch.Tensor, bool, int] | None = None
+    def observation_window(self, store) -> int:
+        return self.method.window
 
-    def attend(self, store, query, scaling):
-        if store.cache.phase == "scratch" and self.method.question_aware:
-            self.q_question = query.detach()  # the question's queries (question-aware observation window)
-        elif store.cache.phase == "prefill":
-            # keep the last `window` prompt queries (post-RoPE), across prefill chunks
-            w = self.method.window
-            q = query if self.q_window is None else torch.cat([self.q_window, query], dim=2)
-            # a copy: a slice would keep the whole chunk's queries alive (every layer's, until the compression)
-            self.q_window = q[:, :, -w:].detach().clone()
-            self.scaling = scaling
-        return exact_attention(store, query, scaling)
+    def observes_question(self) -> bool:
+        return self.method.question_aware
 
     def protected(self, store, cap: int) -> tuple[int, int]:
-        return 0, self._observe[2]  # the context's last w tokens
+        return 0, min(self.method.window, cap)  # the context's last w tokens (the window kept is still the context's)
 
-    def score(self, store, start: int, stop: int) -> torch.Tensor:
-        q, causal, _ = self._observe
-        scores = window_scores(q, store.keys, self.scaling, causal=causal)[:, :, start:stop]
+    def score(self, store, start: int, stop: int, obs) -> torch.Tensor:
+        scores = window_scores(obs.queries, store.keys, obs.scaling, causal=obs.causal)[:, :, start:stop]
         return pool_scores(scores, self.method.kernel, self.method.pooling)
-
-    def after_prefill(self, store) -> None:
-        q, self.q_window = self.q_window, None  # free them: not needed after compression
-        qq, self.q_question = self.q_question, None
-        if q is None:
-            return
-        # observation queries: the question's when there is one; the window kept is still the context's last w
-        self._observe = (q if qq is None else qq, qq is None, min(q.shape[2], self.capacity(store)))
-        try:
-            self.compress(store)
-        finally:
-            self._observe = None
 
 
 @dataclass
@@ -150,3 +124,23 @@ class SnapKV(KVMethod):
         if self._asks_the_question(cache):
             cache.scratch_forward(cache.question_ids)  # policies keep the question's queries (attend)
         super().after_prefill_cache(cache)
+
+
+@dataclass
+class OverScores(ScorerWrapper, SnapKV):
+    """The base of a budget allocation over a scorer (AdaKV, PyramidKV): SnapKV's scores with the settings above, as
+    the references run them, or ``scorer``'s (a prefill scorer method, run at this method's budget; then window,
+    kernel, pooling and question_aware are not read)."""
+
+    scorer: KVMethod | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.scorer is not None:
+            self._inner_at_budget(self.scorer)  # refuses a method that is not a prefill scorer
+
+    def inner(self) -> KVMethod:
+        if self.scorer is not None:
+            return self._inner_at_budget(self.scorer)
+        return SnapKV(budget=self.budget, window=self.window, kernel=self.kernel, pooling=self.pooling,
+                      question_aware=self.question_aware)

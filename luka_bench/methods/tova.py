@@ -63,13 +63,12 @@ class TOVAPolicy(ScorerPolicy):
         return store.n > self.capacity(store)
 
     def attend(self, store, query, scaling):
-        phase = store.cache.phase
+        """The prefill's last query is the base's observation (``observation_window``); a later forward of several
+        tokens (``decode: true``) keeps its own last query, which scores that forward's eviction (``after_step``)."""
         self.scaling = scaling
-        if phase == "scratch" or self.method.budget >= 1.0:
-            return exact_attention(store, query, scaling)
-        if phase == "prefill" or self.method.decode:  # a forward of several tokens: its last query scores later
+        if store.cache.phase == "decode" and self.method.decode and self.method.budget < 1.0:
             self._q_last = query[:, :, -1:].detach().clone()  # a copy: a slice keeps the whole chunk alive
-        return exact_attention(store, query, scaling)
+        return super().attend(store, query, scaling)
 
     def step(self, store, query, scaling, step):
         self.scaling = scaling
@@ -87,16 +86,12 @@ class TOVAPolicy(ScorerPolicy):
     def protected(self, store, cap: int) -> tuple[int, int]:
         return 0, 1 if self.method.protect_last else 0
 
-    def score(self, store, start: int, stop: int) -> torch.Tensor:
-        s = last_query_scores(self._q_last, store.keys, self.scaling)[:, start:stop]
-        return s[:, None].expand(-1, store.keys.shape[1], -1)  # one set for every KV head
+    def observation_window(self, store) -> int:
+        return 1  # the prompt's last query
 
-    def after_prefill(self, store) -> None:
-        try:
-            if self._q_last is not None:
-                self.compress(store)
-        finally:
-            self._q_last = None
+    def score(self, store, start: int, stop: int, obs) -> torch.Tensor:
+        s = last_query_scores(obs.queries, store.keys, obs.scaling)[:, start:stop]
+        return s[:, None].expand(-1, store.keys.shape[1], -1)  # one set for every KV head
 
     # -- later forwards (decode: true) ---------------------------------------------------------------------------------
     def after_step(self, store) -> None:
