@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from luka_bench.methods.attention import add_retrieval_spans, sdpa, timed_exact
-from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
+from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.kmeans import node_stats, spherical_kmeans
 
 
@@ -202,11 +202,11 @@ class ClusterKV(KVMethod):
     fewer on a prompt with fewer non-sink tokens); iterations: Lloyd steps (fit_iter 20); full_layers: first layers
     with full attention (2). Every token generated after the prompt is read too. ``budget`` must be 1.0."""
 
-    budget: float = 1.0
-    token_budget: int = 1024
-    sink: int = 16
-    clusters: int = 400
-    iterations: int = 20
+    budget: float = setting(1.0, holds_every_token="the prompt tokens read per step are method.token_budget")
+    token_budget: int = setting(1024, at_least=1)
+    sink: int = setting(16, at_least=0)
+    clusters: int = setting(400, at_least=1)
+    iterations: int = setting(20, at_least=0)
     full_layers: int = 2
 
     name: ClassVar[str] = "clusterkv"
@@ -214,8 +214,6 @@ class ClusterKV(KVMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_holds_every_token(self, "the prompt tokens read per step are method.token_budget")
-        check_ints(self, token_budget=1, sink=0, clusters=1, iterations=0)
         if self.sink >= self.token_budget:
             raise MethodConfigError(
                 f"method.sink={self.sink} is not below method.token_budget={self.token_budget}; allowed: sink < "

@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 
 from luka_bench.methods.attention import attention_with_mass, top_indices
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import KVMethod, LayerPolicy, setting
 from luka_bench.methods.scorer import ScorerPolicy
 
 MASS = "h2o_mass"
@@ -141,22 +141,10 @@ class H2O(KVMethod):
     comes on top: the LuKA paper's lined setting)."""
 
     budget: float = 0.125
-    recent_fraction: float = 0.5
-    min_recent: int = 0
-    decay: float | None = None
-    recent_budget: str = "inside"
+    recent_fraction: float = setting(0.5, within="[0, 1]")
+    min_recent: int = setting(0, at_least=0)
+    decay: float | None = setting(None, within="(0, 1]")
+    recent_budget: str = setting("inside", choices=RECENT_BUDGETS)
 
     name: ClassVar[str] = "h2o"
     policy_class: ClassVar[type[LayerPolicy]] = H2OPolicy
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not (0.0 <= float(self.recent_fraction) <= 1.0):
-            raise MethodConfigError(f"method.recent_fraction={self.recent_fraction!r} must be in [0, 1]")
-        if not isinstance(self.min_recent, int) or self.min_recent < 0:
-            raise MethodConfigError(f"method.min_recent={self.min_recent!r} must be an integer >= 0")
-        if self.decay is not None and not (0.0 < float(self.decay) <= 1.0):
-            raise MethodConfigError(f"method.decay={self.decay!r} must be null or in (0, 1]")
-        if self.recent_budget not in RECENT_BUDGETS:
-            raise MethodConfigError(f"method.recent_budget={self.recent_budget!r} is unknown; allowed: "
-                                    f"{', '.join(RECENT_BUDGETS)}")

@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.attention import exact_attention, group_logits, sdpa
 
 
@@ -139,10 +139,10 @@ class OracleTopK(KVMethod):
     attention; sinks and recent window included); sink: first tokens always read; recent: newest tokens always
     read; full_layers: first layers with full attention. ``budget`` must be 1.0: every raw token is held."""
 
-    budget: float = 1.0
-    token_budget: int = 1024
-    sink: int = 0
-    recent: int = 0
+    budget: float = setting(1.0, holds_every_token="the tokens read per step are method.token_budget")
+    token_budget: int = setting(1024, at_least=1)
+    sink: int = setting(0, at_least=0)
+    recent: int = setting(0, at_least=0)
     full_layers: int = 0
 
     name: ClassVar[str] = "oracle_topk"
@@ -150,8 +150,6 @@ class OracleTopK(KVMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_holds_every_token(self, "the tokens read per step are method.token_budget")
-        check_ints(self, token_budget=1, sink=0, recent=0)
         if self.sink + self.recent > self.token_budget:
             raise MethodConfigError(
                 f"method.sink + method.recent = {self.sink + self.recent} exceeds method.token_budget="

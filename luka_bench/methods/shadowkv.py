@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from luka_bench.methods.attention import add_retrieval_spans, sdpa, timed_exact
-from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 
 
 def rotate_half(x: torch.Tensor, rot: int) -> torch.Tensor:
@@ -240,12 +240,13 @@ class ShadowKV(KVMethod):
     dim); local_chunks: last prompt chunks kept exact; outliers: chunks per KV head kept exact for their landmark's
     poor fit; full_layers: first layers with full attention (reference: none). ``budget`` must be 1.0."""
 
-    budget: float = 1.0
-    token_budget: int = 2048
-    chunk: int = 8
-    rank: int = 160
-    local_chunks: int = 4
-    outliers: int = 48
+    budget: float = setting(1.0, holds_every_token="what is rationed is the tokens rebuilt per step, "
+                                                   "method.token_budget")
+    token_budget: int = setting(2048, at_least=1)
+    chunk: int = setting(8, at_least=1)
+    rank: int = setting(160, at_least=1)
+    local_chunks: int = setting(4, at_least=0)
+    outliers: int = setting(48, at_least=0)
     full_layers: int = 0
 
     name: ClassVar[str] = "shadowkv"
@@ -253,8 +254,6 @@ class ShadowKV(KVMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_holds_every_token(self, "what is rationed is the tokens rebuilt per step, method.token_budget")
-        check_ints(self, token_budget=1, chunk=1, rank=1, local_chunks=0, outliers=0)
         if self.token_budget % self.chunk:
             raise MethodConfigError(
                 f"method.token_budget={self.token_budget} is not a multiple of method.chunk={self.chunk} (allowed: "

@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.scorer import ScorerPolicy
 
 POSITIONS = ("original", "cache")
@@ -87,18 +87,11 @@ class StreamingLLM(KVMethod):
     """sink: number of initial tokens always kept (paper: 4); positions: original (keys keep the positions they
     were seen at) | cache (positions inside the cache, the paper's and its official code's rule)."""
 
-    sink: int = 4
-    positions: str = "original"
+    sink: int = setting(4, at_least=0, note="paper: 4")
+    positions: str = setting("original", choices=POSITIONS)
 
     name: ClassVar[str] = "streaming_llm"
     policy_class: ClassVar[type[LayerPolicy]] = StreamingPolicy
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.sink, int) or self.sink < 0:
-            raise MethodConfigError(f"method.sink={self.sink!r} must be an integer >= 0 (paper: 4)")
-        if self.positions not in POSITIONS:
-            raise MethodConfigError(f"method.positions={self.positions!r} is unknown; allowed: {', '.join(POSITIONS)}")
 
     def check_layer(self, info: LayerInfo) -> None:
         if self.positions == "cache" and info.sliding_window is not None:
