@@ -27,10 +27,11 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.streaming_llm import StreamingPolicy
 
 PATTERN_FILE = "full_attention_heads.tsv"
+KVPRESS_WINDOW = "kvpress: sink 128, recent 256"  # what a streaming head keeps
 
 
 def load_pattern(path: str | Path) -> torch.Tensor:
@@ -116,9 +117,10 @@ class DuoAttention(KVMethod):
     budget: float = 1.0
     pattern_path: str | None = None
     pattern_seed: int | None = None
-    head_compression_ratio: float = 0.5
-    sink: int = 128
-    recent: int = 256
+    head_compression_ratio: float = setting(0.5, within="[0, 1]",
+                                            note="the share of KV heads made streaming; README sparsity 0.5")
+    sink: int = setting(128, at_least=0, note=KVPRESS_WINDOW)
+    recent: int = setting(256, at_least=0, note=KVPRESS_WINDOW)
 
     name: ClassVar[str] = "duo_attention"
     policy_class: ClassVar[type[LayerPolicy]] = DuoPolicy
@@ -130,15 +132,6 @@ class DuoAttention(KVMethod):
             raise MethodConfigError(f"method.budget={self.budget!r}: duo_attention keeps no fraction of tokens (allowed: "
                                     "1.0); its memory is set by method.head_compression_ratio, method.sink and "
                                     "method.recent")
-        r = self.head_compression_ratio
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
-            raise MethodConfigError(f"method.head_compression_ratio={r!r} must be in [0, 1] (the share of KV heads "
-                                    "made streaming; README sparsity 0.5)")
-        self.head_compression_ratio = float(r)
-        for name in ("sink", "recent"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise MethodConfigError(f"method.{name}={v!r} must be an integer >= 0 (kvpress: sink 128, recent 256)")
         if (self.pattern_path is None) == (self.pattern_seed is None):
             got = "both are set" if self.pattern_path is not None else "neither is set"
             raise MethodConfigError(f"method.pattern_path / method.pattern_seed: give exactly one ({got}); "

@@ -35,7 +35,7 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.attention import exact_attention, group_logits, top_indices
 
 STATE = "laser_kv"
@@ -147,12 +147,12 @@ class LaserKV(KVMethod):
     the block's local window; seed: the random hyperplanes."""
 
     budget: float = 0.25
-    block_size: int = 4096
-    divisor: int = 4
-    alpha: float = 0.75
-    lsh_bits: int = 8
-    lsh_tables: int = 100
-    question_aware: bool = True
+    block_size: int = setting(4096, at_least=1)
+    divisor: int = setting(4, at_least=3, note="anchors + window take 2B/n, n = 2 leaves nothing")
+    alpha: float = setting(0.75, within="[0, 1]", note="1: exact only, 0: LSH only")
+    lsh_bits: int = setting(8, at_least=1)
+    lsh_tables: int = setting(100, at_least=1)
+    question_aware: bool = setting(True)
     seed: int = 0
 
     name: ClassVar[str] = "laser_kv"
@@ -160,18 +160,8 @@ class LaserKV(KVMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key, lo in (("block_size", 1), ("divisor", 3), ("lsh_bits", 1), ("lsh_tables", 1)):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise MethodConfigError(f"method.{key}={v!r} must be an integer >= {lo}"
-                                        + (" (anchors + window take 2B/n, n = 2 leaves nothing)" if key == "divisor" else ""))
         if self.lsh_bits > 16:
             raise MethodConfigError(f"method.lsh_bits={self.lsh_bits} must be <= 16 (codes are histogrammed)")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1:
-            raise MethodConfigError(f"method.alpha={self.alpha!r} must be in [0, 1] (1: exact only, 0: LSH only)")
-        if not isinstance(self.question_aware, bool):
-            raise MethodConfigError(f"method.question_aware={self.question_aware!r} must be true or false")
-        self.alpha = float(self.alpha)
 
 
     def prefill_chunk(self) -> int:

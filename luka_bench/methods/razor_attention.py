@@ -44,9 +44,10 @@ import torch
 import torch.nn.functional as F
 
 from luka_bench.methods.attention import chunk_mask, exact_attention, group_apply, group_logits, sdpa
-from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_ints
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 
 BIAS = "razor_bias"
+HEAD_SHARE = "the share of KV heads made retrieval heads; port: induction 0.14, echo 0.01"
 
 
 # ------------------------------------------------------------------------------------------------ head scores
@@ -235,15 +236,15 @@ class RazorAttention(KVMethod):
     scores' disk cache (null: none). ``budget`` must be 1.0: the memory is set by the head shares and the window."""
 
     budget: float = 1.0
-    induction: float = 0.14
-    echo: float = 0.01
-    sink: int = 4
-    local: int = 256
+    induction: float = setting(0.14, within="[0, 1]", note=HEAD_SHARE)
+    echo: float = setting(0.01, within="[0, 1]", note=HEAD_SHARE)
+    sink: int = setting(4, at_least=0)
+    local: int = setting(256, at_least=0)
     compression_ratio: float = 5.0
-    compensation: bool = True
-    score_length: int = 256
-    score_repeats: int = 2
-    score_seed: int = 0
+    compensation: bool = setting(True)
+    score_length: int = setting(256, at_least=2)
+    score_repeats: int = setting(2, at_least=2)
+    score_seed: int = setting(0, at_least=0)
     heads_file: str | None = None
     heads_cache: str | None = "~/.cache/luka_bench/razor_heads"
     full_layers: int = 0
@@ -257,20 +258,11 @@ class RazorAttention(KVMethod):
             raise MethodConfigError(f"method.budget={self.budget!r}: razor_attention keeps no fraction of tokens "
                                     "(allowed: 1.0); its memory is set by method.induction, method.echo, method.sink, "
                                     "method.local and method.compression_ratio")
-        for key in ("induction", "echo"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
-                raise MethodConfigError(f"method.{key}={v!r} must be in [0, 1] (the share of KV heads made retrieval "
-                                        "heads; port: induction 0.14, echo 0.01)")
-            setattr(self, key, float(v))
-        check_ints(self, sink=0, local=0, score_length=2, score_repeats=2, score_seed=0)
         c = self.compression_ratio
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not (c == 0 or c >= 1):
             raise MethodConfigError(f"method.compression_ratio={c!r} must be 0 (window = method.local only) or >= 1 "
                                     "(the window is max(local, N / compression_ratio))")
         self.compression_ratio = float(c)
-        if not isinstance(self.compensation, bool):
-            raise MethodConfigError(f"method.compensation={self.compensation!r} must be true or false")
         self._given = read_heads_file(self.heads_file) if self.heads_file is not None else None
         self._heads: dict[int, set[tuple[int, int]]] = {}  # id(model) -> retrieval heads
 
