@@ -40,8 +40,8 @@ def test_decode_positions_are_written_when_read_and_read_back_exactly(tiny_llama
             model(ids[:, t: t + 1], past_key_values=c)
         s = c.stores[0]
         # the prefill's positions and ten steps': not written yet — full attention holds no positions storage
-        assert s._pos_run == (0, 0, 50) and s._pos_due is None and s._pos is None
-        assert torch.equal(s.positions[0, 0], torch.arange(50)) and s._pos_run is None
+        assert s._positions.run == (0, 0, 50) and s._positions.due is None and s._positions.table is None
+        assert torch.equal(s.positions[0, 0], torch.arange(50)) and s._positions.run is None
         # a run restarted after the read, a scratch forward in the middle of it (its tokens dropped), a clone
         model(ids[:, 50:51], past_key_values=c)
         c.scratch_forward([5, 6, 7], start=80)
@@ -170,12 +170,12 @@ def test_positions_kept_as_one_description_for_every_head_read_back_as_if_writte
             b, h = s.keys.shape[:2]
             assert s.n < n
             if name == "snapkv":  # per head: one int32 [B, Hkv, n] tensor, half an int64 table's bytes
-                assert s._pos is None and s._pos_shared.dtype == torch.int32
-                assert s._pos_shared.shape == (b, h, s.n)
+                assert s._positions.table is None and s._positions.shared.dtype == torch.int32
+                assert s._positions.shared.shape == (b, h, s.n)
                 assert s.allocated_bytes() == s._k.nbytes + s._v.nbytes + b * h * s.n * 4
                 continue
-            assert s._pos is None, "a head-independent keep wrote a per-head positions table"
-            assert isinstance(s._pos_shared, tuple)  # runs: no tensor at all
+            assert s._positions.table is None, "a head-independent keep wrote a per-head positions table"
+            assert isinstance(s._positions.shared, tuple)  # runs: no tensor at all
             assert s.allocated_bytes() == s._k.nbytes + s._v.nbytes
             sink = 4
             want = torch.cat([torch.arange(sink), torch.arange(n - (s.n - sink), n)])
@@ -195,27 +195,28 @@ def test_a_keep_from_shared_positions_and_a_chunk_after_it_read_back_exactly(tin
         s = c.stores[0]
         idx = torch.tensor([0, 1, 2, 10, 11, 30, 39])
         s.keep(idx)
-        assert s._pos is None and torch.equal(s._pos_shared, idx)
+        assert s._positions.table is None and torch.equal(s._positions.shared, idx)
         want = idx
         s.keep_ends(2, 3)  # not from the untouched state: written first, then kept
         want = torch.cat([want[:2], want[-3:]])
-        assert s._pos is not None and s._pos_shared is None
+        assert s._positions.table is not None and s._positions.shared is None
         assert torch.equal(s.positions[0, 0], want)
         s2 = c.stores[1]
         s2.keep_ends(4, 6)
-        assert s2._pos is None and s2._pos_shared == ((0, 0, 4), (4, 34, 10))
+        assert s2._positions.table is None and s2._positions.shared == ((0, 0, 4), (4, 34, 10))
         s3 = c.stores[2]  # per KV head, other tokens in each head: one int32 [B, Hkv, m] tensor
         h = s3.keys.shape[1]
         per_head = torch.stack([torch.arange(head, 40, 8)[:5] for head in range(h)]).unsqueeze(0)
         s3.keep(per_head)
-        assert s3._pos is None and s3._pos_shared.dtype == torch.int32 and torch.equal(s3._pos_shared, per_head)
+        assert s3._positions.table is None and s3._positions.shared.dtype == torch.int32 and \
+            torch.equal(s3._positions.shared, per_head)
         twin = c.clone()
         for cache in (c, twin):
             model(ids[:, 40:60], past_key_values=cache)  # a chunk after the keep: a new run, nothing written
             model(ids[:, 60:61], past_key_values=cache)
         t2, t3 = twin.stores[1], twin.stores[2]
-        assert t2._pos is None and t2._pos_shared == ((0, 0, 4), (4, 34, 10))
-        assert t3._pos is None and torch.equal(t3._pos_shared, per_head)
+        assert t2._positions.table is None and t2._positions.shared == ((0, 0, 4), (4, 34, 10))
+        assert t3._positions.table is None and torch.equal(t3._positions.shared, per_head)
         for store in (c.stores[1], t2):
             assert torch.equal(store.positions[0, 0], torch.cat([torch.arange(4), torch.arange(34, 61)]))
         for store in (s3, t3):

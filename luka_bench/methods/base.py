@@ -97,7 +97,8 @@ Conventions (all methods):
 Where the parts live (imports run one way, from the bottom up; no module imports one above it, not even for
 types): ``attention.py`` (the numerics: SDPA, masks, attention with masses, kernel dispatch) <- this module (the
 interface: ``LayerInfo``, ``LayerPolicy``, ``KVMethod``, the errors, and the ``Store`` / ``PromptCache`` protocols
-that name what a policy may use of the store and the cache above it) <- ``store.py`` (``KVStore``) <- ``policies.py``
+that name what a policy may use of the store and the cache above it) <- ``positions.py`` (``LazyPositions``: a store's
+positions, written lazily) <- ``store.py`` (``KVStore``) <- ``policies.py``
 (the stock policies: sliding windows, exact layers; which policy runs on a layer) <- ``cache.py`` (``MethodCache``:
 a prompt's stores, lifecycle, state, token ids, clone) <- the method files <- ``hf.py`` (the transformers glue).
 This module depends on torch only.

@@ -5,12 +5,12 @@ tokens with. ``luka_bench.methods.hf`` makes it a transformers cache layer (``Ca
 from __future__ import annotations
 
 import inspect
-import itertools
 import weakref
 
 import torch
 
 from .base import LayerPolicy, MethodConfigError, PromptCache
+from .positions import LazyPositions, write_position
 
 
 UNHELD = "unheld"  # per-token state of head-wise budgets: True on a slot its head does not hold (``keep_heads``)
@@ -18,19 +18,6 @@ UNHELD = "unheld"  # per-token state of head-wise budgets: True on a slot its he
 
 def _stackable(k: torch.Tensor, v: torch.Tensor) -> bool:
     return k.shape == v.shape and k.dtype == v.dtype and k.device == v.device
-
-
-def _write_position(dst: torch.Tensor, due: tuple[torch.Tensor, int], cache: "PromptCache",
-                    slot: torch.Tensor | None = None) -> None:
-    """Write a decode step's position ``due`` = (the cache's position counter, the value it held) into ``dst``
-    [B, Hkv] (or, with ``slot``, into ``dst`` [B, Hkv, m] at that one-element index)."""
-    counter, seen = due
-    if not cache.position_holds(counter, seen):
-        counter = torch.full((), seen, dtype=torch.long, device=dst.device)
-    if slot is None:
-        dst.copy_(counter)
-    else:
-        dst.index_copy_(2, slot, counter.expand(*dst.shape[:2], 1))
 
 
 def _rows(t: torch.Tensor, flat: torch.Tensor, m: int) -> torch.Tensor:
@@ -62,26 +49,9 @@ class KVStore:
         # keys and values in one tensor [2, B, Hkv, cap, D] (``_k``/``_v`` are its halves) where their shapes and
         # dtypes agree: a token moved inside the cache is then one copy, not two (``move_last_into``)
         self._kv: torch.Tensor | None = None
-        # a decode step's position, not yet written to its slot (the last): (the cache's position counter, the
-        # value it holds). Written when something reads positions or at the end of the layer's forward
-        # (``settle_positions``), unless an eviction moving the token writes it straight into its new slot
-        self._pos_due: tuple[torch.Tensor, int] | None = None
-        # decode steps' positions not yet written, as one run: (first slot, its position, end slot): the slots
-        # first..end-1 hold position + (slot - first). Consecutive decode steps of a store that moves no token
-        # extend it at no cost; it is written (one arange) when something reads or moves positions
-        self._pos_run: tuple[int, int, int] | None = None
-        # the positions' storage [B, Hkv, cap] (int64), allocated when a position must be written: while no token
-        # moved, every held token's position is its slot's (one run from slot 0, plus a pending decode step's), so
-        # a store that never drops or moves a token (full attention) holds none (``_materialize_positions``)
-        self._pos: torch.Tensor | None = None
-        # while ``_pos`` is None after a keep from the untouched state: the positions of slots 0..k-1 as a
-        # description instead of a [B, Hkv, cap] int64 storage, so that a prefill compressing each layer holds no
-        # such table while the next layers run — for a keep that dropped the same tokens from every head
-        # (StreamingLLM's sinks and window, a head-independent keep) the same for every batch row and head: runs
-        # ((first slot, its position, end slot), ...) or one tensor [k]; for a per-head keep (SnapKV) one int32
-        # tensor [B, Hkv, k] (half the table's bytes; positions stay below 2**31). The pending run (``_pos_run``)
-        # then starts at slot k. Written into the storage when it is made
-        self._pos_shared: tuple[tuple[int, int, int], ...] | torch.Tensor | None = None
+        # the logical position of every held token, written lazily (``positions.LazyPositions``: no table while no
+        # token moved; a decode step's and a run's positions pending until read)
+        self._positions = LazyPositions()
         self._row_base: tuple | None = None  # row_offsets(), keyed by storage shape
         self._aux: dict[str, torch.Tensor] = {}  # per-token method state [B, Hkv, cap], kept aligned with keys
         self._aux_unzeroed: set[str] = set()  # aux the policy writes for new tokens itself (``aux(zero_new=False)``)
@@ -138,72 +108,22 @@ class KVStore:
     @property
     def positions(self) -> torch.Tensor:
         """Logical position of each held token, [B, Hkv, n] (int64)."""
-        self.settle_positions()
-        return self._pos[:, :, : self.n]
+        return self._positions.read(self.n, self._k, self.cache)
 
     def positions_before(self, stop: int) -> torch.Tensor:
         """Positions of the held tokens in slots ``:stop`` (``stop < n``), without writing a decode step's pending
         position (the last slot's): for an eviction that moves that token and writes its position where it lands."""
-        assert stop < self.n or self._pos_due is None
-        self._settle_run()
-        return self._pos[:, :, :stop]
-
-    def _materialize_positions(self) -> None:
-        """Allocate the positions' storage (the capacity's width) if it is not there: its pending run and decode
-        step are written by the caller (``_settle_run`` / ``settle_positions``)."""
-        if self._pos is None and self._k is not None:
-            b, h, cap = self._k.shape[:3]
-            self._pos = torch.empty(b, h, cap, dtype=torch.long, device=self._k.device)
-            shared, self._pos_shared = self._pos_shared, None
-            if isinstance(shared, torch.Tensor):  # [k] or [B, Hkv, k]
-                self._pos[:, :, : shared.shape[-1]] = shared
-            elif shared:
-                for first, pos, end in shared:
-                    self._pos[:, :, first:end] = torch.arange(pos, pos + end - first, device=self._pos.device)
-
-    def _shared_end(self) -> int:
-        """The slots whose positions the shared description holds (``_pos_shared``): 0..this-1."""
-        shared = self._pos_shared
-        if shared is None:
-            return 0
-        return shared.shape[-1] if isinstance(shared, torch.Tensor) else max(end for _, _, end in shared)
+        return self._positions.before(stop, self.n, self._k)
 
     def settle_positions(self) -> None:
-        """Write every pending position: the run of earlier decode steps' (one arange) and this decode step's
-        (the last slot's), from the cache's position counter while it still holds the step's position (one
-        copy, no Python number); after the counter moved on (a caller that never ran the layer's attention
-        through ``run_policy``), from the number."""
-        self._settle_run()
-        due, self._pos_due = self._pos_due, None
-        if due is not None:
-            _write_position(self._pos[:, :, self.n - 1], due, self.cache)
-
-    def _settle_run(self) -> None:
-        self._materialize_positions()  # whoever reads or moves positions settles first: the storage is there after
-        run, self._pos_run = self._pos_run, None
-        if run is not None:
-            first, pos, end = run
-            end = min(end, self.n - (self._pos_due is not None))  # a scratch forward's tokens were dropped
-            if end > first:
-                self._pos[:, :, first:end] = torch.arange(pos, pos + end - first, device=self._pos.device)
+        """Write every pending position (``LazyPositions.settle``)."""
+        self._positions.settle(self.n, self._k, self.cache)
 
     def end_forward(self) -> None:
-        """The layer's forward is over: a decode step's pending position (its token still in the last slot) joins
-        the run of unwritten positions when it continues it — no kernel — and is written otherwise (before the
-        next step moves the cache's position counter)."""
-        due = self._pos_due
-        if due is None:
-            return
-        if self.policy.moves_tokens_every_step:  # it reads or moves positions anyway: written now, one copy
-            self.settle_positions()
-            return
-        slot, seen = self.n - 1, due[1]
-        run = self._pos_run
-        if run is None or (run[2] == slot and run[1] + slot - run[0] == seen):
-            self._pos_due = None
-            self._pos_run = (slot, seen, slot + 1) if run is None else (run[0], run[1], slot + 1)
-        else:
-            self.settle_positions()
+        """The layer's forward is over: a decode step's pending position joins the run of unwritten positions when it
+        continues it — no kernel — and is written otherwise (``LazyPositions.end_forward``)."""
+        if self._positions.due is not None:
+            self._positions.end_forward(self.n, self.policy.moves_tokens_every_step, self._k, self.cache)
 
     def aux(self, name: str, dtype: torch.dtype = torch.float32, zero_new: bool = True,
             whole: bool = False) -> torch.Tensor:
@@ -242,7 +162,7 @@ class KVStore:
         k, v = (kv[0], kv[1]) if kv is not None else (like_k.new_zeros(b, h, cap, dk), like_v.new_zeros(b, h, cap, dv))
         # positions only where some were written (otherwise the pending run and decode step stay valid: no slot moves)
         pos = None
-        if self._pos is not None:
+        if self._positions.table is not None:
             pos = torch.empty(b, h, cap, dtype=torch.long, device=like_k.device)
             self.settle_positions()
         if self._k is not None and self.n:
@@ -254,7 +174,8 @@ class KVStore:
             new = torch.zeros(b, h, cap, dtype=a.dtype, device=a.device)
             new[:, :, : self.n] = a[:, :, : self.n]
             self._aux[name] = new
-        self._k, self._v, self._pos, self._kv = k, v, pos, kv
+        self._k, self._v, self._kv = k, v, kv
+        self._positions.table = pos
         self._aux_zero_from = self.n
 
     def _set_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -288,16 +209,8 @@ class KVStore:
             self.static_slot = self.static_kv = None
             self._k[:, :, self.n : need] = key_states
             self._v[:, :, self.n : need] = value_states
-        if L == 1:  # a decode step: its position is the cache's counter (no Python number), written when needed
-            self._pos_due = (self.cache.position_tensor(self.seen, key_states.device), self.seen)
-        else:  # a run of positions, written when something reads or moves them (none: one pending run)
-            run = self._pos_run
-            if run is not None and run[2] == self.n and run[1] + self.n - run[0] == self.seen:
-                self._pos_run = (run[0], run[1], need)
-            else:
-                if self._pos is not None or self.n > self._shared_end():  # slots whose positions are unwritten
-                    self._settle_run()
-                self._pos_run = (self.n, self.seen, need)
+        # a decode step's position is the cache's counter (no Python number); a run's is written when read or moved
+        self._positions.append(self.n, L, self.seen, self._k, self.cache)
         if self.n < self._aux_zero_from:  # slots a removal left stale
             for name, a in self._aux.items():
                 if name not in self._aux_unzeroed:
@@ -347,27 +260,8 @@ class KVStore:
         is reallocated (memory actually freed) when the kept part is under half of it. ``runs``: a 1-D ``index``
         described as runs of consecutive tokens ((start, stop), ...) in its order (``keep_ends``): the positions
         are then kept as runs, no tensor."""
-        b, h = self._k.shape[:2]
-        run = self._pos_run
-        shared = None
-        if (self._pos is None and self._pos_due is None and self._pos_shared is None and run is not None
-                and run[0] == 0 and run[2] == self.n):
-            # every position is its slot's plus the run's first: the kept ones from the index (no positions storage
-            # written for the tokens dropped), kept as a description (``_pos_shared``) until something reads them
-            self._pos_run = None
-            if index.dim() == 1 and runs is not None:
-                slots = list(itertools.accumulate((stop - start for start, stop in runs), initial=0))
-                shared = tuple((a, run[1] + start, z) for (start, _), a, z in zip(runs, slots, slots[1:]) if z > a)
-                pos = None
-            elif index.dim() == 1:
-                shared = pos = index.long() + run[1]
-            elif run[2] + run[1] <= torch.iinfo(torch.int32).max:
-                shared = pos = index.to(torch.int32, copy=True).add_(run[1])
-            else:
-                pos = index.long() + run[1]
-        else:
-            self.settle_positions()
-            pos = None
+        # the kept positions from the index alone where no position was written yet (``LazyPositions.plan_keep``)
+        pos, shared = self._positions.plan_keep(index, runs, self.n, self._k, self.cache)
         if index.dim() == 1:
             m = index.numel()
             k, v = self.keys.index_select(2, index), self.values.index_select(2, index)
@@ -379,22 +273,22 @@ class KVStore:
             flat = self._flat(index)
             k, v = _rows(self._k, flat, m), _rows(self._v, flat, m)
             if pos is None:
-                pos = _rows(self._pos, flat, m)
+                pos = _rows(self._positions.table, flat, m)
             aux = {name: _rows(a, flat, m) for name, a in self._aux.items()}
         if m < self._k.shape[2] // 2:
             self._set_kv(k, v)
-            self._pos = pos.contiguous() if shared is None else None
+            self._positions.table = pos.contiguous() if shared is None else None
             self._aux = {name: a.contiguous() for name, a in aux.items()}
             self._aux_zero_from = m  # the new storage holds exactly the kept tokens
         else:
             self._k[:, :, :m] = k
             self._v[:, :, :m] = v
             if shared is None:
-                self._materialize_positions()
-                self._pos[:, :, :m] = pos
+                self._positions.materialize(self._k)
+                self._positions.table[:, :, :m] = pos
             for name, a in aux.items():
                 self._aux[name][:, :, :m] = a
-        self._pos_shared = shared
+        self._positions.shared = shared
         self.n = m
         self._recount_unheld()
 
@@ -413,18 +307,19 @@ class KVStore:
         fixed-size writes, no shift, no host sync. Slots are not in time order afterwards; positions (and keys:
         cached after RoPE) move with their tokens, so attention is unchanged, and a policy that needs time order
         reads ``positions``."""
-        self._settle_run()
+        P = self._positions
+        P.settle_run(self.n, self._k)
         n = self.n
         bi, hi = self.head_index()
         index = (bi, hi, slot)
-        due, self._pos_due = self._pos_due, None
+        due, P.due = P.due, None
         sources = sources or {}
         named = {id(a): name for name, a in self._aux.items()}
         for t, ax in self._token_tensors():
             rows = t.movedim(0, 3) if ax == 3 else t  # stacked K/V [2, B, H, cap, D] -> [B, H, cap, 2, D]
             # written through a view that ends before the source slot (the source is not overwritten)
             window = rows.narrow(2, 0, n - 1)
-            if t is self._pos and due is not None:  # a decode step's token: its position goes straight there
+            if t is P.table and due is not None:  # a decode step's token: its position goes straight there
                 counter, seen = due
                 if not self.cache.position_holds(counter, seen):
                     counter = torch.full((), seen, dtype=torch.long, device=t.device)
@@ -450,7 +345,7 @@ class KVStore:
         """The storage that moves with the held tokens, each tensor with its token axis: keys and values (one
         stacked tensor where they are: one copy for both), positions (settled by the caller first), each aux."""
         kv = [(self._kv, 3)] if self._kv is not None else [(self._k, 2), (self._v, 2)]
-        return [*kv, (self._pos, 2), *((a, 2) for a in self._aux.values())]
+        return [*kv, (self._positions.table, 2), *((a, 2) for a in self._aux.values())]
 
     def move_last_into(self, slot: torch.Tensor, start: int = 0, may_be_last: bool = False) -> None:
         """Drop the held token at slot ``start + slot`` (``slot``: a one-element int64 device tensor, all heads
@@ -463,15 +358,16 @@ class KVStore:
         ``may_be_last``: ``slot`` may also be the last slot itself (the newest token is the one dropped, TOVA's
         decode step): the newest token is copied first (one copy more per storage tensor), so that it can be
         written onto itself; ``n`` shrinking then drops it."""
-        self._settle_run()
+        P = self._positions
+        P.settle_run(self.n, self._k)
         n = self.n
-        due, self._pos_due = self._pos_due, None
+        due, P.due = P.due, None
         for t, ax in self._token_tensors():
             # written through a view that ends before the source slot: an in-place copy whose source overlaps
             # its destination is refused (with ``may_be_last`` the view reaches it and the source is a copy)
             window = t.narrow(ax, start, n - start if may_be_last else n - 1 - start)
-            if t is self._pos and due is not None:  # a decode step's token: its position goes straight there
-                _write_position(window, due, self.cache, slot)
+            if t is P.table and due is not None:  # a decode step's token: its position goes straight there
+                write_position(window, due, self.cache, slot)
             else:
                 src = t.narrow(ax, n - 1, 1)
                 window.index_copy_(ax, slot, src.clone() if may_be_last else src)
@@ -575,8 +471,7 @@ class KVStore:
     def allocated_bytes(self) -> int:
         if self._k is None:
             return 0
-        pos = self._pos.nbytes if self._pos is not None else 0
-        pos += self._pos_shared.nbytes if isinstance(self._pos_shared, torch.Tensor) else 0
+        pos = self._positions.nbytes()
         return self._k.nbytes + self._v.nbytes + pos + sum(a.nbytes for a in self._aux.values())
 
     def full_bytes(self) -> int:
@@ -657,7 +552,8 @@ class KVStore:
 
     def reset(self) -> None:
         self._unheld = 0
-        self._k = self._v = self._pos = self._kv = self._pos_due = self._pos_run = self._pos_shared = None
+        self._k = self._v = self._kv = None
+        self._positions.reset()
         self._aux = {}
         self._aux_unzeroed = set()
         self._aux_zero_from = 0
