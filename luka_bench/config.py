@@ -101,9 +101,13 @@ def _value(v: Any) -> str:
 def group_overrides(group: str, name: str, settings: dict[str, Any]) -> list[str]:
     """``[group=name, group.key=value, ...]``, checked as the command line checks them: an unknown name or key is
     one line naming it and the allowed ones (``MethodConfigError`` / ``RunConfigError``)."""
-    from luka_bench.errors import check_group_keys, check_group_overrides
+    from luka_bench.errors import _settings_of, check_group_keys, check_group_overrides, group_options
 
-    args = [f"{group}={name}"] + [f"{group}.{k}={_value(v)}" for k, v in settings.items()]
+    # a setting of the class that its config file leaves at the default (``rounding``) is added, as the command
+    # line's ``+method.rounding=kvpress`` adds it
+    keys, fields = _settings_of(group, name) if name in group_options(group) else ([], [])
+    args = [f"{group}={name}"] + [f"{'+' if k in fields and k not in keys else ''}{group}.{k}={_value(v)}"
+                                  for k, v in settings.items()]
     msg = check_group_overrides(args[:1]) or check_group_keys(args)
     if msg:
         if group == "method":

@@ -173,7 +173,8 @@ def capture(lm, prompt: Prompt, cache_dir: str | Path | None = None, model_cfg: 
             d = torch.load(path, weights_only=False)
             if d.get("ids") is not None:  # captures stored before token ids were kept are redone
                 d["infos"] = [LayerInfo(**i) for i in d["infos"]]
-                return Capture(**d)
+                # stored in float16 for an fp32 model: back in the model's dtype, as a fresh capture is after saving
+                return Capture(**d).to(lm.model.dtype, lm.model.device)
     model = lm.model
     with attach(model, _Record()) as att:
         cache = att.new_cache()

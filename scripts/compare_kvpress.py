@@ -38,17 +38,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAIRS = ("knorm", "snapkv", "pyramidkv", "adakv", "finch", "finch_chunked", "tova", "expected_attention")
+# kvpress's count of kept tokens (``+method.rounding=kvpress``: max(1, int(n * (1 - ratio))), where ours is
+# ceil(budget * n)) for the presses that count so; PyramidKV and FINCH have rules of their own
+KV = "+method.rounding=kvpress"
 OURS = {
-    "knorm": ["method=knorm"],
-    "snapkv": ["method=snapkv", "method.window=64", "method.kernel=5", "method.pooling=avg"],
+    "knorm": ["method=knorm", KV],
+    "snapkv": ["method=snapkv", "method.window=64", "method.kernel=5", "method.pooling=avg", KV],
     "pyramidkv": ["method=pyramidkv", "method.window=64", "method.kernel=5", "method.pooling=avg", "method.beta=20",
                   "method.budget_rule=kvpress"],
     "adakv": ["method=adakv", "method.window=64", "method.kernel=5", "method.pooling=avg", "method.alpha=0.2",
-              "method.rule=kvpress"],
+              "method.rule=kvpress", KV],
     "finch": ["method=finch", "method.rerotate=false"],
     "finch_chunked": ["method=finch", "method.rerotate=false", "method.chunk=512"],
-    "tova": ["method=tova", "method.decode=false", "method.protect_last=true"],
-    "expected_attention": ["method=expected_attention"],
+    "tova": ["method=tova", "method.decode=false", "method.protect_last=true", KV],
+    "expected_attention": ["method=expected_attention", KV],
 }
 
 

@@ -106,6 +106,17 @@ def test_capture_cache_round_trip(lm, tmp_path):
     assert a.lengths == b.lengths == [[3, 1, 1]]
 
 
+def test_a_cached_capture_is_in_the_models_dtype_as_a_fresh_one(lm, tmp_path):
+    """A capture read back from ``probe.cache_dir`` (stored in float16 for an fp32 model) is in the model's dtype, as a
+    fresh one is: the bytes read per step and the masses are the same from the first run and from the cache."""
+    pr = _prompt(n_ctx=40, steps=2, seed=3)
+    a = P.capture(lm, pr, tmp_path, {"name": "tiny"})
+    b = P.capture(lm, pr, tmp_path, {"name": "tiny"})
+    dtype = lm.model.dtype
+    assert {x.dtype for x in a.q + a.k + a.v} == {x.dtype for x in b.q + b.k + b.v} == {dtype}
+    assert all(torch.equal(x, y) for x, y in zip(a.v, b.v))
+
+
 # the probe replays captured queries, keys and values without the model: a method that needs the model itself (its
 # rotary embedding: expected_attention's un-rotation; razor_attention's head scores) or the question inside the
 # prompt (finch) is refused with one line

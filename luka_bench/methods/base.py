@@ -318,6 +318,9 @@ class Store(CoreStore, MovingStore, HeadBudgetStore, FixedShapeStore, AccountedS
     protocol here names is not part of the contract (``tests/test_protocols.py`` reads every method file)."""
 
 
+ROUNDINGS = ("ceil", "kvpress")  # ``KVMethod.rounding``: how budget * tokens becomes a count
+
+
 class MethodConfigError(OneLineError, ValueError):
     """A method setting is out of range. The message is one line naming the value and what is allowed."""
 
@@ -556,6 +559,10 @@ class KVMethod:
     # the first ``full_layers`` layers keep every token and attend exactly (LycheeCluster's full first layers, the
     # dense first layers of Quest and ClusterKV): one setting every method has (``policies.layer_policy`` obeys it)
     full_layers: int = 0
+    # how ``budget * tokens`` becomes a count (``capacity``): "ceil" (ours: budget 1/8 of 1,268 tokens holds 159) or
+    # "kvpress" (kvpress's presses: max(1, int(n * (1 - compression_ratio))), 158) — for comparisons with kvpress's
+    # pipeline; shown in ``describe`` only where it is not the default (``settings``)
+    rounding: str = field(default="ceil", repr=False)
     # True for a method that needs the question inside the compressed prompt (FINCH: the question is its observation
     # window): the runner refuses it unless ``query_aware=true`` on a QA dataset, lm-eval refuses it
     question_in_prompt: ClassVar[bool] = False
@@ -582,14 +589,21 @@ class KVMethod:
         f = self.full_layers
         if isinstance(f, bool) or not isinstance(f, int) or f < 0:
             raise MethodConfigError(f"method.full_layers={f!r} must be an integer >= 0 (the first layers kept exact)")
+        if self.rounding not in ROUNDINGS:
+            raise MethodConfigError(f"method.rounding={self.rounding!r} is unknown; allowed: {', '.join(ROUNDINGS)} "
+                                    "(ceil: ours; kvpress: its presses' int(n * (1 - compression_ratio)))")
         check_settings(self)  # every field declared with ``setting``, in field order
 
     # -- budget --------------------------------------------------------------------------------------------
     def capacity(self, seen: int, reference_length: int = 0) -> int:
-        """Tokens a layer may hold after ``seen`` tokens: ceil(budget * max(seen, reference_length))."""
+        """Tokens a layer may hold after ``seen`` tokens: ceil(budget * max(seen, reference_length)); with
+        ``rounding: kvpress``, kvpress's count for ``compression_ratio = 1 - budget``: max(1, int(n * (1 - ratio)))."""
+        n = max(seen, reference_length)
         if self.budget >= 1.0:
-            return max(seen, reference_length)
-        return math.ceil(self.budget * max(seen, reference_length) - 1e-9)
+            return n
+        if self.rounding == "kvpress":
+            return max(1, int(n * (1 - (1 - self.budget))))
+        return math.ceil(self.budget * n - 1e-9)
 
     # -- the text (see module docstring) ------------------------------------------------------------------------
     tokenizer = None  # set by ``bind`` (class default: none bound)
@@ -634,8 +648,9 @@ class KVMethod:
                 store.policy.after_prefill(store)
 
     def settings(self) -> dict[str, Any]:
-        """Every setting by name, from the method's fields (those it shows: ``repr``), in field order."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+        """Every setting by name, from the method's fields (those it shows: ``repr``, and a hidden one where it is not
+        its default: ``rounding``), in field order."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.repr or getattr(self, f.name) != f.default}
 
     def describe(self) -> str:
         """The method and every setting (``settings``; one rule for every method: the run's report, lm-eval's

@@ -199,7 +199,7 @@ class ScorerWrapper(KVMethod):
         raise NotImplementedError
 
     def _inner_at_budget(self, scorer: KVMethod) -> KVMethod:
-        inner = replace(scorer, budget=self.budget, full_layers=0)
+        inner = replace(scorer, budget=self.budget, full_layers=0, rounding=self.rounding)
         if not issubclass(inner.policy_class, ScorerPolicy):
             raise MethodConfigError(f"method.scorer={scorer.name} is not a prefill scorer; allowed: a method on the "
                                     "scorer base (knorm, snapkv, expected_attention, tova, h2o, streaming_llm)")

@@ -143,4 +143,4 @@ class OverScores(ScorerWrapper, SnapKV):
         if self.scorer is not None:
             return self._inner_at_budget(self.scorer)
         return SnapKV(budget=self.budget, window=self.window, kernel=self.kernel, pooling=self.pooling,
-                      question_aware=self.question_aware)
+                      question_aware=self.question_aware, rounding=self.rounding)

@@ -108,16 +108,21 @@ class KVStore:
     @property
     def positions(self) -> torch.Tensor:
         """Logical position of each held token, [B, Hkv, n] (int64)."""
-        return self._positions.read(self.n, self._k, self.cache)
+        return self._positions.read(self.n, self._k, self._due_cache())
 
     def positions_before(self, stop: int) -> torch.Tensor:
         """Positions of the held tokens in slots ``:stop`` (``stop < n``), without writing a decode step's pending
         position (the last slot's): for an eviction that moves that token and writes its position where it lands."""
         return self._positions.before(stop, self.n, self._k)
 
+    def _due_cache(self) -> "PromptCache | None":
+        """The cache, where a decode step's position is pending (its counter is the cache's): only then is it read, so
+        that a store whose cache was dropped still gives its positions (``cache`` raises)."""
+        return self.cache if self._positions.due is not None else None
+
     def settle_positions(self) -> None:
         """Write every pending position (``LazyPositions.settle``)."""
-        self._positions.settle(self.n, self._k, self.cache)
+        self._positions.settle(self.n, self._k, self._due_cache())
 
     def end_forward(self) -> None:
         """The layer's forward is over: a decode step's pending position joins the run of unwritten positions when it
@@ -261,7 +266,7 @@ class KVStore:
         described as runs of consecutive tokens ((start, stop), ...) in its order (``keep_ends``): the positions
         are then kept as runs, no tensor."""
         # the kept positions from the index alone where no position was written yet (``LazyPositions.plan_keep``)
-        pos, shared = self._positions.plan_keep(index, runs, self.n, self._k, self.cache)
+        pos, shared = self._positions.plan_keep(index, runs, self.n, self._k, self._due_cache())
         if index.dim() == 1:
             m = index.numel()
             k, v = self.keys.index_select(2, index), self.values.index_select(2, index)
