@@ -1,8 +1,9 @@
 """quest: the page bound bounds every q.k of its page; the decode step equals a slow per-query-head loop reference
-(bounds from the page min/max, the newest token's page forced in, exact attention over the pages read) on a tiny
-model at every step and layer; a budget covering every page is full attention; page_size 1 is oracle_topk by
-logit; dense first layers; per-query-head selection; the fixed-shape step equals the step at Python slots;
-one-line errors for bad settings."""
+(bounds from the page min/max, exact attention over the pages read; by the kernel rule the newest token's page
+forced in, by the evaluation rule the top pages of all, the partial last one competing) on a tiny model at every
+step and layer; each rule's invariant over a decode; a budget covering every page is full attention under both
+rules; page_size 1 is oracle_topk by logit; dense first layers; per-query-head selection; the fixed-shape step
+equals the step at Python slots and makes no host sync; one-line errors for bad settings."""
 from __future__ import annotations
 
 import pytest
@@ -19,10 +20,11 @@ from luka_bench.methods.policies import StaticExactPolicy
 from luka_bench.methods.quest import Quest, QuestPolicy, page_bound, quest_pages
 
 
-def slow_reference(q, K, V, scaling, ps, budget):
+def slow_reference(q, K, V, scaling, ps, budget, select="kernel"):
     """One decode query q [1, Hq, 1, D] over K/V [1, Hkv, n, D], in plain loops per query head: the pages' key
-    min/max, the bound sum_d max(q_d M_d, q_d m_d) of every page but the last, the top K - 1 of them + the last
-    page, softmax over their tokens. Returns (out [1, Hq, 1, D], read mask per KV head = union [1, Hkv, n])."""
+    min/max (the last page's over the tokens it holds), the bound sum_d max(q_d M_d, q_d m_d) of each page; by the
+    kernel rule the top K - 1 pages but the last + the last page, by the evaluation rule the top K of all pages;
+    softmax over their tokens. Returns (out [1, Hq, 1, D], read mask per KV head = union [1, Hkv, n])."""
     _, hq, _, d = q.shape
     hkv, n = K.shape[1], K.shape[2]
     g = hq // hkv
@@ -36,12 +38,15 @@ def slow_reference(q, K, V, scaling, ps, budget):
             idx = list(range(n))
         else:
             bounds = []
-            for p in range(n_pages - 1):
+            for p in range(n_pages):
                 page = K[0, kv, p * ps: (p + 1) * ps]
                 hi, lo = page.max(0).values, page.min(0).values
                 bounds.append(float(sum(max(float(q[0, h, 0, c] * hi[c]), float(q[0, h, 0, c] * lo[c]))
                                         for c in range(d))))
-            chosen = sorted(range(n_pages - 1), key=lambda p: -bounds[p])[: k - 1] + [n_pages - 1]
+            if select == "kernel":
+                chosen = sorted(range(n_pages - 1), key=lambda p: -bounds[p])[: k - 1] + [n_pages - 1]
+            else:
+                chosen = sorted(range(n_pages), key=lambda p: -bounds[p])[:k]
             idx = sorted(t for p in chosen for t in range(p * ps, min(n, (p + 1) * ps)))
         read[0, kv, idx] = True
         w = torch.softmax((q[0, h, 0] @ K[0, kv, idx].T).double() * scaling, -1)
@@ -97,16 +102,18 @@ def test_page_count_is_the_references():
 
 # ------------------------------------------------------------------------------------------------ on a model
 
-@pytest.mark.parametrize("ps,budget", [(16, 64), (4, 20), (5, 12)])
-def test_every_step_and_layer_equals_the_slow_reference(tiny_gqa3, ps, budget):
+@pytest.mark.parametrize("select,ps,budget", [("kernel", 16, 64), ("kernel", 4, 20), ("kernel", 5, 12),
+                                               ("evaluation", 16, 64)])
+def test_every_step_and_layer_equals_the_slow_reference(tiny_gqa3, select, ps, budget):
     """GQA 3:1, pages read per query head: output and read set (the union per KV head) of every sparse layer at
-    every decode step equal the loop reference; the runner's attended count is that union's count."""
+    every decode step equal the loop reference; the runner's attended count is that union's count. (5, 12): fewer
+    than 3 pages of budget, 3 read."""
     checked = []
 
     def observer(store, query, out, scaling):
         pol = store.policy
         if isinstance(pol, QuestPolicy):
-            ref, read = slow_reference(query, store.keys, store.values, scaling, ps, budget)
+            ref, read = slow_reference(query, store.keys, store.values, scaling, ps, budget, select)
             torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
             got = pol.attended(store)
             assert torch.equal(got if got is not None else torch.ones_like(read), read)
@@ -115,15 +122,57 @@ def test_every_step_and_layer_equals_the_slow_reference(tiny_gqa3, ps, budget):
             assert count == pytest.approx(float(read.sum()) / read.shape[1])
             checked.append(pol.pid is not None)
 
-    decode(tiny_gqa3.model, Quest(token_budget=budget, page_size=ps, full_layers=1), ids_of(140), 100, observer)
+    decode(tiny_gqa3.model, Quest(token_budget=budget, page_size=ps, full_layers=1, select=select), ids_of(140), 100,
+           observer)
     assert sum(checked) > 40 and len(checked) == 2 * 40  # 2 sparse layers x 40 steps, the sparse path taken
 
 
-def test_a_budget_covering_every_page_is_full_attention(tiny_gqa3):
+@pytest.mark.parametrize("select", ["kernel", "evaluation"])
+def test_each_rule_reads_the_pages_it_names(tiny_gqa3, select):
+    """The selection rules as invariants over a decode (GQA 3:1, pages of 8, prompt 100: 13 to 18 pages; budget 16,
+    2 pages' worth), at every sparse step and query head: K = min(max(3, token_budget // page_size), pages) = 3
+    distinct pages are read (the floor of 3);
+    kernel: the last page (the newest token's) is one of them, the others the top K - 1 closed pages by bound;
+    evaluation: they are the top K of all pages by bound, the partial last page's bound over the tokens it holds
+    (here: the page padded with copies of the newest key, which leaves its min/max as they are) — and the last page
+    is left out at some steps, read at others."""
+    ps, budget = 8, 16
+    last_read = []
+
+    def observer(store, query, out, scaling):
+        pol = store.policy
+        if not isinstance(pol, QuestPolicy) or pol.pid is None:
+            return
+        n, K = store.n, store.keys[0]  # [Hkv, n, D]
+        hkv, _, d = K.shape
+        pages = -(-n // ps)
+        k = min(max(3, budget // ps), pages)
+        boxed = torch.cat([K, K[:, -1:].expand(hkv, pages * ps - n, d)], 1).view(hkv, pages, ps, d)
+        bound = page_bound(query[0].reshape(hkv, -1, d), boxed.amax(2), boxed.amin(2))  # [Hkv, g, pages]
+        if select == "kernel":
+            top = torch.topk(bound[..., :-1], k - 1).indices
+            want = torch.cat([top, torch.full_like(top[..., :1], pages - 1)], -1)
+        else:
+            want = torch.topk(bound, k).indices
+        pid = pol.pid.view(hkv, -1, 3)
+        assert torch.equal(pid.sort(-1).values, want.sort(-1).values)
+        assert (pid.sort(-1).values.diff(dim=-1) > 0).all()  # distinct
+        last_read.append((pid == pages - 1).any(-1).flatten())
+
+    decode(tiny_gqa3.model, Quest(token_budget=budget, page_size=ps, full_layers=1, select=select), ids_of(140), 100,
+           observer)
+    read = torch.cat(last_read)
+    assert len(last_read) == 2 * 40
+    assert bool(read.all()) if select == "kernel" else 0 < int(read.sum()) < read.numel()
+
+
+@pytest.mark.parametrize("select", ["kernel", "evaluation"])
+def test_a_budget_covering_every_page_is_full_attention(tiny_gqa3, select):
     ids = ids_of(150, 1)
     ref, _ = decode(tiny_gqa3.model, Full(), ids, 110)
-    for method in (Quest(token_budget=160, page_size=16, full_layers=0),  # >= the sequence
-                   Quest(token_budget=112, page_size=16, full_layers=0)):  # below it until step 2: sparse after
+    for method in (Quest(token_budget=160, page_size=16, full_layers=0, select=select),  # >= the sequence
+                   # below it until step 2: sparse after
+                   Quest(token_budget=112, page_size=16, full_layers=0, select=select)):
         got, c = decode(tiny_gqa3.model, method, ids, 110)
         n_exact = 150 - 110 if method.token_budget >= 150 else 112 - 110
         for a, b in zip(ref[:n_exact], got[:n_exact]):
@@ -132,16 +181,20 @@ def test_a_budget_covering_every_page_is_full_attention(tiny_gqa3):
     assert any(float((a - b).abs().max()) > 1e-4 for a, b in zip(ref, got))
 
 
-def test_page_size_1_is_oracle_topk_by_logit():
+@pytest.mark.parametrize("select,recent", [("kernel", 1), ("evaluation", 0)])
+def test_page_size_1_is_oracle_topk_by_logit(select, recent):
     """One query head per KV head (MHA), pages of one token: Quest's bound is q.k, so its read set is the top-k by
-    logit = by weight, with the newest token forced (oracle_topk's recent=1)."""
+    logit = by weight; by the kernel rule with the newest token forced (oracle_topk's recent=1), by the evaluation
+    rule the newest token competing (recent=0)."""
     lm = tiny("llama", num_attention_heads=4, num_key_value_heads=4)
     ids = ids_of(130, 2)
-    ref, _ = decode(lm.model, OracleTopK(token_budget=24, recent=1), ids, 100)
-    got, c = decode(lm.model, Quest(token_budget=24, page_size=1, full_layers=0), ids, 100)
+    ref, _ = decode(lm.model, OracleTopK(token_budget=24, recent=recent), ids, 100)
+    got, c = decode(lm.model, Quest(token_budget=24, page_size=1, full_layers=0, select=select), ids, 100)
     for a, b in zip(ref, got):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert all(s.policy.attended_count(s) == 24.0 for s in c.stores)
+    for s in c.stores:
+        count = s.policy.attended_count(s)
+        assert (count if isinstance(count, float) else float(count.total) * count.scale + count.offset) == 24.0
 
 
 def test_dense_first_layers_are_untouched(tiny_qwen3):
@@ -183,12 +236,13 @@ def test_each_query_head_picks_its_own_pages():
     assert read[0, 0, 1 * ps: 2 * ps].all() and read[0, 0, 4 * ps: 5 * ps].all() and read[0, 0, -1]
 
 
-def test_fixed_shape_step_equals_the_step_at_python_slots(tiny_gqa3, monkeypatch):
+@pytest.mark.parametrize("select", ["kernel", "evaluation"])
+def test_fixed_shape_step_equals_the_step_at_python_slots(tiny_gqa3, monkeypatch, select):
     """The graph-ready step (the token written at a slot held on the device, the mask opened in place) reads the same
     pages and gives the same logits as with the slot a Python number, through a storage growth and a clone; the
     storage stays whole pages."""
     (fixed, grew), (plain, _) = fixed_and_python_slots(
-        monkeypatch, tiny_gqa3.model, lambda: Quest(token_budget=32, page_size=8, full_layers=1),
+        monkeypatch, tiny_gqa3.model, lambda: Quest(token_budget=32, page_size=8, full_layers=1, select=select),
         [QuestPolicy, StaticExactPolicy],
         ids_of(160, 5), 40, 100, lambda c: [s.policy.pid.clone() for s in c.stores
                                             if isinstance(s.policy, QuestPolicy) and s.policy.pid is not None])
@@ -198,6 +252,27 @@ def test_fixed_shape_step_equals_the_step_at_python_slots(tiny_gqa3, monkeypatch
         assert len(tf) == len(tp)
         for a_, b_ in zip(tf, tp):
             assert torch.equal(a_, b_)
+
+
+def test_the_evaluation_rule_is_graph_ready_and_makes_no_host_sync():
+    """The evaluation rule's steady steps (between page closings) dispatch the same ops on the same shapes and make no
+    host sync, as the kernel rule's (tests/test_graph_ready.py, tests/test_host_sync.py run the configs: the default
+    rule); 0 syncs on the steps with a page closing too."""
+    from hydra.utils import instantiate
+
+    from luka_bench.host_sync import decode_sync_counts, sync_method_config
+    from luka_bench.models import TinyRandomModel
+    from test_graph_ready import _steps
+
+    lm = TinyRandomModel(name="tiny_llama", arch="llama", num_hidden_layers=2, device="cpu", dtype="float32").load()
+    make = lambda: instantiate(sync_method_config("quest", {"select": "evaluation"}), _convert_="all")  # noqa: E731
+    rows = _steps(lm.model, make(), lm.tokenizer)
+    steady = [i for i, r in enumerate(rows) if i and not r[4]]
+    pairs = [(i, i + 1) for i in steady if i + 1 in steady]
+    assert len(pairs) >= 3 and all(rows[i][0] and rows[i][0] == rows[j][0] for i, j in pairs)
+    assert all(r[1] == 0 for r in rows)
+    syncs = decode_sync_counts(lm.model, make(), prompt_len=400, steps=20, tokenizer=lm.tokenizer)
+    assert any(r[1] for r in syncs) and not any(r[0] for r in syncs)  # page closings seen; no sync at all
 
 
 def test_storage_is_whole_pages_and_summaries_are_counted(tiny_llama):
@@ -235,6 +310,7 @@ def prefill_and_question_are_exact(model, method):
     (dict(budget=0.5), "allowed: 1.0"),
     (dict(full_layers=-1), "method.full_layers=-1"),
     (dict(token_budget=True), "method.token_budget=True"),
+    (dict(select="cuda"), "method.select='cuda' is unknown; allowed: kernel, evaluation"),
 ])
 def test_bad_settings_are_one_line_errors(bad, says):
     with pytest.raises(MethodConfigError) as e:

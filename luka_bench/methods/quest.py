@@ -13,8 +13,11 @@ and attends exactly over ``K = min(max(3, token_budget // page_size), n_pages)``
 ``n_pages = ceil(held / page_size)``: the page holding the newest token (the last page, incomplete unless the held
 count is a multiple of ``page_size``) is always one of them, as in the reference's CUDA path (``page_budget`` is
 "the real page budget including the last page", ``quest/utils/controller.py``), and the other K - 1 are the
-closed pages with the largest bound. (The reference's PyTorch evaluation path lets the last page compete instead;
-its partial page's bound is taken over the tokens it has.)
+closed pages with the largest bound: ``select="kernel"`` (the default). ``select="evaluation"`` is the rule of
+the reference's PyTorch evaluation path, which produced the paper's accuracy numbers (``quest_attention.py``
+L23-65, L146-218): the same K pages are the top K by bound over ALL ``n_pages`` pages, the last one competing by
+the bound over the tokens it holds (the newest among them: the reference pads the page with the dtype's minimum
+before its per-channel max, L150-172), so the newest token is read only when its page wins.
 
 GQA: the reference ``repeat_kv``'s the keys and selects per query head; so do we. Each query head reads its own
 K pages (at most K * page_size tokens), so a KV head's tokens read are the union of its g query heads' sets: up to
@@ -46,6 +49,9 @@ from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolic
 from luka_bench.methods.pages import PagedKeys, gather_pages, page_bound  # noqa: F401 (page_bound: re-exported)
 
 
+SELECT = ("kernel", "evaluation")  # which pages a step reads: Quest.select
+
+
 def quest_pages(n: int, page_size: int, token_budget: int) -> int:
     """Pages a decode step reads with ``n`` held tokens (the reference's count; the last page included)."""
     n_pages = -(-n // page_size)
@@ -64,7 +70,9 @@ class QuestPolicy(LayerPolicy):
         self.layout_events = 0  # page closings seen by the decode step (host_sync.events / launches.event_count)
         self._layout: tuple | None = None  # (candidate pages C, storage capacity, pages read K) the tensors below fit
         self._off: torch.Tensor | None = None  # [B * Hkv, 1, 1] first page row of each head in the page view
-        self._last: torch.Tensor | None = None  # [B * Hkv, g, 1] the last page's index (C), per query head
+        self._last: torch.Tensor | None = None  # [B * Hkv, g, 1] the last page's index (C), per query head (kernel)
+        self._zero: torch.Tensor | None = None  # 0-d zero in the query's dtype (evaluation)
+        self._held: torch.Tensor | None = None  # [pages of the step, page_size] 0 held, -inf free (evaluation)
         self.pid: torch.Tensor | None = None  # the last sparse step's pages read [B * Hkv, g, K] (None: all read)
         self.n_read = 0  # tokens held at that step
 
@@ -74,6 +82,10 @@ class QuestPolicy(LayerPolicy):
         return timed_exact(store, query, scaling)
 
     def step(self, store, query, scaling, step):
+        """The pages read: by the default rule (``select="kernel"``) the top K - 1 closed pages and the last page;
+        by ``select="evaluation"`` the top K of all pages, the last (partial) page's bound taken over the slots it
+        holds (its min/max over them, the free slots masked: one per-step mask for all layers, the same that
+        masks them in the attention where a query head read the last page and in the attended count)."""
         m = self.method
         n = store.n
         if n <= m.token_budget:
@@ -89,18 +101,32 @@ class QuestPolicy(LayerPolicy):
         hkv = store.storage()[0].shape[1]  # not store.keys: a view sliced at n, a number that changes every step
         g, bh = hq // hkv, b * hkv
         # the bound of every candidate page for every query head (fp32)
-        score = page_bound(query.reshape(bh, g, d), self.paged.max[:, :, :c].reshape(bh, c, d),
-                           self.paged.min[:, :, :c].reshape(bh, c, d))  # [B * Hkv, g, C]
-        top = torch.topk(score, k - 1, dim=-1).indices  # [B * Hkv, g, K - 1]
-        self.pid = pid = torch.cat([top, self._last], dim=-1)  # + the last page: [B * Hkv, g, K]
+        hi = self.paged.max[:, :, :c].reshape(bh, c, d)
+        lo = self.paged.min[:, :, :c].reshape(bh, c, d)
+        w = k * ps
+        if m.select == "kernel":
+            score = page_bound(query.reshape(bh, g, d), hi, lo)  # [B * Hkv, g, C]
+            top = torch.topk(score, k - 1, dim=-1).indices  # [B * Hkv, g, K - 1]
+            self.pid = pid = torch.cat([top, self._last], dim=-1)  # + the last page: [B * Hkv, g, K]
+        else:  # the last page competes: its box over the slots it holds, the free ones masked
+            # 0 on the n held slots of the C + 1 pages, -inf on the last page's free ones (kept for the count)
+            self._held = step.held_mask(store, "quest_pages", (c + 1) * ps, n, 1, query.dtype).view(c + 1, ps)
+            free = self._held[c].view(1, ps, 1)
+            last = store.storage()[0].reshape(bh, -1, ps, d)[:, c]  # [B * Hkv, ps, D]
+            hi = torch.cat([hi, (last + free).amax(1, keepdim=True)], dim=1)  # [B * Hkv, C + 1, D]
+            lo = torch.cat([lo, (last - free).amin(1, keepdim=True)], dim=1)
+            score = page_bound(query.reshape(bh, g, d), hi, lo)  # [B * Hkv, g, C + 1]
+            self.pid = pid = torch.topk(score, k, dim=-1).indices  # [B * Hkv, g, K]
         self.n_read = n
         rows = (pid + self._off).view(-1)
-        w = k * ps
         t1 = store.cache.mark(query.device)
         ksel, vsel = gather_pages(store, rows, ps, b, hq, w)  # [B, Hq, w, D]: each query head's pages
-        # the last page's slots from n on are free: masked (0 on the K - 1 full pages read and the held slots)
-        held = (k - 1) * ps + n - c * ps
-        mask = step.held_mask(store, "quest", w, held, 1, query.dtype).view(1, 1, 1, w)
+        if m.select == "kernel":
+            # the last page's slots from n on are free: masked (0 on the K - 1 full pages read and the held slots)
+            held = (k - 1) * ps + n - c * ps
+            mask = step.held_mask(store, "quest", w, held, 1, query.dtype).view(1, 1, 1, w)
+        else:  # the last page, wherever a query head read it, has its free slots masked
+            mask = torch.where((pid == c).unsqueeze(-1), free.view(1, 1, 1, ps), self._zero).view(b, hq, 1, w)
         out = sdpa(query, ksel, vsel, scaling, mask)
         add_retrieval_spans(store, t0, t1)
         return out
@@ -119,7 +145,10 @@ class QuestPolicy(LayerPolicy):
         hkv = store.storage()[0].shape[1]
         bh, g = b * hkv, hq // hkv
         self._off = (torch.arange(bh, device=query.device) * (cap // self.method.page_size)).view(bh, 1, 1)
-        self._last = torch.full((bh, g, 1), c, dtype=torch.long, device=query.device)
+        if self.method.select == "kernel":
+            self._last = torch.full((bh, g, 1), c, dtype=torch.long, device=query.device)
+        else:  # the mask's value on the pages read in full (a tensor: no scalar made per step)
+            self._zero = torch.zeros((), dtype=query.dtype, device=query.device)
         self._layout = (c, cap, k)
 
     # -- what the last step read -------------------------------------------------------------------------------
@@ -144,6 +173,8 @@ class QuestPolicy(LayerPolicy):
             return float(store.n)
         ps, n = self.method.page_size, self.n_read
         bh, g, k = self.pid.shape
+        if self.method.select == "evaluation":  # the last page is read where it won: its held slots counted
+            return DeviceCount((self._page_union()[:, :, None] & (self._held == 0)).sum(), 1.0 / bh, 0.0)
         free = ((n - 1) // ps + 1) * ps - n  # the last page's free slots (always read)
         if g == 1:  # one query head per KV head: K pages, known on the host
             return float(k * ps - free)
@@ -159,14 +190,16 @@ class QuestPolicy(LayerPolicy):
 @dataclass
 class Quest(KVMethod):
     """token_budget: tokens read per decode step, per layer and QUERY head, in whole pages (the reference's page
-    count min(max(3, token_budget // page_size), pages held), the newest token's page included); page_size: tokens
-    per page (the reference's chunk_size); full_layers: first layers with full attention (reference: 2).
-    ``budget`` must be 1.0: every raw token is held."""
+    count min(max(3, token_budget // page_size), pages held)); page_size: tokens per page (the reference's
+    chunk_size); full_layers: first layers with full attention (reference: 2); select: which pages, "kernel" (the
+    newest token's page always, as the reference's CUDA path) or "evaluation" (the top pages by bound, the partial
+    last page competing, as its accuracy-evaluation path). ``budget`` must be 1.0: every raw token is held."""
 
     budget: float = 1.0
     token_budget: int = 1024
     page_size: int = 16
     full_layers: int = 2
+    select: str = "kernel"
 
     name: ClassVar[str] = "quest"
     policy_class: ClassVar[type[LayerPolicy]] = QuestPolicy
@@ -179,3 +212,5 @@ class Quest(KVMethod):
             raise MethodConfigError(
                 f"method.token_budget={self.token_budget} is below method.page_size={self.page_size}; allowed: "
                 "token_budget >= page_size (the budget is read in whole pages, e.g. method.token_budget=1024)")
+        if self.select not in SELECT:
+            raise MethodConfigError(f"method.select={self.select!r} is unknown; allowed: {', '.join(SELECT)}")
