@@ -35,13 +35,13 @@ loop is over tree levels (``levels`` <= 3).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from luka_bench.methods import cpu_kernel
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, check_holds_every_token
+from luka_bench.methods.base import KVMethod, LayerPolicy, setting
 from luka_bench.methods.pages import page_means
 from luka_bench.methods.attention import (attention_with_mass, exact_attention, group_apply, group_logits,
     scatter_add_rows)
@@ -54,11 +54,11 @@ NEG = float("-inf")
 
 @dataclass
 class Refine:
-    rule: str = "top_k"       # none | threshold | top_k | top_frac
-    k: int = 3                # top_k (paper: 3)
-    threshold: float = 0.05   # threshold: refine when the node's mass exceeds this
-    fraction: float = 0.1     # top_frac: share of the candidate summary nodes refined
-    mass: str = "exact"       # exact | parent (see module docstring)
+    rule: str = setting("top_k", choices=RULES)  # none | threshold | top_k | top_frac
+    k: int = setting(3, at_least=0)  # top_k (paper: 3)
+    threshold: float = 0.05  # threshold: refine when the node's mass exceeds this
+    fraction: float = setting(0.1, within="[0, 1]")  # top_frac: share of the candidate summary nodes refined
+    mass: str = setting("exact", choices=("exact", "parent"))  # see module docstring
 
 
 class LuKAPolicy(LayerPolicy):
@@ -637,44 +637,21 @@ class LuKAClustered(KVMethod):
     mass (exact | parent); levels: summary levels (paper 1); summary_bias: none | log_size (add log of the
     tokens a summary stands for to its logit, as an option of the reference code); seed: for ``random``."""
 
-    budget: float = 1.0
-    page_size: int = 16
-    tail: int = 128
-    sink: int = 0
-    compress_every: int = 16
-    compressor: str = "attention_weighted"
-    tau: float = 1.0
-    refine: Any = field(default_factory=Refine)
-    levels: int = 1
-    summary_bias: str = "none"
+    budget: float = setting(1.0, holds_every_token="its attended span is set by method.page_size, method.tail and "
+                                                   "method.refine")
+    page_size: int = setting(16, at_least=2, note="paper: 16")
+    tail: int = setting(128, at_least=1, note="paper: >= 128")
+    sink: int = setting(0, at_least=0)
+    compress_every: int = setting(16, at_least=1, note="paper: 16")
+    compressor: str = setting("attention_weighted", choices=COMPRESSORS)
+    tau: float = setting(1.0, above=0)
+    refine: Any = setting(default_factory=Refine, nested=Refine)  # a mapping (the yaml's) is made a Refine
+    levels: int = setting(1, choices=(1, 2, 3))
+    summary_bias: str = setting("none", choices=("none", "log_size"))
     seed: int = 0
 
     name: ClassVar[str] = "luka_clustered"
     policy_class: ClassVar[type[LayerPolicy]] = LuKAPolicy
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_holds_every_token(self, "its attended span is set by method.page_size, method.tail and method.refine")
-        if isinstance(self.refine, dict) or hasattr(self.refine, "keys"):
-            self.refine = Refine(**dict(self.refine))
-        r = self.refine
-        checks = [
-            (isinstance(self.page_size, int) and self.page_size >= 2, f"method.page_size={self.page_size!r} must be an integer >= 2 (paper: 16)"),
-            (isinstance(self.tail, int) and self.tail >= 1, f"method.tail={self.tail!r} must be an integer >= 1 (paper: >= 128)"),
-            (isinstance(self.sink, int) and self.sink >= 0, f"method.sink={self.sink!r} must be an integer >= 0"),
-            (isinstance(self.compress_every, int) and self.compress_every >= 1, f"method.compress_every={self.compress_every!r} must be an integer >= 1 (paper: 16)"),
-            (self.compressor in COMPRESSORS, f"method.compressor={self.compressor!r} is unknown; allowed: {', '.join(COMPRESSORS)}"),
-            (self.tau > 0, f"method.tau={self.tau!r} must be > 0"),
-            (r.rule in RULES, f"method.refine.rule={r.rule!r} is unknown; allowed: {', '.join(RULES)}"),
-            (isinstance(r.k, int) and r.k >= 0, f"method.refine.k={r.k!r} must be an integer >= 0"),
-            (0.0 <= r.fraction <= 1.0, f"method.refine.fraction={r.fraction!r} must be in [0, 1]"),
-            (r.mass in ("exact", "parent"), f"method.refine.mass={r.mass!r} is unknown; allowed: exact, parent"),
-            (isinstance(self.levels, int) and 1 <= self.levels <= 3, f"method.levels={self.levels!r} must be 1, 2 or 3"),
-            (self.summary_bias in ("none", "log_size"), f"method.summary_bias={self.summary_bias!r} is unknown; allowed: none, log_size"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise MethodConfigError(msg)
 
     def bias(self, level: int) -> float:
         """Logit bias of a level-``level`` node (0 = raw token)."""
