@@ -1,4 +1,4 @@
-"""The fidelity probe (luka_bench/probe.py; its report luka_bench/probe_report.py): exact methods measure 0, replay
+"""The fidelity probe (luka_bench/probe/; its report luka_bench/probe_report.py): exact methods measure 0, replay
 is faithful to a real run, LuKA declares what it attended, and every method config runs through it."""
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ entries held outside the store  ``LayerPolicy.extra_bytes`` / ``extra_entries`` 
                                 the held tokens plus such entries in one softmax; they count in ``kv_bytes`` (REAL
                                 bytes) and against the budget (FAIR entries, ``MethodCache.method_report``).
 self-timing                     ``LayerPolicy.times_itself``; ``TimingCache`` (``span``, ``mark``, ``add_span``).
-what the last attend read       ``LayerPolicy.attended`` / ``attended_count`` (the fidelity probe, ``probe.py``, and
+what the last attend read       ``LayerPolicy.attended`` / ``attended_count`` (the fidelity probe, ``luka_bench.probe``, and
                                 the attended-tokens metric; exact methods read everything they hold).
 layer-local prefill             ``LayerPolicy.layer_local_prefill``: ``after_prefill`` runs inside the prefill's last
                                 forward, right after the layer's attention (one layer's full cache alive at a time).

@@ -66,7 +66,7 @@ class MethodCache:
         self._pending: list = []  # (key, start event, end event) of CUDA spans not yet resolved
         # Optional callable(store, query, out, scaling), called after every ``attend`` and before ``after_step`` (so the
         # policy's ``attended(store)`` describes this forward); ``store.last_update`` holds the keys/values this
-        # forward appended. Used by the fidelity probe (luka_bench/probe.py); None costs nothing.
+        # forward appended. Used by the fidelity probe (luka_bench/probe/); None costs nothing.
         self.observer = observer
         self.token_ids: list[int] = []  # ids of every token fed so far (add_tokens, or the pre-hook from input_ids)
         # attended metric: per decode forward, sum over layers of held tokens read and their bytes; a policy may

@@ -386,8 +386,3 @@ def prompts(lm, task, steps: int, questions: int) -> list[Prompt]:
             out.append(Prompt(str(d.id), ids[:-steps], [[]], [ids[-steps:]], steps))
     return out
 
-
-if __name__ == "__main__":  # the command line is the report's
-    from luka_bench.probe_report import main
-
-    main()
