@@ -1,5 +1,5 @@
 """The contract is what the code says: every member of the store, the prompt's cache or the decode step that a method
-file uses is named in the protocol it codes against (``base.Store``, ``base.PromptCache``, ``base.DecodeStep``), and no
+file uses is named in the protocol it codes against (``protocols.Store``, ``protocols.PromptCache``, ``protocols.DecodeStep``), and no
 method file writes an attribute of a store or a cache (state goes through the store's methods, ``aux`` and
 ``cache.state``).
 
@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from luka_bench.methods import base
+from luka_bench.methods import protocols
 
 METHODS = Path(__file__).resolve().parents[1] / "luka_bench" / "methods"
 # the infrastructure below and beside the contract: it implements the protocols (store, cache, glue) or is pure
 # numerics; every other file of the package is a method file (or a method's own helper module) and is checked
-INFRA = {"__init__", "attention", "base", "store", "cache", "hf", "policies", "pages", "layered", "kmeans",
-         "cpu_kernel", "triton_kernel"}
+INFRA = {"__init__", "attention", "protocols", "base", "positions", "store", "cache", "hf", "policies", "pages", "layered",
+         "kmeans", "cpu_kernel", "triton_kernel"}
 
 STORE, CACHE, STEP, STORES = "Store", "PromptCache", "DecodeStep", "list[Store]"
 _ANNOTATED = {"Store": STORE, "KVStore": STORE, "PromptCache": CACHE, "MethodCache": CACHE, "DecodeStep": STEP,
@@ -42,8 +42,8 @@ def protocol_members(proto: type) -> set[str]:
     return names
 
 
-MEMBERS = {STORE: protocol_members(base.Store), CACHE: protocol_members(base.PromptCache),
-           STEP: protocol_members(base.DecodeStep)}
+MEMBERS = {STORE: protocol_members(protocols.Store), CACHE: protocol_members(protocols.PromptCache),
+           STEP: protocol_members(protocols.DecodeStep)}
 
 
 def _annotation_kind(node: ast.expr | None) -> str | None:
@@ -217,7 +217,7 @@ def test_the_check_follows_stores_through_the_cache_and_loops():
     assert not any("'n'" in t or "'stores'" in t for t in found)
 
 
-CORE = {STORE: protocol_members(base.CoreStore), CACHE: protocol_members(base.CorePromptCache), STEP: set()}
+CORE = {STORE: protocol_members(protocols.CoreStore), CACHE: protocol_members(protocols.CorePromptCache), STEP: set()}
 
 
 @pytest.mark.parametrize("stem", ["knorm", "snapkv", "pyramidkv", "adakv", "laser_kv", "full"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Store
+from .protocols import Store
 
 
 STATS = ("mean", "min", "max", "lo", "hi")

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from . import cpu_kernel
 from .attention import exact_attention
-from .base import DecodeStep, KVMethod, LayerInfo, LayerPolicy, Store
+from .base import KVMethod, LayerInfo, LayerPolicy
+from .protocols import DecodeStep, Store
 
 
 class StaticExactPolicy(LayerPolicy):

@@ -37,7 +37,8 @@ from typing import NamedTuple
 import torch
 
 from .attention import exact_attention, top_indices
-from .base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, PromptCache, Store
+from .base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError
+from .protocols import PromptCache, Store
 
 
 class Observation(NamedTuple):

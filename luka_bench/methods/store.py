@@ -9,7 +9,8 @@ import weakref
 
 import torch
 
-from .base import LayerPolicy, MethodConfigError, PromptCache
+from .base import LayerPolicy, MethodConfigError
+from .protocols import PromptCache
 from .positions import LazyPositions, write_position
 
 
