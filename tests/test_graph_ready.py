@@ -11,7 +11,7 @@ from the cache length on the host: its static-cache path is what it captures).
 oracle_topk's store grows by one token per step: its decode step writes the new token at a slot held on the
 device and attends over the whole storage with the free slots masked (``LayerPolicy.static_decode``), so its shapes
 change only when the storage grows. LuKA clustered writes the step's token into its cover at a slot held on the
-device too and attends over the cover's fixed-width tail region with the free slots masked (``LuKAPolicy._cover``;
+device too and attends over the cover's fixed-width tail region with the free slots masked (``luka_cover.Cover.sync``;
 cover and mask are remade in the compression step itself). LycheeCluster between chunk closings: the torch path
 (what CUDA runs; the CPU's C++ op is turned off here) reads the recent tokens from a region of fixed width with its
 free slots masked, takes the budget left to the chunks as a device tensor, and its exact ``full_layers`` read the

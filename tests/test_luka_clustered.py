@@ -210,7 +210,7 @@ def test_memory_counts_raw_and_summaries(tiny_llama):
     pol = c.stores[0].policy
     assert c.held_bytes() > c.full_bytes()  # every raw token kept + the summaries: measured, not assumed
     per_entry = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head_dim 16, fp32
-    assert pol.extra_bytes() == (pol.P[1] + pol.cov_n) * per_entry  # summaries + the fast path's cover copy
+    assert pol.extra_bytes() == (pol.P[1] + pol.cover.n) * per_entry  # summaries + the fast path's cover copy
 
 
 def test_latency_components_recorded(tiny_llama):
@@ -267,7 +267,7 @@ def test_decode_fast_path_equals_general_path(kw, kernels, tiny_qwen3, monkeypat
         slow, cs = run(model, general_method)
     finally:
         LC.LuKAPolicy.__init__ = orig
-    assert not cs.stores[0].policy.use_fast_path and cf.stores[0].policy.cov_k is not None
+    assert not cs.stores[0].policy.use_fast_path and cf.stores[0].policy.cover.k is not None
     assert torch.allclose(fast, slow, atol=1e-5), (fast - slow).abs().max()
     # importance is read only for raw tokens not yet in a page (sinks are never summarised, paged tokens never
     # again): there the fast path must accumulate exactly what the general path does
@@ -320,13 +320,14 @@ def test_the_fixed_shape_decode_step_equals_the_step_over_the_held_tokens(kw, ke
     reallocation and a clone."""
     from luka_bench.methods import cpu_kernel
     from luka_bench.methods.luka_clustered import LuKAPolicy
+    from luka_bench.methods.luka_cover import Cover
 
     ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(6))
     env = {cpu_kernel.DISABLE_ENV: "1"} if kernels == "portable" else {}
     (fixed, grew), (plain, _) = fixed_and_python_slots(
         monkeypatch, tiny_gqa3.model, lambda: luka(**kw), [LuKAPolicy], ids, 40, 120,
-        lambda c: ([s.aux(MASS).clone() for s in c.stores], c.stores[0].policy.cov_k.shape[2]), env,
-        patches=[(LuKAPolicy, "COVER_ROOM", 4)])  # the cover outgrown within the run
+        lambda c: ([s.aux(MASS).clone() for s in c.stores], c.stores[0].policy.cover.k.shape[2]), env,
+        patches=[(Cover, "ROOM", 4)])  # the cover outgrown within the run
     widths = {w for _, (_, w) in fixed}
     assert grew and len(widths) > 1  # the storage grew and the cover was outgrown on the way
     for (lf, (mf, _)), (lp, (mp, _)) in zip(fixed, plain):

@@ -40,8 +40,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from luka_bench.methods import cpu_kernel
 from luka_bench.methods.base import KVMethod, LayerPolicy, setting
+from luka_bench.methods.luka_cover import Cover
 from luka_bench.methods.pages import page_means
 from luka_bench.methods.attention import (attention_with_mass, exact_attention, group_apply, group_logits,
     scatter_add_rows)
@@ -64,9 +64,8 @@ class Refine:
 class LuKAPolicy(LayerPolicy):
     times_itself = True  # attention / refinement / segment_compress, timed inside
     # a decode step is written at a slot the device holds (``KVStore.static_slot``) and mirrored into the cover
-    # at one (``_cover``): between compressions, steps are graph-ready
+    # at one (``luka_cover.Cover.sync``): between compressions, steps are graph-ready
     static_decode = True
-    COVER_ROOM = 64  # spare cover entries made at a reallocation (at least; a quarter of the need when more)
 
     def __init__(self, method: "LuKAClustered", info):
         super().__init__(method, info)
@@ -78,24 +77,14 @@ class LuKAPolicy(LayerPolicy):
         self._last_p: torch.Tensor | None = None  # the fast path's resolved masses (last_masses, for tests)
         self._last_total: torch.Tensor | None = None
         # Decode fast path (one query, one level): the cover's keys/values [sink | page summaries | tail region |
-        # scratch] in one buffer (``_cover``), updated when pages are made and written as tokens arrive, so a step
-        # is one matmul over the cover instead of one per part.
-        self.cov_k: torch.Tensor | None = None
-        self.cov_v: torch.Tensor | None = None
-        self.cov_kv: torch.Tensor | None = None  # both, stacked [2, ...], where they can be (``_alloc_cover``)
-        self.cov_n = 0        # valid entries in the cover buffer (sink, pages, the raw tail)
-        self.cov_w = 0        # its width: sink, pages and the tail region (valid entries and free slots)
-        self.cov_pages = -1   # pages the buffer was built with
-        self.cov_raw = 0      # raw tokens mirrored into it (its tail ends at raw index cov_raw)
+        # scratch] in one buffer (``luka_cover.Cover``), updated when pages are made and written as tokens arrive, so
+        # a step is one matmul over the cover instead of one per part.
+        self.cover = Cover(method.sink, method.tail, method.page_size, method.compress_every)
         self.use_fast_path = True
         # What the last attend read (``attended``): None = every held token (exact attention), else
         # (frontier, n, [(raw ids [B, Hkv, ...], valid [B, Hkv, ...])], summaries read per KV head)
         self._att: tuple | None = None
         self._att_count: float | None = None  # the decode path's attended count, when known without a mask
-        self._zero_t: torch.Tensor | None = None  # _zero
-        self._ones_t: torch.Tensor | None = None  # _ones
-        self._lbuf: torch.Tensor | None = None  # _logit_buffer
-        self._rows: tuple | None = None  # page 0's storage rows [B, Hkv, 1, S], per storage (``_children``)
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
     @property
@@ -110,9 +99,7 @@ class LuKAPolicy(LayerPolicy):
             if self.sk[lvl] is not None:
                 per = self.sk[lvl][:, :, :1].nbytes + self.sv[lvl][:, :, :1].nbytes
                 total += per * self.P[lvl]
-        if self.cov_k is not None:  # the fast path's cover buffer holds copies: counted too
-            total += (self.cov_k[:, :, :1].nbytes + self.cov_v[:, :, :1].nbytes) * self.cov_n
-        return total
+        return total + self.cover.nbytes()  # the fast path's cover buffer holds copies: counted too
 
     def _needs_mass(self) -> bool:
         return self.method.compressor in ("attention_weighted", "zero_value")
@@ -247,7 +234,7 @@ class LuKAPolicy(LayerPolicy):
         if m.levels == 1 and self.use_fast_path:
             # the decode path's cover and its mask remade now, in the event step, not in the next (steady) step
             W = self._cover(store)
-            store.cache.held_mask("luka_cover", W, self.cov_n, None, b * h, store.keys.dtype, store.device)
+            store.cache.held_mask("luka_cover", W, self.cover.n, None, b * h, store.keys.dtype, store.device)
 
     def _combine(self, pi: torch.Tensor, x: torch.Tensor, out: torch.Tensor, value: bool = False) -> None:
         """out [..., D] = the ``pi``-weighted sum of ``x`` [B, H, P, S, D] over each group of S (zero values for
@@ -290,97 +277,16 @@ class LuKAPolicy(LayerPolicy):
         return min(C, math.ceil(g / r.threshold - 1e-9)) if r.threshold > 0 else C
 
     def _cover(self, store, step=None) -> int:
-        """Bring the cover buffer in sync with the store (see __init__); returns its width W = sink + pages + the
-        tail region. Laid out [sink | P page summaries | tail region | scratch for the refined pages' tokens]; the tail region
-        holds the raw tokens frontier..n-1 and free slots up to a width fixed between compressions (the tail, a
-        page and ``compress_every`` steps: what accumulates until the next compression), masked in the step
-        (``DecodeStep.held_mask``). A decode step's token is written at a slot the device holds (the store's slot
-        plus a per-compression offset, one kernel per step for all layers: ``DecodeStep.slot``):
-        consecutive steps between compressions have the same ops on the same shapes (the graph-ready steady
-        state)."""
-        m = self.method
-        s0, P, fr, n = m.sink, self.P[1], self.frontier, store.n
-        base = s0 + P - fr  # cover slot of raw token i: i + base
-        if self.cov_pages != P or self.cov_k is None or n - fr > self.cov_w - s0 - P:
-            old, T = self.cov_pages, self.cov_w - s0 - self.cov_pages
-            if self.cov_k is not None and 0 <= old <= P and n - fr <= T and \
-                    s0 + P + T + self._max_children() <= self.cov_k.shape[2]:
-                first = old  # pages were added (a compression): only they and the tail are written, in place
-            else:
-                T = max(m.tail + m.page_size + m.compress_every, n - fr + m.compress_every)
-                need = s0 + P + T + self._max_children()
-                self._alloc_cover(store.keys, store.values, need + max(self.COVER_ROOM, need // 4))  # room for later
-                first = 0
-                self._copy_raw(store, 0, s0, 0)
-            if P > first:
-                self.cov_k[:, :, s0 + first: s0 + P] = self.sk[1][:, :, first:P]
-                self.cov_v[:, :, s0 + first: s0 + P] = self.sv[1][:, :, first:P]
-            self._copy_raw(store, fr, n, s0 + P)
-            self.cov_w, self.cov_pages = s0 + P + T, P
-        elif step is not None and self.cov_raw == n - 1 and (slot := step.slot(store, base)) is not None:
-            k, v = store.static_kv  # a decode step, at its slot
-            self.cov_k.index_copy_(2, slot, k)
-            self.cov_v.index_copy_(2, slot, v)
-        else:
-            self._copy_raw(store, self.cov_raw, n, self.cov_raw + base)
-        self.cov_n, self.cov_raw = n + base, n
-        return self.cov_w
-
-    def _copy_raw(self, store, start: int, stop: int, dst: int) -> None:
-        """The store's raw tokens start..stop-1 into the cover at dst.. (keys and values in one copy where both are
-        stacked)."""
-        if stop <= start:
-            return
-        new = store.stacked(start, stop)
-        if new is not None and self.cov_kv is not None:
-            self.cov_kv[:, :, :, dst: dst + stop - start] = new
-        else:
-            self.cov_k[:, :, dst: dst + stop - start] = store.keys[:, :, start:stop]
-            self.cov_v[:, :, dst: dst + stop - start] = store.values[:, :, start:stop]
-
-    def _alloc_cover(self, like_k: torch.Tensor, like_v: torch.Tensor, cap: int) -> None:
-        """Zeroed cover buffers of ``cap`` entries (a free slot is read, masked: never uninitialised bits, whose
-        NaN would survive the mask): keys and values stacked in one tensor [2, B, Hkv, cap, D] where their shapes
-        and dtypes agree (the refined pages' tokens are then gathered into it in one kernel)."""
-        b, h, _, d = like_k.shape
-        if like_k.shape[-1] == like_v.shape[-1] and like_k.dtype == like_v.dtype:
-            self.cov_kv = like_k.new_zeros(2, b, h, cap, d)
-            self.cov_k, self.cov_v = self.cov_kv[0], self.cov_kv[1]
-        else:
-            self.cov_kv = None
-            self.cov_k, self.cov_v = like_k.new_zeros(b, h, cap, d), like_v.new_zeros(b, h, cap, like_v.shape[-1])
-
-    def _children(self, store, idx: torch.Tensor, W: int, S: int, s0: int) -> None:
-        """The raw tokens of the refined pages ``idx`` [B * Hkv, K] into the cover's scratch (W .. W + K * S): one
-        gather over the stacked storage seen as pages [2, B * Hkv, pages, S * D] where both are stacked, else (and
-        on the CPU, where a gather over an expanded index took ~2.7x the row copy: ``cpu_kernel.cpu_fast``) the pages'
-        rows computed, gathered by one ``index_select`` and copied."""
-        b, h = self.cov_k.shape[:2]
-        k_sel = idx.shape[-1]
-        src = None if cpu_kernel.cpu_fast(idx.device) else store.pages(s0, S)
-        if src is not None and self.cov_kv is not None:
-            dst = self.cov_kv[:, :, :, W: W + k_sel * S].view(2, b * h, k_sel, -1)
-            torch.gather(src, 2, idx.view(1, b * h, k_sel, 1).expand(2, -1, -1, src.shape[-1]), out=dst)
-            return
-        off = store.row_offsets()
-        if self._rows is None or self._rows[0] is not off or self._rows[1] != (s0, S):  # made once per storage
-            self._rows = (off, (s0, S), off.unsqueeze(-1) + torch.arange(s0, s0 + S, device=idx.device))
-        rows = torch.add(self._rows[2], idx.view(b, h, k_sel, 1), alpha=S).view(-1)
-        both = store.gather_stacked(rows, k_sel * S) if self.cov_kv is not None else None
-        if both is not None:  # keys and values in one copy
-            self.cov_kv[:, :, :, W: W + k_sel * S] = both
-        else:
-            kk, vv = store.gather_flat(rows, k_sel * S)
-            self.cov_k[:, :, W: W + k_sel * S] = kk
-            self.cov_v[:, :, W: W + k_sel * S] = vv
+        """The cover buffer in sync with the store (``Cover.sync``); returns its width W."""
+        return self.cover.sync(store, step, self.sk[1], self.sv[1], self.P[1], self.frontier, self._max_children())
 
     def decode_step(self, store, query, scaling, step):
         """The per-token path (one query, one summary level): the same computation as ``clustered``, in the
         fewest tensor operations — a decode step at 2K is made of ~25 small ops, each costing more in dispatch
-        than in arithmetic, so every op counts: logits over the whole cover buffer (``_cover``: its free tail
+        than in arithmetic, so every op counts: logits over the whole cover buffer (``Cover.sync``: its free tail
         slots masked by an additive mask that the scaled matmul adds itself) in one op; the page masses for the
         rule from one softmax; the chosen pages' raw tokens gathered straight into the cover's scratch in one op
-        (``_children``); the refined parents masked in place; one softmax over cover + children; one matmul for
+        (``Cover.gather_pages``); the refined parents masked in place; one softmax over cover + children; one matmul for
         the output. Every matmul is a 3-D ``bmm`` over (batch x KV head), the group's query heads as rows (a 4-D
         ``matmul`` costs about twice as much at these sizes). Between compressions every step has the same ops on
         the same shapes with no Python number that changes (graph-ready). Importance is accumulated only where it
@@ -396,11 +302,11 @@ class LuKAPolicy(LayerPolicy):
         g, bh = hq // hkv, b * hkv
         q = query.reshape(bh, g, d)  # a view for the usual layouts
         W = self._cover(store, step)
-        mask = step.held_mask(store, "luka_cover", W, self.cov_n, bh, query.dtype)  # [B*Hkv, 1, W]
-        ck, cv = self.cov_k, self.cov_v
+        mask = step.held_mask(store, "luka_cover", W, self.cover.n, bh, query.dtype)  # [B*Hkv, 1, W]
+        ck, cv = self.cover.k, self.cover.v
         # fp32: the cover's logits and the refined children's are written side by side into one buffer, so the
         # softmax over both needs no concatenation (other dtypes: computed, cast to fp32 and concatenated)
-        lb = self._logit_buffer(bh, g, W + self._max_children(), query) if query.dtype == torch.float32 else None
+        lb = self.cover.logits(bh, g, W + self._max_children(), query) if query.dtype == torch.float32 else None
         logit = torch.baddbmm(mask, q, ck[:, :, :W].view(bh, W, d).transpose(1, 2), alpha=scaling,
                               **({} if lb is None else {"out": lb[:, :, :W]})).float()  # [B*Hkv, g, W]
         if m.summary_bias != "none":
@@ -413,9 +319,9 @@ class LuKAPolicy(LayerPolicy):
             idx, valid = sel  # [B*Hkv, K] page ids; valid: threshold rule's padding, else None
             k_sel = idx.shape[-1]
             KS = k_sel * S
-            self._children(store, idx, W, S, s0)  # keys and values into the cover's scratch
+            self.cover.gather_pages(store, idx, W)  # keys and values into the cover's scratch
             in_buf = lb is not None and m.refine.mass == "exact" and valid is None  # no out-of-place edits below
-            cl = torch.baddbmm(self._zero(query), q, ck[:, :, W: W + KS].view(bh, KS, d).transpose(1, 2), beta=0.0,
+            cl = torch.baddbmm(self.cover.zero(query), q, ck[:, :, W: W + KS].view(bh, KS, d).transpose(1, 2), beta=0.0,
                                alpha=scaling, **({"out": lb[:, :, W: W + KS]} if in_buf else {})).float()
             pidx = (idx + s0 if s0 else idx).unsqueeze(1).expand(-1, g, -1)
             if m.refine.mass == "parent":
@@ -449,7 +355,7 @@ class LuKAPolicy(LayerPolicy):
             # free slots add 0) within the store's capacity
             acc = store.aux(MASS, whole=True)
             T = min(W - s0 - P, acc.shape[2] - fr)
-            acc[:, :, fr: fr + T].view(bh, 1, T).baddbmm_(self._ones(bh, g, p), p[:, :, s0 + P: s0 + P + T])
+            acc[:, :, fr: fr + T].view(bh, 1, T).baddbmm_(self.cover.ones(bh, g, p), p[:, :, s0 + P: s0 + P + T])
         t3 = cache.mark(query.device)
         cache.add_span("attention", t0, t1)
         cache.add_span("attention", t2, t3)
@@ -467,27 +373,6 @@ class LuKAPolicy(LayerPolicy):
         """Raw tokens a decode step's refinement adds to the cover: the pages the rule refines, each of
         ``page_size`` tokens."""
         return self._nodes_refined(self.P[1]) * self.method.page_size
-
-    def _logit_buffer(self, bh: int, g: int, need: int, like: torch.Tensor) -> torch.Tensor:
-        """A float32 [bh, g, >= need] scratch for a decode step's logits (cover, then refined children), kept
-        between steps and grown by a quarter when short."""
-        t = self._lbuf
-        if t is None or t.shape[:2] != (bh, g) or t.shape[2] < need or t.device != like.device:
-            t = self._lbuf = torch.empty(bh, g, int(need * 1.25) + 64, dtype=torch.float32, device=like.device)
-        return t
-
-    def _ones(self, bh: int, g: int, like: torch.Tensor) -> torch.Tensor:
-        """[bh, 1, g] ones of ``like``'s dtype and device, made once (the group-sum GEMV's left factor)."""
-        t = self._ones_t
-        if t is None or t.shape != (bh, 1, g) or t.device != like.device or t.dtype != like.dtype:
-            t = self._ones_t = like.new_ones(bh, 1, g)
-        return t
-
-    def _zero(self, like: torch.Tensor) -> torch.Tensor:
-        """A 0-d tensor for ``baddbmm(…, beta=0)`` (its input is ignored but must be given), made once."""
-        if self._zero_t is None or self._zero_t.device != like.device or self._zero_t.dtype != like.dtype:
-            self._zero_t = like.new_zeros(())
-        return self._zero_t
 
     @property
     def last_masses(self) -> torch.Tensor | None:
