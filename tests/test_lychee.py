@@ -477,8 +477,8 @@ def growing_index(opts: dict, seed: int, steps: int):
 def test_decode_fast_path_reads_what_the_general_path_reads(opts, kernel, monkeypatch):
     """``_decode_attend`` (one scoring product, the kept units, the chunks by (cluster UB, own score), compacted
     token rows, one SDPA) — as the CPU's C++ op and as torch ops (``LUKA_BENCH_NO_KERNEL=1``, the path CUDA runs) —
-    against ``retrieve`` + ``sparse_attention`` (the same rule, ``_select``, then the padded token set and an exact
-    softmax over it) on the same index, through 40 lazy updates: the same held tokens read per head and the same
+    against ``retrieve`` + ``sparse_attention`` (the same rule, ``DecodePath.select``, then the padded token set and an
+    exact softmax over it) on the same index, through 40 lazy updates: the same held tokens read per head and the same
     attention output at every step. Also the count the harness records (``attended_count``, a ``DeviceCount``)
     equals the mask's."""
     from luka_bench.methods import cpu_kernel

@@ -32,14 +32,15 @@ A decode step (one query), vectorised over KV heads, units, clusters and tokens 
 3. their fine clusters ranked the same way; the top ``k_c`` (``k_c: null``: the chunks of the clusters in rank
    order, each cluster's chunks by their own score q_s.v, while their tokens fit the retrieval budget =
    ``token_budget`` - sinks - the unchunked recent tokens: whole clusters, then the best chunks of the first one
-   that does not fit whole — ``_select``);
+   that does not fit whole — ``DecodePath.select``);
 4. exact attention (softmax over the union, fp32 by SDPA) over the ``sink`` first tokens + every token of the
    chosen clusters' chunks + the recent unchunked tokens (the buffer).
-With ``k_c: null`` (the default) steps 1-3 are one rule, ``_select``, which the decode step (``_decode_attend``)
-and ``retrieve`` both call: one matmul scores every node and chunk (``_score``), a unit is kept when the tokens of
-the units scoring above it stay under the line (exact ties: both or neither), and two stable sorts give the chunk
-order — a few dozen kernels instead of ~100 (docs/speed.md). An integer ``k_c`` runs ``retrieve``'s general path
-(sorted units, CSR member gathers).
+With ``k_c: null`` (the default) steps 1-3 are one rule, ``DecodePath.select`` (``lychee_decode.py``: the decode
+fast path's fixed-shape tensor code, one ``DecodePath`` per layer), which the decode step (``_decode_attend``) and
+``retrieve`` both call: one matmul scores every node and chunk (``DecodePath.score``), a unit is kept when the
+tokens of the units scoring above it stay under the line (exact ties: both or neither), and two stable sorts give
+the chunk order — a few dozen kernels instead of ~100 (docs/speed.md). An integer ``k_c`` runs ``retrieve``'s
+general path (sorted units, CSR member gathers).
 Lazy update (at the next step): each new chunk joins the fine cluster with the nearest centroid direction and that
 cluster's coarse unit; centroids move to the new member mean (a moving average) and each touched radius becomes
 max(r + ||mu' - mu||, ||x - mu'||): the old members' bound grows by the centroid shift (triangle inequality), so r
@@ -64,6 +65,7 @@ from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolic
 from luka_bench.methods.attention import add_retrieval_spans, group_sum, timed_exact
 from luka_bench.methods.kmeans import node_stats, spherical_kmeans  # shared with clusterkv
 from luka_bench.methods.lychee_chunking import Chunker, vocab_levels
+from luka_bench.methods.lychee_decode import DecodePath
 from luka_bench.methods.pages import segment_pool
 
 NEG = float("-inf")
@@ -72,7 +74,7 @@ NEG = float("-inf")
 class LycheePolicy(LayerPolicy):
     times_itself = True  # index_build / retrieval / update / attention, timed inside
     # a decode step is written at a slot the device holds (``KVStore.static_slot``): with the torch path's fixed
-    # layout (``_static_layout``), steps between chunk closings are graph-ready
+    # layout (``DecodePath.static_layout``), steps between chunk closings are graph-ready
     static_decode = True
 
     def __init__(self, method: "Lychee", info: LayerInfo):
@@ -89,14 +91,9 @@ class LycheePolicy(LayerPolicy):
         self.u_members = self.u_start = self.u_count = self.c_members = self.c_start = self.c_count = None
         self.u_width = self.c_width = self.ku = 0
         self._layout_due: bool | None = None  # the CSR layout is built when the general path first needs it
-        # the decode fast path's tables (``_decode_tables``, redone when the index changes) and buffers
-        self._tab = self._chunk_unit = self._chunk_cluster = None
-        self._flat = self._buf = None
-        self._no_bias = torch.empty(0)
+        # the decode fast path's tables (rebuilt when the index changes) and buffers (``lychee_decode``)
+        self.path = DecodePath(method, info.num_heads // info.num_kv_heads)
         self._fast: dict | None = None  # what the fast path's last step chose (``last`` materialises it)
-        self._lay: tuple | None = None  # the torch path's row ids, laid out per chunk closing (_static_layout)
-        self._open: int | None = None  # recent slots open (0) in the mask's recent part (None: all 0, up to n)
-        self._cf_t: torch.Tensor | None = None
 
     # -- shared chunker ------------------------------------------------------------------------------------
     def chunker(self, store) -> Chunker:
@@ -110,10 +107,8 @@ class LycheePolicy(LayerPolicy):
             return 0
         t = [self.ck[:, :, : self.M], self.assign[:, :, : self.M], self.mu_c, self.r_c, self.cnt_c, self.tok_c,
              self.parent, self.mu_g, self.r_g, self.cnt_g, self.tok_g, self.u_members, self.u_start, self.u_count,
-             self.c_members, self.c_start, self.c_count, self._tab, self._chunk_unit, self._chunk_cluster]
-        t += list(self._flat[1:3]) + [self._flat[4]] if self._flat is not None else []  # the decode path's row ids
-        t += [self._lay[1]] if self._lay is not None else []
-        return sum(x.nbytes for x in t if x is not None)
+             self.c_members, self.c_start, self.c_count]
+        return sum(x.nbytes for x in t if x is not None) + self.path.nbytes()  # + the decode path's tables
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def after_prefill(self, store) -> None:
@@ -223,7 +218,7 @@ class LycheePolicy(LayerPolicy):
         self.M = M
         self.built = True
         self._layout_due = True  # units too
-        self._decode_tables(ch)
+        self._index_changed()
 
     def lazy_update(self, store, ch: Chunker) -> None:
         """Each new chunk joins its nearest fine cluster (and that cluster's coarse unit): centroid = new member
@@ -251,7 +246,13 @@ class LycheePolicy(LayerPolicy):
         self.tok_g = self.tok_g.scatter_add(2, g, lens)
         self.M = M1
         self._layout_due = bool(self._layout_due)  # the units' part stays due if it never was built
-        self._decode_tables(ch)
+        self._index_changed()
+
+    def _index_changed(self) -> None:
+        """The decode path's tables follow the index (``DecodePath.rebuild``)."""
+        M = self.M
+        self.path.rebuild((self.mu_g, self.r_g, self.cnt_g), (self.mu_c, self.r_c, self.cnt_c), self.ck[:, :, :M],
+                          self.assign[:, :, :M], self.parent, self.tok_g)
 
     def _layout(self, units: bool) -> None:
         """Members of each node in one flat, grouped order (CSR), so a decode step gathers only the clusters of the
@@ -328,9 +329,9 @@ class LycheePolicy(LayerPolicy):
         """Coarse-to-fine selection for one query [B, Hq, 1, D]. Returns the held-token indices to attend
         [B, H, T] (sinks, the chosen chunks' tokens padded to ``max_chunk`` per chunk, the recent unchunked tokens)
         and their validity [B, H, T] (a padding slot points at the newest token and is masked out). ``k_c: null``
-        (the default): the decode step's rule, ``_select`` over ``_score``'s scores, the one both paths call;
-        an integer ``k_c``: the top ``k_c`` fine clusters of the kept units (sorted units, CSR member gathers),
-        every chunk of each."""
+        (the default): the decode step's rule, ``DecodePath.select`` over ``score``'s scores, the one both paths
+        call; an integer ``k_c``: the top ``k_c`` fine clusters of the kept units (sorted units, CSR member
+        gathers), every chunk of each."""
         m = self.method
         ch = self.chunker(store)
         n, fr = store.n, ch.frontier
@@ -339,12 +340,13 @@ class LycheePolicy(LayerPolicy):
             b, hq, _, d = query.shape
             hkv = store.keys.shape[1]
             P, L = self.mu_g.shape[2], self.mu_c.shape[2]
-            cmax, C = self._slots()
-            qa, above, _, (neg, _, _) = self._buffers(query, hkv, P, C, 0)
-            sc = self._score(query.reshape(b, hkv, hq // hkv, d), qa)
-            start_len = self._flat_tables(store, ch)[3]
-            cfR = m.coarse_factor * R if m.k_g is None else None  # rounded as ``_cf``'s product is
-            order, _, lens, sel = self._select(sc, start_len, above, neg, P, L, R, cfR, cmax)
+            path = self.path
+            cmax, C = path.slots()
+            qa, above, _, (neg, _, _) = path.buffers(query, hkv, P, C, 0)
+            sc = path.score(query.reshape(b, hkv, hq // hkv, d), qa)
+            start_len = path.flat_tables(store, ch)[3]
+            cfR = m.coarse_factor * R if m.k_g is None else None  # rounded as ``DecodePath.cf``'s product is
+            order, _, lens, sel = path.select(sc, start_len, above, neg, P, L, R, cfR, cmax)
             self.last = self._materialise({"order": order, "lens": lens, "sel": sel, "n": n, "frontier": fr,
                                            "starts": ch.starts})
             return self.last["idx"], self.last["valid"]
@@ -380,116 +382,53 @@ class LycheePolicy(LayerPolicy):
         return idx, valid
 
     # -- decode fast path (``k_c: null``, the default) ------------------------------------------------------
-    def _decode_tables(self, ch: Chunker) -> None:
-        """After the index changed (build, lazy update): every node's scoring column in one table [B, H, D + g + 1,
-        P + L + M] — units, fine clusters, chunks; column = [centroid or chunk key, its radius once per query head
-        of the group (g rows), 0 or -inf for an empty node] — so that one product [q_s, ||q_1|| .. ||q_g||, 1] @
-        table gives every node's UB q_s.mu + sum_i ||q_i|| r (chunks: their own score q_s.v; the norms written by
-        one op straight into the query row, their sum done by the product; a row vector times the table: a
-        matrix-vector product on the CPU is several times slower the other way round); each chunk's unit and
-        cluster (indices into that score row), the units' token counts, the chunk lengths."""
-        b, h, P, d = self.mu_g.shape
-        L, M = self.mu_c.shape[2], self.M
-        g = self.info.num_heads // self.info.num_kv_heads
-        tab = self.mu_g.new_zeros(b, h, d + g + 1, P + L + M)
-        tab[:, :, :d, :P] = self.mu_g.transpose(-1, -2)
-        tab[:, :, :d, P: P + L] = self.mu_c.transpose(-1, -2)
-        tab[:, :, :d, P + L:] = self.ck[:, :, :M].transpose(-1, -2)
-        tab[:, :, d: d + g, :P] = self.r_g.unsqueeze(2)
-        tab[:, :, d: d + g, P: P + L] = self.r_c.unsqueeze(2)
-        tab[:, :, d + g, :P].masked_fill_(self.cnt_g <= 0, NEG)
-        tab[:, :, d + g, P: P + L].masked_fill_(self.cnt_c <= 0, NEG)
-        a = self.assign[:, :, :M]
-        self._tab = tab
-        self._chunk_unit = self.parent.gather(2, a)
-        self._chunk_cluster = a + P
-        self._flat = None  # the flat row tables follow M and the storage
-
-    def _flat_tables(self, store, ch: Chunker):
-        """Row ids in the flattened storage (``KVStore.gather_flat``), made once per storage shape and index
-        size: ``rows`` [B, H, cap] (row of each slot: the sinks and the recent buffer are slices of it), ``start``
-        [B, H, M] (row of each chunk's first token) and ``start_len`` [B, H, M, 2] (that row and the chunk's
-        length: one gather reads both)."""
-        k = store.storage()[0]
-        key = (k.shape, self.M, k.device)
-        if self._flat is None or self._flat[0] != key:
-            cap = key[0][2]
-            base = store.row_offsets()
-            rows = base + torch.arange(cap, device=k.device)
-            start = base + ch.starts[: self.M]
-            start_len = torch.stack([start, ch.lens[: self.M].expand_as(start)], -1)
-            self._flat = (key, rows, start, int(base.numel() * cap) - 1, start_len)
-        return self._flat[1:]
-
-    def _buffers(self, query: torch.Tensor, hkv: int, p: int, c: int, t: int):
-        """The query row [B, H, 1, D + g + 1] (fp32: the group's summed query, its g query heads' norms — the
-        radius rows' weights, written by the norm itself — and 1, the -inf row's weight), the units' comparison
-        matrix [B, H, P, P] (fp32, written by the comparison itself) and the additive mask [B, H, 1, >= t] (the
-        query's dtype; its chunk part [sink, sink + c) written by every step, the recent part by
-        ``_static_layout``), reused while their shapes hold."""
-        b, hq, _, d = query.shape
-        key = (b, hkv, d, p, c, query.dtype, query.device)
-        if self._buf is None or self._buf[0] != key or self._buf[3].shape[-1] < t:
-            qa = torch.zeros(b, hkv, 1, d + hq // hkv + 1, dtype=torch.float32, device=query.device)
-            qa[..., -1] = 1.0
-            above = torch.zeros(b, hkv, p, p, dtype=torch.float32, device=query.device)
-            width = max(t, self.method.sink + c + self.method.buffer + 2 * self.method.max_chunk)
-            bias = torch.zeros(b, hkv, 1, width, dtype=query.dtype, device=query.device)
-            consts = (torch.full((), NEG, dtype=query.dtype, device=query.device),
-                      torch.zeros((), dtype=query.dtype, device=query.device),
-                      torch.arange(self.method.max_chunk, device=query.device))
-            self._buf = (key, qa, above, bias, consts)
-        return self._buf[1:]
-
     def _decode_attend(self, store, query, scaling, step):
         """One decode step's retrieval and attention in the fewest kernels (``k_c: null``): one matmul scores every
-        unit, fine cluster and chunk (``_score``), ``_select`` chooses the chunks (the rule ``retrieve`` calls too),
-        their token rows are written straight into the flattened storage's row ids (``_token_rows``), and one SDPA
-        attends over the gathered rows with an additive mask for the chunk slots past each chunk's end.
+        unit, fine cluster and chunk (``DecodePath.score``), ``select`` chooses the chunks (the rule ``retrieve``
+        calls too), their token rows are written straight into the flattened storage's row ids (``token_rows``),
+        and one SDPA attends over the gathered rows with an additive mask for the chunk slots past each chunk's end.
 
-        The torch ops (what CUDA runs) are graph-ready between chunk closings (``_static_layout``): the recent
+        The torch ops (what CUDA runs) are graph-ready between chunk closings (``static_layout``): the recent
         tokens are read from a region of fixed width with its free slots masked, the budget R left to the chunks
         is a device tensor computed once per step for all layers, and the chunk slots' rows are written into a
         row-id buffer laid out at the closing. On the CPU the choice is one C++ op (``cpu_kernel``)."""
-        m, cache, dev = self.method, store.cache, query.device
+        m, cache, dev, path = self.method, store.cache, query.device, self.path
         ch = self.chunker(store)
         b, hq, _, d = query.shape
         hkv = self.info.num_kv_heads
         n, fr, S, mc = store.n, ch.frontier, m.sink, m.max_chunk
         P, L = self.mu_g.shape[2], self.mu_c.shape[2]
-        cmax, C = self._slots()
-        rows, start, last_row, start_len = self._flat_tables(store, ch)
+        cmax, C = path.slots()
+        rows, start, last_row, start_len = path.flat_tables(store, ch)
         cap = rows.shape[-1]
         width = max(n - fr, min(m.buffer + mc, cap - fr))  # the recent region: n - fr tokens, free slots after
-        qa, above, bias, (neg, zero, within) = self._buffers(query, hkv, P, C, S + C + width)
+        qa, above, bias, (neg, zero, within) = path.buffers(query, hkv, P, C, S + C + width)
         t0 = cache.mark(dev)
         qg = query.view(b, hkv, hq // hkv, d)
         op = cpu_kernel.lychee_decode_op() if dev.type == "cpu" else None
         if op is not None:  # the same choice in one C++ call (ties between units: the lower index first)
             R = m.token_budget - S - (n - fr)
             T = S + C + (n - fr)
-            if self._open is not None:  # the torch path masked free recent slots: this path reads them all held
-                bias[..., S + C:] = 0.0
-                self._open = None
+            path.all_held(bias, S + C)  # the torch path masked free recent slots: this path reads them all held
             fp32 = bias.dtype == torch.float32
             idx, pad, order, lens, sel = op(
-                qg.float(), self._tab, self._chunk_unit, self._chunk_cluster, self.tok_g, ch.lens, start, rows,
-                bias if fp32 else self._no_bias, P, L, m.ranking == "ub", float(m.coarse_factor * R), m.k_g or 0,
+                qg.float(), path.tab, path.chunk_unit, path.chunk_cluster, self.tok_g, ch.lens, start, rows,
+                bias if fp32 else path.no_bias, P, L, m.ranking == "ub", float(m.coarse_factor * R), m.k_g or 0,
                 R, cmax, C, S, fr, n)
             if not fp32:
                 torch.where(pad, neg, zero, out=bias[:, :, 0, S: S + C])
         else:
             T = S + C + width
-            idx = self._static_layout(store, step, ch, rows, bias, S, C, fr, n, width)
+            idx = path.static_layout(store, step, rows, bias, S, C, fr, n, width)
             # R (tokens left to the chunks) = budget - sinks - (n - fr): from the position counter, once per step
             # (n = the step's position + 1 - the tokens dropped before it)
             top = m.token_budget - S + fr - 1 + store.seen - n
             R = step.per_step(("lychee_R", top), lambda pos: torch.rsub(pos, top))
-            cf = self._cf(dev)
+            cf = path.cf(dev)
             cfR = None if m.k_g is not None else step.per_step(("lychee_cfR", top), lambda _: torch.mul(R, cf))
-            sc = self._score(qg, qa)
-            order, sl, lens, sel = self._select(sc, start_len, above, neg, P, L, R, cfR, cmax)
-            pad = self._token_rows(sl, lens, last_row, within, C, out=idx[:, :, S: S + C])
+            sc = path.score(qg, qa)
+            order, sl, lens, sel = path.select(sc, start_len, above, neg, P, L, R, cfR, cmax)
+            pad = path.token_rows(sl, lens, last_row, within, C, out=idx[:, :, S: S + C])
             torch.where(pad, neg, zero, out=bias[:, :, 0, S: S + C])
         t1 = cache.mark(dev)
         gk, gv = store.gather_flat(idx.view(-1), T)
@@ -499,100 +438,6 @@ class LycheePolicy(LayerPolicy):
         self._last = None
         self._fast = {"order": order, "lens": lens, "sel": sel, "n": n, "frontier": fr, "starts": ch.starts}
         return out.reshape(b, hq, 1, gv.shape[-1])
-
-    def _cf(self, dev: torch.device) -> torch.Tensor:
-        """``coarse_factor`` as a 0-dim float64 tensor (made once): R x it is rounded as the Python product is."""
-        if self._cf_t is None or self._cf_t.device != dev:
-            self._cf_t = torch.tensor(float(self.method.coarse_factor), dtype=torch.float64, device=dev)
-        return self._cf_t
-
-    def _static_layout(self, store, step, ch: Chunker, rows, bias, S: int, C: int, fr: int, n: int, width: int):
-        """The torch path's row ids [B, H, S + C + width]: the sinks' rows, C chunk slots (written by each step),
-        the rows of the recent region fr .. fr + width (its slots from n on are free: zero or stale storage rows,
-        finite); laid out once per chunk closing (and storage reallocation), with the recent part of the additive
-        mask: 0 on the held tokens, -inf on the free slots. A decode step opens its token's slot in the mask (one
-        ``index_fill_`` at a slot from the position counter): consecutive steps dispatch the same ops on the same
-        shapes."""
-        key = (rows.shape, rows.data_ptr(), self.M, fr, C, width, bias.data_ptr())
-        lay = self._lay
-        if lay is None or lay[0] != key:
-            b, h = rows.shape[:2]
-            idx = torch.empty(b, h, S + C + width, dtype=torch.long, device=rows.device)
-            idx[:, :, :S] = rows[:, :, :S]
-            idx[:, :, S + C:] = rows[:, :, fr: fr + width]
-            lay = self._lay = (key, idx)
-            self._open = None
-        if self._open == n - fr - 1 and (slot := step.slot(store, S + C - fr)) is not None:
-            bias.index_fill_(3, slot, 0.0)  # mask slot of raw token i: i + S + C - fr
-        elif self._open != n - fr:
-            bias[..., S + C: S + C + n - fr] = 0.0
-            bias[..., S + C + n - fr: S + C + width] = NEG
-        self._open = n - fr
-        return lay[1]
-
-    def _slots(self) -> tuple[int, int]:
-        """(cmax, C): the most chunks a step reads (every chunk holds >= ``min_chunk`` tokens of the largest
-        retrieval budget) and the chunks' token slots, compacted (<= that budget)."""
-        m = self.method
-        r_max = m.token_budget - m.sink - m.buffer
-        cmax = max(1, min(self.M, r_max // m.min_chunk))
-        return cmax, min(cmax * m.max_chunk, r_max)
-
-    def _score(self, qg: torch.Tensor, qa: torch.Tensor) -> torch.Tensor:
-        """Every unit's, fine cluster's and chunk's score [B, H, P + L + M] for the grouped query qg [B, H, g, D]:
-        one product of the query row ``qa`` (``_buffers``; the group's summed query and, ``ranking: ub``, each
-        query head's norm — it weighs its own radius row: sum_i ||q_i|| r — written by the sum and the norm
-        themselves) with the node table (``_decode_tables``)."""
-        d = qg.shape[-1]
-        torch.sum(qg, dim=2, dtype=torch.float32, out=qa[:, :, 0, :d])
-        if self.method.ranking == "ub":
-            torch.linalg.vector_norm(qg, dim=-1, dtype=torch.float32, out=qa[:, :, 0, d: d + qg.shape[2]])
-        return torch.matmul(qa, self._tab).squeeze(-2)
-
-    def _select(self, sc, start_len, above, neg, P: int, L: int, R, cfR, cmax: int):
-        """The retrieval rule (``k_c: null``), as torch ops, on one step's scores ``sc`` (``_score``): what
-        ``retrieve`` and the decode step's torch path (what CUDA runs; on the CPU, ``cpu_kernel``'s
-        ``lychee_decode`` is the same rule in C++) both call. A unit is kept when the tokens of the units scoring
-        above it stay under ``cfR`` = ``coarse_factor`` x R (``k_g``: when fewer than k_g units score above it):
-        the rank-order rule without a sort, exact ties keeping both or neither. Every chunk of a kept unit gets its
-        cluster's UB (-inf elsewhere) and two stable sorts order the chunks by (cluster UB, own score q_s.v): whole
-        clusters in rank order, each one's chunks best first; the prefix whose tokens fit ``R`` is read. So the
-        cluster that does not fit whole contributes its best chunks (App. D's index drift: a cluster grown by lazy
-        updates ranks first with an inflated radius; stopping at it left most steps with no chunk at all), and the
-        budget is filled to within one chunk whenever the kept units hold R tokens. ``R`` / ``cfR``: Python
-        numbers, or 0-dim device tensors (graph-ready). Returns (the chunks in reading order [B, H, cmax], their
-        (first row, length) [B, H, cmax, 2] from ``start_len``, the lengths read (0 after the prefix), the units
-        kept [B, H, P])."""
-        m = self.method
-        su = sc[:, :, :P]
-        torch.gt(su.unsqueeze(-2), su.unsqueeze(-1), out=above)  # [B, H, u, v]: unit v scores above unit u
-        if m.k_g is None:
-            sel = torch.matmul(above, self.tok_g.unsqueeze(-1)).squeeze(-1) < cfR
-        else:
-            sel = above.sum(-1) < m.k_g
-        prim = torch.where(sel.gather(2, self._chunk_unit), sc.gather(2, self._chunk_cluster), neg)
-        o1 = torch.sort(sc[:, :, P + L:], dim=-1, descending=True, stable=True).indices
-        top, o2 = torch.sort(prim.gather(2, o1), dim=-1, descending=True, stable=True)
-        order = o1.gather(2, o2[:, :, :cmax])  # the chunks in reading order (at most cmax fit R)
-        sl = start_len.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, 2))  # their first rows and lengths
-        lens = sl[..., 1]
-        take = lens.cumsum(-1) <= R
-        if m.k_g is not None:  # kept units may hold fewer than R tokens: never read past them
-            take &= top[:, :, :cmax] > NEG
-        return order, sl, lens * take, sel
-
-    def _token_rows(self, sl, lens, last_row, within, C: int, out: torch.Tensor) -> torch.Tensor:
-        """The decode step's chunk token slots: the storage rows of the chunks read (``_select``'s ``sl`` /
-        ``lens``), the read tokens first, in order (a stable sort of the padding flags), the first C written into
-        ``out`` [B, H, C]. Returns the slots' padding flags [B, H, C]."""
-        m = self.method
-        b, hkv = lens.shape[:2]
-        tok = sl[..., 0].unsqueeze(-1) + within  # [B, H, cmax, max_chunk] storage rows
-        if m.buffer < m.max_chunk - m.min_chunk:  # a chunk's padding could run past the storage's last row
-            tok.clamp_max_(last_row)
-        pad, first = torch.sort((within >= lens.unsqueeze(-1)).view(b, hkv, -1), dim=-1, stable=True)
-        torch.gather(tok.view(b, hkv, -1), 2, first[:, :, :C], out=out)
-        return pad[:, :, :C]
 
     def _token_set(self, starts: torch.Tensor, cid: torch.Tensor, lens: torch.Tensor, fr: int, n: int):
         """The held tokens a retrieval reads, as ``retrieve`` returns them: idx / valid [B, H, sink + cmax *
