@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.base import LayerPolicy, MethodConfigError
+from luka_bench.methods.base import LayerPolicy, setting
 from luka_bench.methods.scorer import WrappedScorerPolicy
 from luka_bench.methods.snapkv import OverScores
 
@@ -71,16 +71,9 @@ class AdaKV(OverScores):
     window: int = 32
     kernel: int = 7
     pooling: str = "max"
-    alpha: float = 0.2
-    rule: str = "paper"
+    alpha: float = setting(0.2, within="[0, 1]", number=True, note="paper: 0.2; 1 = SnapKV")
+    rule: str = setting("paper", choices=RULES)
 
     name: ClassVar[str] = "adakv"
     policy_class: ClassVar[type[LayerPolicy]] = AdaKVPolicy
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1:
-            raise MethodConfigError(f"method.alpha={self.alpha!r} must be a number in [0, 1] (paper: 0.2; 1 = SnapKV)")
-        if self.rule not in RULES:
-            raise MethodConfigError(f"method.rule={self.rule!r} is unknown; allowed: {', '.join(RULES)}")
 

@@ -53,7 +53,7 @@ from typing import ClassVar
 import torch
 
 from luka_bench.methods.attention import add_retrieval_spans, sdpa, timed_exact
-from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.pages import PagedKeys, gather_pages, page_bound
 
 GROUPS = ("layer", "kv_head")
@@ -247,12 +247,13 @@ class ArkVale(KVMethod):
     the reference's default) or ``kv_head``; full_layers: first layers with full attention (``n_unlimited_layers``).
     ``budget`` must be 1.0: every raw token is held (on the device or offloaded)."""
 
-    budget: float = 1.0
-    page_size: int = 32
-    page_budget: int = 128
-    topk: int = 32
-    sink_pages: int = 1
-    window_pages: int = 2
+    budget: float = setting(1.0, holds_every_token="on the device or offloaded; the pages read per step are "
+                                                     "method.page_budget")
+    page_size: int = setting(32, at_least=1)
+    page_budget: int = setting(128, at_least=1)
+    topk: int = setting(32, at_least=1)
+    sink_pages: int = setting(1, at_least=0)
+    window_pages: int = setting(2, at_least=2)  # the reference asserts n_win_pages >= 2
     group: str = "layer"
     full_layers: int = 2
 
@@ -261,10 +262,7 @@ class ArkVale(KVMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_holds_every_token(self, "on the device or offloaded; the pages read per step are method.page_budget")
-        check_ints(self, page_size=1, page_budget=1, topk=1, sink_pages=0)
-        check_ints(self, window_pages=2)  # the reference asserts n_win_pages >= 2
-        if self.group not in GROUPS:
+        if self.group not in GROUPS:  # its own message: "is not one of [...]"
             raise MethodConfigError(f"method.group={self.group!r} is not one of {list(GROUPS)} (pages shared by the "
                                     "whole layer, the reference's default, or per KV head)")
         pinned = self.sink_pages + self.window_pages - 1

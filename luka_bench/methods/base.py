@@ -156,14 +156,16 @@ class Allowed:
     choices: tuple | None = None  # strings: "is unknown; allowed: a, b"; integers: "must be 1, 2 or 3"
     nested: type | None = None  # a dataclass of settings (a mapping is made one); its own fields are checked in turn
     holds_every_token: str = ""  # budget only: it must be 1.0 (``check_holds_every_token``'s what_it_reads)
+    number: bool = False  # a float's message says "a number" before its bound ("must be a number >= 1")
     note: str = ""
 
 
-def setting(default: Any = MISSING, *, default_factory: Any = MISSING, **allowed: Any) -> Any:
+def setting(default: Any = MISSING, *, default_factory: Any = MISSING, repr: bool = True, **allowed: Any) -> Any:
     """A dataclass field with its constraint beside it (``window: int = setting(64, at_least=1, note="reference:
     32-64")``); ``KVMethod.__post_init__`` checks every such field in field order (``check_settings``). A subclass
-    that redeclares the field with a plain default keeps the constraint."""
-    return field(default=default, default_factory=default_factory, metadata={"allowed": Allowed(**allowed)})
+    that redeclares the field with a plain default keeps the constraint. ``repr`` is the field's (False: a setting
+    ``describe`` shows only where it is not its default)."""
+    return field(default=default, default_factory=default_factory, repr=repr, metadata={"allowed": Allowed(**allowed)})
 
 
 def check_settings(obj: Any, prefix: str = "method.") -> None:
@@ -206,7 +208,8 @@ def _problem(a: Allowed, kind: str, optional: bool, v: Any) -> str:
         ok, bound = number and v > a.above, f"> {_setting(a.above)}"
     elif a.at_least is not None:
         ok, bound = number and v >= a.at_least, f">= {_setting(a.at_least)}"
-    what = " ".join(x for x in ("an integer" if kind == "int" else "", bound) if x) or "a number"
+    noun = "an integer" if kind == "int" else "a number" if a.number else ""
+    what = " ".join(x for x in (noun, bound) if x) or "a number"
     return "" if ok else f"must be {'null or ' if optional else ''}{what}"
 
 
@@ -362,7 +365,8 @@ class KVMethod:
     # how ``budget * tokens`` becomes a count (``capacity``): "ceil" (ours: budget 1/8 of 1,268 tokens holds 159) or
     # "kvpress" (kvpress's presses: max(1, int(n * (1 - compression_ratio))), 158) — for comparisons with kvpress's
     # pipeline; shown in ``describe`` only where it is not the default (``settings``)
-    rounding: str = field(default="ceil", repr=False)
+    rounding: str = setting("ceil", choices=ROUNDINGS, repr=False,
+                            note="ceil: ours; kvpress: its presses' int(n * (1 - compression_ratio))")
     # True for a method that needs the question inside the compressed prompt (FINCH: the question is its observation
     # window): the runner refuses it unless ``query_aware=true`` on a QA dataset, lm-eval refuses it
     question_in_prompt: ClassVar[bool] = False
@@ -389,10 +393,7 @@ class KVMethod:
         f = self.full_layers
         if isinstance(f, bool) or not isinstance(f, int) or f < 0:
             raise MethodConfigError(f"method.full_layers={f!r} must be an integer >= 0 (the first layers kept exact)")
-        if self.rounding not in ROUNDINGS:
-            raise MethodConfigError(f"method.rounding={self.rounding!r} is unknown; allowed: {', '.join(ROUNDINGS)} "
-                                    "(ceil: ours; kvpress: its presses' int(n * (1 - compression_ratio)))")
-        check_settings(self)  # every field declared with ``setting``, in field order
+        check_settings(self)  # every field declared with ``setting`` (``rounding`` too), in field order
 
     # -- budget --------------------------------------------------------------------------------------------
     def capacity(self, seen: int, reference_length: int = 0) -> int:

@@ -39,7 +39,7 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.attention import attention_with_extra, kept_indices
 from luka_bench.methods.entropy_ols_fit import (fit_linear_entries, fit_ols_entries, log_partition, merged_stats,
                                                 priority)
@@ -387,38 +387,25 @@ class EntropyOLS(KVMethod):
     kmeans_iters, ridge: the fit."""
 
     budget: float = 0.25
-    mode: str = "ols"
-    bin_size: int = 32
-    rank: int = 4
-    n_ref: int = 16
-    sink: int = 4
-    recent_fraction: float = 0.25
-    min_recent: int = 0
-    synthetic_fraction: float = 0.5
-    kmeans_iters: int = 8
-    ridge: float = 1e-3
+    mode: str = setting("ols", choices=MODES)
+    bin_size: int = setting(32, at_least=2)
+    rank: int = setting(4, at_least=1)
+    n_ref: int = setting(16, at_least=1)
+    sink: int = setting(4, at_least=0)
+    recent_fraction: float = setting(0.25, within="[0, 1]")
+    min_recent: int = setting(0, at_least=0)
+    synthetic_fraction: float = setting(0.5, within="(0, 1]")
+    kmeans_iters: int = setting(8, at_least=0)
+    ridge: float = setting(1e-3, at_least=0)
 
     name: ClassVar[str] = "entropy_ols"
     policy_class: ClassVar[type[LayerPolicy]] = EntropyOLSPolicy
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.mode not in MODES:
-            raise MethodConfigError(f"method.mode={self.mode!r} is unknown; allowed: {', '.join(MODES)}")
-        for name, lo in (("bin_size", 2), ("rank", 1), ("n_ref", 1), ("sink", 0), ("min_recent", 0),
-                         ("kmeans_iters", 0)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise MethodConfigError(f"method.{name}={v!r} must be an integer >= {lo}")
         per = self.rank + (1 if self.mode == "linear" else 0)
         if self.mode != "drop" and per >= self.bin_size:
             raise MethodConfigError(f"method.rank={self.rank!r} leaves nothing to free in a bin of "
                                     f"method.bin_size={self.bin_size}; allowed: rank < bin_size"
                                     + (" - 1 (linear adds a centroid)" if self.mode == "linear" else ""))
-        if not (0.0 <= float(self.recent_fraction) <= 1.0):
-            raise MethodConfigError(f"method.recent_fraction={self.recent_fraction!r} must be in [0, 1]")
-        if not (0.0 < float(self.synthetic_fraction) <= 1.0):
-            raise MethodConfigError(f"method.synthetic_fraction={self.synthetic_fraction!r} must be in (0, 1]")
-        if not (float(self.ridge) >= 0.0):
-            raise MethodConfigError(f"method.ridge={self.ridge!r} must be >= 0")
 

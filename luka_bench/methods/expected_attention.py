@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import KVMethod, LayerPolicy, setting
 from luka_bench.methods.scorer import ScorerPolicy
 
 
@@ -167,26 +167,11 @@ class ExpectedAttention(KVMethod):
     epsilon: added to the scores before the ||v|| rescaling. Defaults: kvpress ExpectedAttentionPress."""
 
     budget: float = 0.125
-    n_future_positions: int = 512
-    n_sink: int = 4
-    use_covariance: bool = True
-    use_vnorm: bool = True
-    epsilon: float = 0.0
+    n_future_positions: int = setting(512, at_least=1, note="kvpress: 512")
+    n_sink: int = setting(4, at_least=0, note="kvpress: 4")
+    use_covariance: bool = setting(True)
+    use_vnorm: bool = setting(True)
+    epsilon: float = setting(0.0, at_least=0, number=True, note="kvpress: 0.0")
 
     name: ClassVar[str] = "expected_attention"
     policy_class: ClassVar[type[LayerPolicy]] = ExpectedAttentionPolicy
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.n_future_positions, bool) or not isinstance(self.n_future_positions, int) \
-                or self.n_future_positions < 1:
-            raise MethodConfigError(f"method.n_future_positions={self.n_future_positions!r} must be an integer >= 1 "
-                                    "(kvpress: 512)")
-        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise MethodConfigError(f"method.n_sink={self.n_sink!r} must be an integer >= 0 (kvpress: 4)")
-        for name in ("use_covariance", "use_vnorm"):
-            if not isinstance(getattr(self, name), bool):
-                raise MethodConfigError(f"method.{name}={getattr(self, name)!r} must be true or false")
-        if isinstance(self.epsilon, bool) or not isinstance(self.epsilon, (int, float)) or self.epsilon < 0:
-            raise MethodConfigError(f"method.epsilon={self.epsilon!r} must be a number >= 0 (kvpress: 0.0)")
-        self.epsilon = float(self.epsilon)

@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 
 from luka_bench.methods.attention import group_logits, top_indices
-from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.scorer import ScorerPolicy
 
 NEEDS_QUESTION = ("method=finch needs the question inside the compressed prompt; allowed: query_aware=true on a QA "
@@ -89,9 +89,9 @@ class Finch(KVMethod):
     consecutive positions (kvpress rerotate_keys)."""
 
     budget: float = 0.125
-    chunk: int = 0
-    normalize: bool = True
-    rerotate: bool = True
+    chunk: int = setting(0, at_least=0, note="0: the whole prompt; LASER-KV ran FINCH with 1024")
+    normalize: bool = setting(True)
+    rerotate: bool = setting(True)
 
     name: ClassVar[str] = "finch"
     policy_class: ClassVar[type[LayerPolicy]] = FinchPolicy
@@ -99,12 +99,6 @@ class Finch(KVMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 0:
-            raise MethodConfigError(f"method.chunk={self.chunk!r} must be an integer >= 0 (0: the whole prompt; "
-                                    "LASER-KV ran FINCH with 1024)")
-        for key in ("normalize", "rerotate"):
-            if not isinstance(getattr(self, key), bool):
-                raise MethodConfigError(f"method.{key}={getattr(self, key)!r} must be true or false")
         if self.rerotate and self.full_layers:
             raise MethodConfigError(f"method.full_layers={self.full_layers} with method.rerotate=true: every layer's "
                                     "positions must move together; allowed: full_layers=0, or rerotate=false")

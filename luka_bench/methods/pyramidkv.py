@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from luka_bench.methods.base import LayerPolicy, MethodConfigError
+from luka_bench.methods.base import LayerPolicy, setting
 from luka_bench.methods.scorer import WrappedScorerPolicy
 from luka_bench.methods.snapkv import OverScores
 
@@ -66,16 +66,9 @@ class PyramidKV(OverScores):
     steepness (the first layer's scored tokens / the last's ~ 2 beta - 1); budget_rule: paper | kvpress. scorer:
     another prefill scorer whose scores the layers keep instead of SnapKV's (None: SnapKV with the settings above)."""
 
-    beta: float = 20
-    budget_rule: str = "paper"
+    beta: float = setting(20, at_least=1, number=True, note="paper: 20; 1 = SnapKV")
+    budget_rule: str = setting("paper", choices=RULES)
 
     name: ClassVar[str] = "pyramidkv"
     policy_class: ClassVar[type[LayerPolicy]] = PyramidKVPolicy
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or self.beta < 1:
-            raise MethodConfigError(f"method.beta={self.beta!r} must be a number >= 1 (paper: 20; 1 = SnapKV)")
-        if self.budget_rule not in RULES:
-            raise MethodConfigError(f"method.budget_rule={self.budget_rule!r} is unknown; allowed: {', '.join(RULES)}")
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from luka_bench.methods.attention import group_logits
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import KVMethod, LayerPolicy, setting
 from luka_bench.methods.scorer import ScorerPolicy, ScorerWrapper
 
 
@@ -95,24 +95,13 @@ class SnapKV(KVMethod):
     question_aware: observe with the question's queries (see the module docstring)."""
 
     budget: float = 0.125
-    window: int = 64
-    kernel: int = 5
-    pooling: str = "avg"
-    question_aware: bool = False
+    window: int = setting(64, at_least=1, note="reference: 32-64")
+    kernel: int = setting(5, at_least=1, note="reference: 5-7")
+    pooling: str = setting("avg", choices=POOLINGS)
+    question_aware: bool = setting(False)
 
     name: ClassVar[str] = "snapkv"
     policy_class: ClassVar[type[LayerPolicy]] = SnapKVPolicy
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.window, int) or self.window < 1:
-            raise MethodConfigError(f"method.window={self.window!r} must be an integer >= 1 (reference: 32-64)")
-        if not isinstance(self.kernel, int) or self.kernel < 1:
-            raise MethodConfigError(f"method.kernel={self.kernel!r} must be an integer >= 1 (reference: 5-7)")
-        if self.pooling not in POOLINGS:
-            raise MethodConfigError(f"method.pooling={self.pooling!r} is unknown; allowed: {', '.join(POOLINGS)}")
-        if not isinstance(self.question_aware, bool):
-            raise MethodConfigError(f"method.question_aware={self.question_aware!r} must be true or false")
 
     def compresses_in_forward(self, cache) -> bool:
         return not self._asks_the_question(cache)  # the question's scratch forward needs every layer uncompressed
