@@ -157,6 +157,8 @@ class Allowed:
     nested: type | None = None  # a dataclass of settings (a mapping is made one); its own fields are checked in turn
     holds_every_token: str = ""  # budget only: it must be 1.0 (``check_holds_every_token``'s what_it_reads)
     number: bool = False  # a float's message says "a number" before its bound ("must be a number >= 1")
+    true_note: str = ""  # a bool's message says what each side means: "must be true (true_note) or false (false_note)"
+    false_note: str = ""
     note: str = ""
 
 
@@ -192,7 +194,8 @@ def check_settings(obj: Any, prefix: str = "method.") -> None:
 def _problem(a: Allowed, kind: str, optional: bool, v: Any) -> str:
     """What is wrong with ``v`` ("must be ...", "is unknown; allowed: ..."), or "" when it is allowed."""
     if kind == "bool":
-        return "" if isinstance(v, bool) else "must be true or false"
+        return "" if isinstance(v, bool) else "must be true{} or false{}".format(
+            *(f" ({n})" if n else "" for n in (a.true_note, a.false_note)))
     if kind == "str":
         return "" if a.choices is None or v in a.choices else f"is unknown; allowed: {', '.join(a.choices)}"
     number = isinstance(v, int) and not isinstance(v, bool) or (kind != "int" and isinstance(v, float))

@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from luka_bench.methods import cpu_kernel
-from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
+from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.attention import add_retrieval_spans, group_sum, timed_exact
 from luka_bench.methods.kmeans import node_stats, spherical_kmeans  # shared with clusterkv
 from luka_bench.methods.lychee_chunking import Chunker, vocab_levels
@@ -485,21 +485,21 @@ class Lychee(KVMethod):
     retrieval budget in tokens); k_c: fine clusters kept (null: as many as fit the token budget); full_layers:
     first layers with full attention (paper 2). ``budget`` must be 1.0: every raw token is kept."""
 
-    budget: float = 1.0
-    token_budget: int = 1024
-    sink: int = 16
-    buffer: int = 128
-    min_chunk: int = 8
-    max_chunk: int = 16
-    chunking: str = "structure"
-    pooling: str = "mean"
-    cluster_size: int = 2
-    max_coarse: int = 64
-    kmeans_iters: int = 10
-    ranking: str = "ub"
-    k_g: int | None = None
-    coarse_factor: float = 2.0
-    k_c: int | None = None
+    budget: float = setting(1.0, holds_every_token="the attended span is method.token_budget (tokens, paper 1024)")
+    token_budget: int = setting(1024, at_least=1)
+    sink: int = setting(16, at_least=0)
+    buffer: int = setting(128, at_least=1)
+    min_chunk: int = setting(8, at_least=1)
+    max_chunk: int = setting(16, at_least=1)
+    chunking: str = setting("structure", choices=("structure", "fixed"))
+    pooling: str = setting("mean", choices=("mean", "max"))
+    cluster_size: int = setting(2, at_least=1)
+    max_coarse: int = setting(64, at_least=1)
+    kmeans_iters: int = setting(10, at_least=0)
+    ranking: str = setting("ub", choices=("ub", "qmu"))
+    k_g: int | None = setting(None, at_least=1)
+    coarse_factor: float = setting(2.0, at_least=1)
+    k_c: int | None = setting(None, at_least=1)
     full_layers: int = 2
 
     name: ClassVar[str] = "lychee"
@@ -507,29 +507,11 @@ class Lychee(KVMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_holds_every_token(self, "the attended span is method.token_budget (tokens, paper 1024)")
-        check_ints(self, token_budget=1, sink=0, buffer=1, min_chunk=1, max_chunk=1, cluster_size=1, max_coarse=1,
-                   kmeans_iters=0)
-        checks = [
-            (self.min_chunk <= self.max_chunk,
-             f"method.min_chunk={self.min_chunk} must be <= method.max_chunk={self.max_chunk}"),
-            (self.chunking in ("structure", "fixed"),
-             f"method.chunking={self.chunking!r} is unknown; allowed: structure, fixed"),
-            (self.pooling in ("mean", "max"), f"method.pooling={self.pooling!r} is unknown; allowed: mean, max"),
-            (self.ranking in ("ub", "qmu"), f"method.ranking={self.ranking!r} is unknown; allowed: ub, qmu"),
-            (self.k_g is None or (isinstance(self.k_g, int) and self.k_g >= 1),
-             f"method.k_g={self.k_g!r} must be null or an integer >= 1"),
-            (self.k_c is None or (isinstance(self.k_c, int) and self.k_c >= 1),
-             f"method.k_c={self.k_c!r} must be null or an integer >= 1"),
-            (isinstance(self.coarse_factor, (int, float)) and self.coarse_factor >= 1.0,
-             f"method.coarse_factor={self.coarse_factor!r} must be >= 1"),
-            (self.token_budget > self.sink + self.buffer + self.max_chunk,
-             f"method.token_budget={self.token_budget} must exceed sink + buffer + max_chunk = "
-             f"{self.sink + self.buffer + self.max_chunk} (the always-attended tokens)"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise MethodConfigError(msg)
+        if self.min_chunk > self.max_chunk:
+            raise MethodConfigError(f"method.min_chunk={self.min_chunk} must be <= method.max_chunk={self.max_chunk}")
+        if self.token_budget <= self.sink + self.buffer + self.max_chunk:
+            raise MethodConfigError(f"method.token_budget={self.token_budget} must exceed sink + buffer + max_chunk = "
+                                    f"{self.sink + self.buffer + self.max_chunk} (the always-attended tokens)")
         self._tables = None
 
     def bind(self, tokenizer) -> None:

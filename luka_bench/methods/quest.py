@@ -45,7 +45,7 @@ from typing import ClassVar
 import torch
 
 from luka_bench.methods.attention import add_retrieval_spans, sdpa, timed_exact
-from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, check_holds_every_token, check_ints
+from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.pages import PagedKeys, gather_pages, page_bound  # noqa: F401 (page_bound: re-exported)
 
 
@@ -195,22 +195,18 @@ class Quest(KVMethod):
     newest token's page always, as the reference's CUDA path) or "evaluation" (the top pages by bound, the partial
     last page competing, as its accuracy-evaluation path). ``budget`` must be 1.0: every raw token is held."""
 
-    budget: float = 1.0
-    token_budget: int = 1024
-    page_size: int = 16
+    budget: float = setting(1.0, holds_every_token="the tokens read per step are method.token_budget")
+    token_budget: int = setting(1024, at_least=1)
+    page_size: int = setting(16, at_least=1)
     full_layers: int = 2
-    select: str = "kernel"
+    select: str = setting("kernel", choices=SELECT)
 
     name: ClassVar[str] = "quest"
     policy_class: ClassVar[type[LayerPolicy]] = QuestPolicy
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_holds_every_token(self, "the tokens read per step are method.token_budget")
-        check_ints(self, page_size=1, token_budget=1)
         if self.token_budget < self.page_size:
             raise MethodConfigError(
                 f"method.token_budget={self.token_budget} is below method.page_size={self.page_size}; allowed: "
                 "token_budget >= page_size (the budget is read in whole pages, e.g. method.token_budget=1024)")
-        if self.select not in SELECT:
-            raise MethodConfigError(f"method.select={self.select!r} is unknown; allowed: {', '.join(SELECT)}")

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from luka_bench.methods.attention import exact_attention, group_apply, group_logits, top_indices
-from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError
+from luka_bench.methods.base import KVMethod, LayerPolicy, setting
 from luka_bench.methods.scorer import ScorerPolicy
 
 
@@ -142,17 +142,8 @@ class TOVA(KVMethod):
     (false: kvpress's TOVAPress); protect_last: never evict the newest token (true: kvpress; false: the reference)."""
 
     budget: float = 0.125
-    decode: bool = True
-    protect_last: bool = False
+    decode: bool = setting(True, true_note="TOVA: evict at every step", false_note="kvpress TOVAPress: prefill only")
+    protect_last: bool = setting(False, true_note="kvpress", false_note="TOVA's reference")
 
     name: ClassVar[str] = "tova"
     policy_class: ClassVar[type[LayerPolicy]] = TOVAPolicy
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.decode, bool):
-            raise MethodConfigError(f"method.decode={self.decode!r} must be true (TOVA: evict at every step) or false "
-                                    "(kvpress TOVAPress: prefill only)")
-        if not isinstance(self.protect_last, bool):
-            raise MethodConfigError(f"method.protect_last={self.protect_last!r} must be true (kvpress) or false "
-                                    "(TOVA's reference)")
