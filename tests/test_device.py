@@ -334,3 +334,21 @@ def test_cuda_kernel_compiles_once_for_every_length():
         run(lq, past)
     torch.cuda.synchronize()
     assert compiled() == before, (before, compiled())
+
+
+def test_a_stale_kernel_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    """torch's extension loader waits forever on its build directory's ``lock``: a process killed while holding it
+    would hang every later run (seen here: a CI run waited 18 minutes). A lock older than a build can take is removed;
+    a fresh one (a build under way) is kept."""
+    import os
+    import time
+
+    from luka_bench.methods.cpu_kernel import clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not clear_stale_lock(tmp_path) and lock.exists()
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    assert clear_stale_lock(tmp_path) and not lock.exists()
+    assert not clear_stale_lock(tmp_path)  # none there: nothing to do

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -81,6 +82,24 @@ def _stable_source() -> tuple[str, Path]:
     return digest, copy
 
 
+STALE_LOCK_S = 900  # a build takes ~30 s; a lock this old was left by a process killed while it held it
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove ``build_dir/lock`` when it is older than ``max_age_s``: torch's extension loader waits on that file
+    forever, so one process killed while holding it (Ctrl-C, a job's time limit) would hang every later run. True when
+    one was removed."""
+    lock = Path(build_dir) / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            lock.unlink()
+            print(f"[luka_bench] removed a stale build lock ({lock})", file=sys.stderr, flush=True)
+            return True
+    except FileNotFoundError:
+        pass
+    return False
+
+
 @functools.cache
 def attention_mass_op():
     """``torch.ops.luka_bench.attention_mass``, built on the first call; None when disabled or the build failed."""
@@ -92,7 +111,12 @@ def attention_mass_op():
             digest, source = _stable_source()
             print(f"[luka_bench] loading the fused CPU attention kernel ({cap}; the first build takes ~30 s)",
                   file=sys.stderr, flush=True)
-            load(name=f"luka_bench_attention_mass_{cap.lower()}_{digest}", sources=[str(source)], extra_cflags=flags,
+            from torch.utils import cpp_extension
+
+            name = f"luka_bench_attention_mass_{cap.lower()}_{digest}"
+            with contextlib.suppress(Exception):  # where torch builds it (its own rule: root / python-and-device tag)
+                clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
+            load(name=name, sources=[str(source)], extra_cflags=flags,
                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             op = torch.ops.luka_bench.attention_mass
         except Exception as ex:  # no compiler, no OpenMP, ...: the pure-torch loop gives the same numbers
