@@ -350,6 +350,11 @@ class LayerPolicy:
         """Bytes of KV-like state the policy holds besides the store (e.g. summary keys/values)."""
         return 0
 
+    def buffer_bytes(self, store: "Store") -> int:
+        """Bytes the policy preallocates for its decode steps besides what it holds (scratch of a fixed-shape step):
+        declared, so that the allocation check (``owned.allocation``) can tell them from memory held unreported."""
+        return 0
+
     def capacity(self, store: "Store") -> int:
         return self.method.capacity(store.seen, store.reference_length)
 
@@ -443,6 +448,11 @@ class KVMethod:
         can, as SnapKV without a question does). The result is the same tokens kept either way
         (``tests/test_prefill_memory.py``); what changes is the peak memory of the prefill."""
         return type(self).after_prefill_cache is KVMethod.after_prefill_cache
+
+    def state_bytes(self, cache: "PromptCache") -> int:
+        """Bytes of the per-prompt tensors the method keeps in ``cache.state`` that are not KV it holds (not in
+        ``kv_bytes``: e.g. a RoPE table the model would hold anyway): declared for the allocation check."""
+        return 0
 
     def after_prefill_cache(self, cache: "PromptCache") -> None:
         """Cross-layer hook after the context prefill; the default runs every layer's policy (but for the layers that

@@ -346,6 +346,19 @@ class MethodCache:
     def held_bytes(self) -> int:
         return sum(s.held_bytes() + s.policy.extra_bytes() for s in self.stores)
 
+    def bookkeeping_bytes(self) -> int:
+        """The cache's own per-step tensors (the position counter, the per-step offsets, the shared held masks of
+        fixed-shape decode steps) and the per-prompt state its method declares (``KVMethod.state_bytes``): what
+        the allocation check (``owned.allocation``) expects besides the stores and the policies."""
+        step = [t for _, t in self._position.values()] + [v[2] for v in self._offsets.values()]
+        step += [m for m, _ in self._masks.values()]
+        # attended counts a policy gave as device tensors, resolved when read (``attended_stats``)
+        for row in self._attended_pending:
+            for count, extra, _, _ in row:
+                step += [t.total if isinstance(t, DeviceCount) else t for t in (count, extra)
+                         if isinstance(t, (DeviceCount, torch.Tensor))]
+        return sum(t.nbytes for t in step) + self.method.state_bytes(self)
+
     def allocated_bytes(self) -> int:
         return sum(s.allocated_bytes() for s in self.stores)
 

@@ -263,7 +263,7 @@ class KVStore:
     def keep(self, index: torch.Tensor, runs: tuple[tuple[int, int], ...] | None = None) -> None:
         """Keep only the held tokens at ``index`` (into the current ``n`` tokens): [m] for all heads alike, or
         [B, Hkv, m] per KV head. Order is preserved as given; pass sorted indices to keep time order. Storage
-        is reallocated (memory actually freed) when the kept part is under half of it. ``runs``: a 1-D ``index``
+        is reallocated (memory actually freed) as ``_shrinks`` says. ``runs``: a 1-D ``index``
         described as runs of consecutive tokens ((start, stop), ...) in its order (``keep_ends``): the positions
         are then kept as runs, no tensor."""
         # the kept positions from the index alone where no position was written yet (``LazyPositions.plan_keep``)
@@ -281,7 +281,7 @@ class KVStore:
             if pos is None:
                 pos = _rows(self._positions.table, flat, m)
             aux = {name: _rows(a, flat, m) for name, a in self._aux.items()}
-        if m < self._k.shape[2] // 2:
+        if self._shrinks(m):
             self._set_kv(k, v)
             self._positions.table = pos.contiguous() if shared is None else None
             self._aux = {name: a.contiguous() for name, a in aux.items()}
@@ -297,6 +297,19 @@ class KVStore:
         self._positions.shared = shared
         self.n = m
         self._recount_unheld()
+
+    def _shrinks(self, m: int) -> bool:
+        """Whether a keep of ``m`` tokens gets storage of its own (the memory freed): when it frees more than half
+        the storage, and, outside the decode phase (a prefill's compression), whenever the free slots left would
+        exceed what the growth rule leaves (``declared_room``): a method keeping 60 % of its prompt then holds 60 %
+        of its storage, not all of it. A decode step's keep keeps its storage (no copy per step)."""
+        return m < self._k.shape[2] // 2 or self._frees_room(m)
+
+    def _frees_room(self, m: int) -> bool:
+        """Outside the decode phase: keeping ``m`` tokens would leave more free slots than ``declared_room``."""
+        if self._cache_ref() is None or self.cache.phase == "decode":
+            return False
+        return self._k.shape[2] - m > self.declared_room(m)
 
     def _recount_unheld(self) -> None:
         """Head-wise budgets: the slots a head does not hold moved with the kept ones; count them again (a host read:
@@ -449,7 +462,7 @@ class KVStore:
         drop_to = self.n - tail
         if drop_to <= head:
             return
-        if drop_to - head < self._k.shape[2] // 2 and tail > 0:
+        if drop_to - head < self._k.shape[2] // 2 and tail > 0 and not self._frees_room(head + tail):
             # small drop (a decode step): shift the tail left in place, no new tensors of cache size
             self.settle_positions()
             for t, ax in self._token_tensors():
@@ -479,6 +492,38 @@ class KVStore:
             return 0
         pos = self._positions.nbytes()
         return self._k.nbytes + self._v.nbytes + pos + sum(a.nbytes for a in self._aux.values())
+
+    def declared_room(self, n: int | None = None) -> int:
+        """The free slots beyond ``n`` (default: the store's) the growth rule may leave (``append``: 1/16 more + 16
+        slots, rounded up to the policy's ``storage_multiple``): the decode headroom a store declares."""
+        n = self.n if n is None else n
+        return -(-n // 16) + 16 + self.policy.storage_multiple
+
+    def _slot_state_bytes(self) -> int:
+        """Bookkeeping bytes per slot over all rows and heads: the position table's and each ``aux``'s."""
+        b, h = self._k.shape[:2]
+        per = 8 if self._positions.table is not None else 0
+        return b * h * (per + sum(a.element_size() for a in self._aux.values()))
+
+    def bookkeeping_bytes(self) -> int:
+        """The store's own state besides keys and values, over the slots in use: the position table, the per-token
+        ``aux`` state, a shared position description, the index caches (``row_offsets``, ``head_index``) and the last
+        decode step's slot, keys and values (``static_slot``, ``static_kv``)."""
+        if self._k is None:
+            return 0
+        shared = self._positions.shared
+        small = sum(t.nbytes for c in (self._row_base, self._heads) if c is not None for t in c[1:])
+        step = [self.static_slot, *(self.static_kv or ())]  # the last decode step's slot and its keys and values
+        small += sum(t.nbytes for t in step if t is not None)
+        return self.n * self._slot_state_bytes() + (shared.nbytes if isinstance(shared, torch.Tensor) else 0) + small
+
+    def declared_headroom_bytes(self) -> int:
+        """Bytes of the free slots the store declares (``declared_room``, at most what it has), keys, values and
+        bookkeeping."""
+        if self._k is None:
+            return 0
+        free = min(self._k.shape[2] - self.n, self.declared_room())
+        return free * (self.token_bytes() + self._slot_state_bytes())
 
     def full_bytes(self) -> int:
         """What plain full attention would hold for this layer at the same logical length."""
