@@ -9,36 +9,42 @@ After the prefill of n0 tokens, per layer (``after_prefill``; reference L195-281
   them with the model's own rotary embedding at their positions (RoPE is a rotation: k = R(-p) R(p) k; its
   attention scaling divided out; ``KVStore.rope_cos_sin``), not by capturing them inside the model.
 - **Chunks and landmarks.** The first chunks = n0 // ``chunk`` - ``local_chunks`` chunks of ``chunk`` post-RoPE
-  keys each get a landmark, their mean key; the rest of the prompt (the last ``local_chunks`` chunks and the
-  remainder) is the *local* part, kept exact.
+  keys (positions 0..L0-1, L0 = chunks * ``chunk``) each get a landmark, their mean key; the rest of the prompt (the
+  last ``local_chunks`` chunks and the remainder) is the *local* part, kept exact.
 - **Outliers.** Per KV head, the ``outliers`` chunks whose lowest cosine between landmark and key is smallest are
   kept exact (keys and values copied into a buffer); the other chunks keep their landmark.
-- **Values** stay exact but, in the reference, offloaded (``v_cache_cpu``): read back only for the chunks selected.
+- **Values** of positions 0..L0-1 stay exact, taken by the policy (``V0``; offloaded in the reference,
+  ``v_cache_cpu``): read back only for the chunks selected.
+- **The store drops positions 0..L0-1** (``keep_ends``): it holds the local part and every later token, slot i at
+  position L0 + i (its logical length ``seen`` and the new tokens' RoPE positions unchanged).
 
 At every decode step, on every layer from ``full_layers`` on (reference: all layers; L283-334): per query head
 softmax(q . landmark * scaling) over the landmarks, max over the KV head's group of query heads; the top
 token_budget / chunk chunks per KV head are rebuilt as keys U[t] SV with RoPE applied at their positions t, their
-exact values gathered; attention (one softmax) over outliers + selected + local + every token after the prompt
-(generated or fed after the prefill, kept exact). The three prompt sets are disjoint: the selected chunks are drawn
-from the landmarks of the non-outlier chunks, which lie before the local part.
+exact values gathered from V0; attention (one softmax) over outliers + selected + local + every token after the
+prompt (generated or fed after the prefill, kept exact). The three prompt sets are disjoint: the selected chunks are
+drawn from the landmarks of the non-outlier chunks, which lie before the local part.
 
-Exact attention: the prefill, a multi-token chunk after it (the question: its tokens join the exact tail), a layer
-whose non-outlier chunks are fewer than token_budget / chunk (the reference asserts against it), and the first
+A multi-token chunk after the prefill (the question: its tokens join the exact tail) attends over what ShadowKV
+holds: the rebuilt keys (U SV, RoPE at their positions) of every position 0..L0-1 with V0, and the store's local
+part and tail, causal inside the chunk. Exact attention: the prefill, a layer whose non-outlier chunks are fewer
+than token_budget / chunk (the reference asserts against it; its store keeps every token), and the first
 ``full_layers`` layers.
 
-Memory: the store keeps every token exactly (the harness's storage, positions and probe read it); of the prompt's
-first chunks ShadowKV holds no key (they are the factors) and keeps the values off the device. ``method_stats``:
-``offloaded_bytes`` (the values of the prompt's chunks), ``harness_only_bytes`` (their exact keys, held for the
-harness only) and ``device_bytes`` (``real_bytes`` less both: local part, tail, factors, landmarks and outlier
-copies: ``extra_bytes``). The RoPE table (cos / sin per prompt position, shared by the layers; the reference uses the
-model's own rotary cache) is not counted.
+Memory: no exact key of positions 0..L0-1 is held anywhere (they are the factors; the outliers' copies excepted).
+``kv_bytes`` (``held_bytes``; the peak is taken from it) = the store (local part and tail) + ``extra_bytes``: U,
+[SV, rotate_half(SV)], the landmarks and their positions, the outlier copies, V0 and the RoPE table the decode step
+reads (cos / sin per prompt position in the keys' dtype, one per prompt shared by the layers, counted on the layer
+that made it; the reference reads the model's own rotary cache). ``method_stats``: ``offloaded_bytes`` (V0: the
+values the reference keeps off the GPU) and ``device_bytes`` (``real_bytes`` less them). A layer that stays exact
+(too short a prompt) keeps every token in its store.
 
 Shapes: query [B, Hq, 1, D]; U [B * n0, r]; SV and its rotate-half [B * Hkv, r, 2D]; landmarks [B, Hkv, Cl, D] with
-Cl = chunks - outliers; chunks read [B, Hkv, token_budget / chunk]. The decode step is fixed-shape and free of host
-syncs (``static_decode``): the tail is the store's storage from the local part on (free slots masked by the mask
-``DecodeStep.held_mask`` opens one slot per step for all layers), the rebuilt keys one GEMM of the gathered rows of
-U with [SV, rotate_half(SV)] (RoPE is linear: rotate_half(U SV) = U rotate_half(SV)) and one multiply-add with the
-gathered cos / sin rows.
+Cl = chunks - outliers; V0 [B, Hkv, L0, Dv]; chunks read [B, Hkv, token_budget / chunk]. The decode step is
+fixed-shape and free of host syncs (``static_decode``): the local part and tail are the store's whole storage (free
+slots masked by the mask ``DecodeStep.held_mask`` opens one slot per step for all layers), the rebuilt keys one GEMM
+of the gathered rows of U with [SV, rotate_half(SV)] (RoPE is linear: rotate_half(U SV) = U rotate_half(SV)) and one
+multiply-add with the gathered cos / sin rows, the values one row gather from V0.
 """
 from __future__ import annotations
 
@@ -48,7 +54,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from luka_bench.methods.attention import add_retrieval_spans, sdpa, timed_exact
+from luka_bench.methods.attention import add_retrieval_spans, causal_chunk_attention, sdpa, timed_exact
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 
 
@@ -62,27 +68,27 @@ def rotate_half(x: torch.Tensor, rot: int) -> torch.Tensor:
     return out
 
 
-def rope_table(store, n0: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, int]:
+def rope_table(store, n0: int, dtype: torch.dtype = torch.float32,
+               shared: bool = True) -> tuple[torch.Tensor, int, bool]:
     """([n0, 2D] (cos, sin) of the model's RoPE at the positions 0..n0-1 as the model applies it — its attention
-    scaling included; cos 1 and sin 0 beyond the rotary part — in ``dtype``, the rotary channels): shared by the
-    layers of one prompt (``MethodCache.state``)."""
+    scaling included; cos 1 and sin 0 beyond the rotary part — in ``dtype`` (made in fp32), the rotary channels,
+    whether this call made the shared one). ``shared``: one per prompt and dtype, shared by the layers
+    (``MethodCache.state``); else made for the caller alone."""
     key = ("shadowkv_rope", n0, dtype, store.device, store.policy.info.layer_type)  # Gemma3: a RoPE per layer type
-    got = store.cache.state.get(key)
-    if got is None:
-        if dtype != torch.float32:
-            table, rot = rope_table(store, n0)
-            got = (table.to(dtype), rot)
-        else:
-            d = store.keys.shape[-1]
-            cos, sin, scale = store.rope_cos_sin(torch.arange(n0, device=store.device).view(1, n0), scaled=True)
-            rot = cos.shape[-1]
-            table = torch.zeros(n0, 2 * d, device=store.device)
-            table[:, :d] = 1.0
-            table[:, :rot] = cos * scale
-            table[:, d: d + rot] = sin * scale
-            got = (table, rot)
-        store.cache.state[key] = got
-    return got
+    got = store.cache.state.get(key) if shared else None
+    if got is not None:
+        return got[0], got[1], False
+    d = store.keys.shape[-1]
+    cos, sin, scale = store.rope_cos_sin(torch.arange(n0, device=store.device).view(1, n0), scaled=True)
+    rot = cos.shape[-1]
+    table = torch.zeros(n0, 2 * d, device=store.device)
+    table[:, :d] = 1.0
+    table[:, :rot] = cos * scale
+    table[:, d: d + rot] = sin * scale
+    table = table.to(dtype)
+    if shared:
+        store.cache.state[key] = (table, rot)
+    return table, rot, shared
 
 
 def unrotate(keys: torch.Tensor, table: torch.Tensor, rot: int) -> torch.Tensor:
@@ -100,15 +106,17 @@ def unrotate(keys: torch.Tensor, table: torch.Tensor, rot: int) -> torch.Tensor:
 class ShadowKVPolicy(LayerPolicy):
     times_itself = True  # retrieval (choosing what to read) and attention (reading it), timed inside
 
-    static_decode = True  # the tail read from the store's whole capacity, free slots masked
+    static_decode = True  # the local part and tail read from the store's whole capacity, free slots masked
 
     def __init__(self, method: "ShadowKV", info: LayerInfo):
         super().__init__(method, info)
-        self.ready = False  # the prompt was factored: decode steps take the sparse path
+        self.ready = False  # the prompt was factored and its first L0 positions left the store
         self.n0 = self.L0 = self.rank = 0
-        self.U = self.W = self.lm = self.lm_base = self.outlier_kv = self.outlier_pos = None
+        self.U = self.W = self.lm = self.lm_base = self.outlier_kv = self.outlier_pos = self.V0 = None
+        self.rope_rows: torch.Tensor | None = None  # the shared RoPE table [n0, 2D] (``rope_table``)
+        self.rope_bytes = 0  # its bytes, on the layer that made it
         self.pos: torch.Tensor | None = None  # the last sparse step's selected token positions [B, Hkv, m]
-        self.n_read = 0
+        self.n_read = 0  # the store's n at the last sparse step
 
     # -- the prefill ---------------------------------------------------------------------------------------------
     def after_prefill(self, store) -> None:
@@ -120,13 +128,18 @@ class ShadowKVPolicy(LayerPolicy):
             return
         K = store.keys  # [B, Hkv, n0, D], post-RoPE keys, slot = position (nothing evicted)
         b, hkv, _, d = K.shape
-        table, rot = rope_table(store, n0)
+        # the RoPE table in the keys' dtype (as the model casts it), shared by the layers and kept for the decode
+        # steps (counted by the layer that made it); the un-rotation's fp32 one only for this call
+        self.rope_rows, rot, made = rope_table(store, n0, K.dtype)  # [n0, 2D]
+        self.rope_bytes = self.rope_rows.nbytes if made else 0
+        table = self.rope_rows if K.dtype == torch.float32 else rope_table(store, n0, shared=False)[0]
         # low-rank pre-RoPE keys: SVD of [n0, Hkv * D] per batch row (reference get_svd), kept to rank r
         pre = unrotate(K, table, rot).transpose(1, 2).reshape(b, n0, hkv * d)
         u, s, vh = torch.linalg.svd(pre, full_matrices=False)
         r = min(m.rank, hkv * d, n0)
         sv = (s[:, :r, None] * vh[:, :r]).view(b, r, hkv, d).transpose(1, 2)  # [B, Hkv, r, D]
-        self.U = u[:, :, :r].to(K.dtype).reshape(b * n0, r)
+        # a copy of U's r columns (a view would keep the SVD's whole U alive)
+        self.U = u[:, :, :r].to(K.dtype).contiguous().view(b * n0, r)
         self.W = torch.cat([sv, rotate_half(sv, rot)], dim=-1).to(K.dtype).reshape(b * hkv, r, 2 * d)
         self.rank, self.n0 = r, n0
         # chunks, landmarks (mean post-RoPE key) and outliers (lowest min cosine landmark-key; reference L236-245)
@@ -144,14 +157,31 @@ class ShadowKVPolicy(LayerPolicy):
         self.outlier_kv = (ok.clone(), ov.clone())
         self._ar = ar
         self._uoff = (torch.arange(b, device=K.device) * n0).view(b, 1, 1)  # each batch row's first row of U
-        self.rope_rows = rope_table(store, n0, K.dtype)[0]  # [n0, 2D] in the keys' dtype (as the model casts it)
-        self.L0 = chunks * cs  # the local part: slots L0..n0-1, then the tail
+        L0 = self.L0 = chunks * cs  # the local part: positions L0..n0-1, then the tail
+        # the values of positions 0..L0-1 (offloaded in the reference), rows of V0 per (batch row, KV head)
+        self.V0 = store.values[:, :, :L0].clone(memory_format=torch.contiguous_format)  # [B, Hkv, L0, Dv]
+        self._voff = (torch.arange(b * hkv, device=K.device) * L0).view(b, hkv, 1)
+        # positions 0..L0-1 leave the store: it reallocates to the n0 - L0 kept slots when they are under half its
+        # storage (whenever L0 exceeds the local part; at the defaults L0 >= 2432 against <= 39); otherwise it shifts
+        # them down in place and the freed slots take the next tokens
+        store.keep_ends(0, n0 - L0)
         self.ready = True
 
-    # -- the decode step ---------------------------------------------------------------------------------------
+    # -- attention -------------------------------------------------------------------------------------------
     def attend(self, store, query, scaling):
+        """Attention of ``query`` [B, Hq, Lq, D] (the store's last Lq tokens) over what the layer holds: the store
+        before the prompt was factored (exact); after it, the rebuilt keys (U SV, RoPE at their positions) of every
+        position 0..L0-1 with V0, then the store's local part and tail, causal inside the chunk — what ShadowKV
+        itself holds (a question after the prefill). Returns [B, Hq, Lq, Dv]."""
         self.pos = None
-        return timed_exact(store, query, scaling)
+        if not self.ready:
+            return timed_exact(store, query, scaling)
+        with store.cache.span("attention", query.device):
+            b, hkv = self.V0.shape[:2]
+            k0 = self.rebuilt_keys(store, torch.arange(self.L0, device=query.device).expand(b, hkv, self.L0))
+            keys = torch.cat([k0, store.keys], dim=2)
+            values = torch.cat([self.V0, store.values], dim=2)
+            return causal_chunk_attention(query, keys, values, scaling)
 
     def step(self, store, query, scaling, step):
         if not self.ready:
@@ -159,7 +189,7 @@ class ShadowKVPolicy(LayerPolicy):
         m = self.method
         t0 = store.cache.mark(query.device)
         b, hq, _, d = query.shape
-        Kst, Vst = store.storage()
+        Kst, Vst = store.storage()  # slot i: position L0 + i (the local part, then the tail)
         hkv, cap = Kst.shape[1], Kst.shape[2]
         g, cs = hq // hkv, m.chunk
         sets = m.token_budget // cs
@@ -175,20 +205,22 @@ class ShadowKVPolicy(LayerPolicy):
         kw = torch.bmm(u, self.W)  # [B * Hkv, w, 2D]: the pre-RoPE keys and their rotate-half
         cs_rows = self.rope_rows.index_select(0, pos.view(-1)).view(b * hkv, w, 2 * d)
         ksel = torch.addcmul(kw[..., :d] * cs_rows[..., :d], kw[..., d:], cs_rows[..., d:])
-        vsel = Vst.reshape(-1, Vst.shape[-1]).index_select(0, (pos + store.row_offsets()).view(-1))
+        dv = self.V0.shape[-1]
+        vsel = self.V0.view(-1, dv).index_select(0, (pos + self._voff).view(-1))  # rows of V0 [B * Hkv * L0, Dv]
         t1 = store.cache.mark(query.device)  # retrieval: the landmark scores, the top chunks and their keys rebuilt
         ok, ov = self.outlier_kv
         f = ok.shape[2]
-        keys = torch.cat([ok, ksel.view(b, hkv, w, d), Kst[:, :, self.L0: cap]], dim=2)
-        values = torch.cat([ov, vsel.view(b, hkv, w, -1), Vst[:, :, self.L0: cap]], dim=2)
-        width = f + w + cap - self.L0
-        mask = step.held_mask(store, "shadowkv", width, f + w + store.n - self.L0, 1, query.dtype).view(1, 1, 1, width)
+        keys = torch.cat([ok, ksel.view(b, hkv, w, d), Kst], dim=2)
+        values = torch.cat([ov, vsel.view(b, hkv, w, dv), Vst], dim=2)
+        width = f + w + cap
+        mask = step.held_mask(store, "shadowkv", width, f + w + store.n, 1, query.dtype).view(1, 1, 1, width)
         out = sdpa(query, keys, values, scaling, mask)
         add_retrieval_spans(store, t0, t1)
         return out
 
     def rebuilt_keys(self, store, pos: torch.Tensor) -> torch.Tensor:
-        """The keys the decode step rebuilds for the prompt positions ``pos`` [B, Hkv, m] (U SV, RoPE at ``pos``)."""
+        """The keys the decode step rebuilds for the prompt positions ``pos`` [B, Hkv, m] (U SV, RoPE at ``pos``):
+        [B, Hkv, m, D]."""
         b, hkv, w = pos.shape
         d = self.W.shape[-1] // 2
         u = self.U.index_select(0, (pos + self._uoff).reshape(-1)).view(b, hkv, w, self.rank)
@@ -204,33 +236,40 @@ class ShadowKVPolicy(LayerPolicy):
         return self.outlier_pos, self.pos, local
 
     def attended(self, store):
+        """The last sparse step's reads as a mask over the logical positions 0..L0 + n_read - 1 (not the store's
+        slots: positions 0..L0-1 are not in the store; slot i is position L0 + i): [B, Hkv, L0 + n_read], True on
+        the outliers, the selected chunks, the local part and the tail. None after ``attend``."""
         if self.pos is None:
             return None
         b, hkv = self.pos.shape[:2]
-        read = torch.zeros(b, hkv, self.n_read, dtype=torch.bool, device=self.pos.device)
+        read = torch.zeros(b, hkv, self.L0 + self.n_read, dtype=torch.bool, device=self.pos.device)
         read.scatter_(2, self.outlier_pos, True).scatter_(2, self.pos, True)
         read[:, :, self.L0:] = True  # the local part and the tail
         return read
 
     def attended_count(self, store):
-        if self.pos is None:
-            return float(store.n)
-        return float(self.outlier_pos.shape[2] + self.pos.shape[2] + self.n_read - self.L0)
+        if self.pos is None:  # attend: every held entry (the rebuilt prompt once factored)
+            return float(store.n + (self.L0 if self.ready else 0))
+        return float(self.outlier_pos.shape[2] + self.pos.shape[2] + self.n_read)
 
     # -- memory ----------------------------------------------------------------------------------------------
+    def extra_entries(self) -> int:
+        """Positions 0..L0-1, held besides the store (their value in V0, their key as a row of U), per KV head."""
+        return self.L0 if self.ready else 0
+
     def extra_bytes(self) -> int:
+        """Bytes held besides the store: U, [SV, rotate_half(SV)], the landmarks and their positions, the outlier
+        copies, V0 and, on the layer that made it, the RoPE table the layers share."""
         if not self.ready:
             return 0
-        held = [self.U, self.W, self.lm, self.lm_base, *self.outlier_kv]
-        return sum(t.nbytes for t in held)
+        held = [self.U, self.W, self.lm, self.lm_base, *self.outlier_kv, self.V0]
+        return sum(t.nbytes for t in held) + self.rope_bytes
 
     def report(self, store) -> dict[str, float]:
+        """``offloaded_bytes``: V0's bytes (the values the reference keeps off the GPU); ``rank``."""
         if not self.ready:
             return {}
-        b, hkv = store.keys.shape[:2]
-        k_bytes = self.L0 * b * hkv * store.keys.shape[-1] * store.keys.element_size()
-        v_bytes = self.L0 * b * hkv * store.values.shape[-1] * store.values.element_size()
-        return {"offloaded_bytes": float(v_bytes), "harness_only_bytes": float(k_bytes), "rank": float(self.rank)}
+        return {"offloaded_bytes": float(self.V0.nbytes), "rank": float(self.rank)}
 
 
 @dataclass
