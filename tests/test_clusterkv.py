@@ -36,16 +36,19 @@ def ids_of(n, seed=0):
 
 
 def slow_reference(q, K, V, scaling, pol):
-    """One decode query q [1, Hq, 1, D] over K/V [1, Hkv, n, D] in plain loops per query head, from the policy's
-    clusters (``assign``, centroids): rank the clusters by q . centroid, walk them listing members in position order
-    until token_budget - sink are taken, + sinks + every token from the prompt's end on; softmax over those.
+    """One decode query q [1, Hq, 1, D] over K/V [1, Hkv, n, D] in plain loops per query head, from the prompt's
+    clusters (``assign``, from its keys) and the policy's centroids: rank the clusters by q . centroid, walk them
+    listing members in position order until token_budget - sink are taken, + sinks + every token from the prompt's
+    end on; softmax over those.
     Returns (out [1, Hq, 1, D], read mask per KV head = union [1, Hkv, n], chosen prompt tokens per query head)."""
     m, P = pol.method, pol.prompt
     s, w = m.sink, m.token_budget - m.sink
     _, hq, _, d = q.shape
     hkv, n = K.shape[1], K.shape[2]
     g = hq // hkv
-    assign = pol.index["assign"][0]  # [Hkv, M]
+    # the clusters of each token: the policy keeps only the member list (as storage rows); the k-means is
+    # deterministic, so the same keys give the same clusters
+    assign = cluster_keys(K[:, :, s:P], m.clusters, m.iterations)["assign"][0]  # [Hkv, M]
     cent = pol.index["centroids"].transpose(1, 2)  # [Hkv, C, D]
     out = torch.empty(1, hq, 1, V.shape[-1])
     read = torch.zeros(1, hkv, n, dtype=torch.bool)

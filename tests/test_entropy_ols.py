@@ -133,7 +133,8 @@ def run_decode(model, method, ids, ctx, check=None):
 @pytest.mark.parametrize("mode", ["ols", "linear", "drop"])
 def test_budget_fair_real_accounting_every_step(mode, tiny_llama):
     """At every decode step: held tokens + synthetic entries <= capacity (FAIR); REAL bytes = store keys/values +
-    synthetic keys/values/biases (+ linear factors) + the reference-query buffer, counted by hand; the report's
+    synthetic keys/values/biases (+ linear factors) + their mass/entropy + the reference-query buffer, counted by
+    hand; the report's
     numbers are those; the post's FAIR budget is capacity - (bin_size - rank)."""
     model = tiny_llama.model
     m = EntropyOLS(budget=0.3, mode=mode, bin_size=8, rank=2, n_ref=4)
@@ -152,7 +153,8 @@ def test_budget_fair_real_accounting_every_step(mode, tiny_llama):
             assert p.extra_entries() == S * per
             syn = S * hkv * (2 * d * 4 + 4) + (S * hkv * m.rank * 2 * d * 4 if mode == "linear" else 0)
             assert p.synthetic_bytes() == syn
-            assert p.extra_bytes() == syn + hq * m.n_ref * d * 4
+            assert p.stats_bytes() == S * hkv * 2 * 4  # accumulated mass and inherited entropy, fp32
+            assert p.extra_bytes() == syn + p.stats_bytes() + hq * m.n_ref * d * 4
             seen_flush.append(p.stats["flushes"])
         rep = c.method_report()
         assert rep["fair_entries"] == sum(s.n + s.policy.extra_entries() for s in c.stores) / len(c.stores)

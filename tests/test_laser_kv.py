@@ -129,7 +129,9 @@ def test_exact_and_lsh_selection_equal_slow_reference(arch, alpha, qa, request):
     c = run_laser(model, m, ids, trace=True)
     st = c.state[STATE]
     assert math.floor(2 * r * S * L / (S + L)) == 18  # B = 18, A = W = 4, G = 10
-    ref = slow_selection(L, S, r, alpha, st["trace"], st["planes"], model.config.num_hidden_layers)
+    assert st["planes"] is None  # dropped after the prefill: the same ones are drawn again from the seed
+    planes = m.planes({"planes": None}, st["trace"][0]["q"].shape[-1], torch.device("cpu")) if alpha < 1 else None
+    ref = slow_selection(L, S, r, alpha, st["trace"], planes, model.config.num_hidden_layers)
     assert c.stores[0].positions[0, 0].tolist() == ref
 
 

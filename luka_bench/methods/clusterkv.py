@@ -44,6 +44,16 @@ from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolic
 from luka_bench.methods.kmeans import node_stats, spherical_kmeans
 
 
+def _storage_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes allocated for ``tensors`` (whole storages: a view costs what it views; each storage once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
 def cluster_keys(keys: torch.Tensor, clusters: int, iterations: int) -> dict[str, torch.Tensor]:
     """ClusterKV's index of keys [B, H, M, D] (the non-sink prompt, post-RoPE), per (batch, head) row R = B * H:
     ``assign`` [B, H, M] (cluster of each token), ``centroids`` [R, D, C] fp32 (mean of the members' keys, transposed
@@ -86,9 +96,11 @@ class ClusterKVPolicy(LayerPolicy):
         super().__init__(method, info)
         self.layout_events = 0  # clusterings (host_sync.events / launches.event_count): one per prompt
         self.prompt: int | None = None  # tokens held at the first decode step (None: not reached yet)
-        self.index: dict[str, torch.Tensor] | None = None  # cluster_keys' output (None: full attention)
+        # cluster_keys' output but ``assign`` (read only to list the members) and ``members`` (once ``_rows`` holds
+        # them as storage rows): centroids, size, first (None: full attention)
+        self.index: dict[str, torch.Tensor] | None = None
         self._layout: tuple | None = None  # (storage capacity, g) the tensors below fit
-        self._rows: torch.Tensor | None = None  # [R, 1, M] storage rows of the members
+        self._rows: torch.Tensor | None = None  # [R, 1, M] storage rows of the members (the index's member list)
         self._sink_rows = self._gen_rows = self._p = None  # [R, g, sink], [R, g, cap - P], [R, g, w]
         self.sel: torch.Tensor | None = None  # the last sparse step's selected rows [R, g, w] (None: all read)
         self.n_read = 0  # tokens held at that step
@@ -109,6 +121,7 @@ class ClusterKVPolicy(LayerPolicy):
             if self.prompt > m.token_budget:
                 with store.cache.span("index_build", query.device):
                     self.index = cluster_keys(store.keys[:, :, m.sink: self.prompt], m.clusters, m.iterations)
+                    del self.index["assign"]  # the members list it: a step never reads it
                 self.layout_events += 1
         if self.index is None:  # prompt <= token_budget: full attention (reference L247-249)
             return timed_exact(store, query, scaling)
@@ -123,7 +136,10 @@ class ClusterKVPolicy(LayerPolicy):
         r, dev, s, P = b * hkv, K.device, self.method.sink, self.prompt
         w = self.method.token_budget - s
         base = (torch.arange(r, device=dev) * cap).view(r, 1, 1)
-        self._rows = (base + s + self.index["members"][:, None]).contiguous()  # [R, 1, M]
+        members = self.index.pop("members", None)  # [R, M] at the clustering; later, from the rows of the old layout
+        if members is None:
+            members = (self._rows - (torch.arange(r, device=dev) * self._layout[0]).view(r, 1, 1) - s)[:, 0]
+        self._rows = (base + s + members[:, None]).contiguous()  # [R, 1, M]: the member list, as storage rows
         self._sink_rows = (base + torch.arange(s, device=dev)).expand(r, g, s)
         self._gen_rows = (base + torch.arange(P, cap, device=dev)).expand(r, g, cap - P)
         self._p = torch.arange(w, device=dev).expand(r, g, w).contiguous()
@@ -187,9 +203,18 @@ class ClusterKVPolicy(LayerPolicy):
         return DeviceCount(self._union().sum(), 1.0 / r, rest)
 
     def extra_bytes(self) -> int:
+        """The index a step reads: the centroids [R, D, C] fp32, the cluster sizes and first members [R, 1, C] and
+        the member list [R, M] (as storage rows, ``_rows``, once laid out)."""
         if self.index is None:
             return 0
-        return sum(self.index[k].nbytes for k in ("centroids", "size", "first", "members"))
+        members = self._rows if self._rows is not None else self.index["members"]
+        return sum(self.index[k].nbytes for k in ("centroids", "size", "first")) + members.nbytes
+
+    def buffer_bytes(self, store) -> int:
+        """The sparse step's fixed scratch, as allocated: the sinks' and the generated region's storage rows
+        ([R, 1, sink] and [R, 1, cap - P], expanded over the group), the positions 0..w-1 [R, g, w] and the last
+        step's selected rows ``sel`` [R, g, w] (kept for ``attended``)."""
+        return _storage_bytes(self._sink_rows, self._gen_rows, self._p, self.sel)
 
     def report(self, store) -> dict[str, float]:
         return {"clusters": float(self.clusters)}

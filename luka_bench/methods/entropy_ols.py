@@ -84,14 +84,27 @@ class EntropyOLSPolicy(LayerPolicy):
             total += self.la.nbytes + self.lb.nbytes
         return total
 
+    def stats_bytes(self) -> int:
+        """The synthetic entries' accumulated mass and inherited entropy [B, Hkv, S] (fp32): their binning priority,
+        as the store's ``aux`` is the raw tokens' (kept by every step, read by every re-binning)."""
+        return 0 if self.smass is None else self.smass.nbytes + self.sent.nbytes
+
     def extra_bytes(self) -> int:
-        return self.synthetic_bytes() + self._qbuf_bytes()
+        """What the policy holds besides the store: the synthetic entries (``synthetic_bytes``: keys, values, biases,
+        linear factors), their statistics (``stats_bytes``) and the reference-query ring (``_qbuf_bytes``)."""
+        return self.synthetic_bytes() + self.stats_bytes() + self._qbuf_bytes()
+
+    def buffer_bytes(self, store) -> int:
+        """The decode step's scratch (``_decode_attend``), as allocated: the logits buffer (grown by a quarter when
+        short: ``_logits``), the group-sum's ones and the 0-d zero."""
+        return sum(t.untyped_storage().nbytes() for t in (self._lbuf, self._ones_t, self._zero_t) if t is not None)
 
     def report(self, store) -> dict[str, float]:
         m = self.method
         cap = self.capacity(store)
         return {**self.stats, "synthetic_entries": float(self.extra_entries()),
                 "synthetic_bytes": float(self.synthetic_bytes()),
+                "synthetic_stats_bytes": float(self.stats_bytes()),
                 "query_buffer_bytes": float(self._qbuf_bytes()),
                 "store_bytes": float(store.held_bytes()),
                 # the post's FAIR formula, literally: k_budget - (bin_size - k_rank), per layer

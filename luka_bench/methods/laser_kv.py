@@ -191,6 +191,20 @@ class LaserKV(KVMethod):
             st["planes"] = torch.randn(self.lsh_tables, self.lsh_bits, dim, generator=gen, device=device)
         return st["planes"]
 
+    def after_prefill_cache(self, cache) -> None:
+        """After the prefill (every block selected in ``after_forward``): the per-layer hooks, then the per-prompt
+        scoring state is dropped — the random hyperplanes (``lsh_tables`` x ``lsh_bits`` x head_dim fp32) score the
+        prefill's blocks only; a decode step never reads them."""
+        super().after_prefill_cache(cache)
+        st = cache.state.get(STATE)
+        if st is not None:
+            st["planes"] = st["exact"] = st["lsh"] = None
+
+    def compresses_in_forward(self, cache) -> bool:
+        """As the default's (``after_prefill_cache`` above only frees the scoring state: it needs no layer's full
+        cache): the layers that compress inside the forward still do."""
+        return True
+
     # -- the block step ------------------------------------------------------------------------------------
     def after_forward(self, cache) -> None:
         if cache.phase != "prefill" or self.budget >= 1.0:

@@ -71,18 +71,20 @@ class LuKAPolicy(LayerPolicy):
         super().__init__(method, info)
         self.sk: list[torch.Tensor | None] = [None] * (method.levels + 1)  # sk[l]: level-l summary keys
         self.sv: list[torch.Tensor | None] = [None] * (method.levels + 1)
-        self.imp: list[torch.Tensor | None] = [None] * (method.levels + 1)  # accumulated mass per level-l node
+        # accumulated mass per level-l node: the compressor's weights of the level-(l+1) nodes, so kept for l < levels
+        # only (the top level's is never read)
+        self.imp: list[torch.Tensor | None] = [None] * (method.levels + 1)
         self.P = [0] * (method.levels + 2)  # P[l]: number of level-l nodes; P[levels+1] = 0
         self.steps = 0
-        self._last_p: torch.Tensor | None = None  # the fast path's resolved masses (last_masses, for tests)
-        self._last_total: torch.Tensor | None = None
+        self._last_total: torch.Tensor | None = None  # the general path's resolved masses (last_masses, for tests)
         # Decode fast path (one query, one level): the cover's keys/values [sink | page summaries | tail region |
         # scratch] in one buffer (``luka_cover.Cover``), updated when pages are made and written as tokens arrive, so
         # a step is one matmul over the cover instead of one per part.
         self.cover = Cover(method.sink, method.tail, method.page_size, method.compress_every)
         self.use_fast_path = True
         # What the last attend read (``attended``): None = every held token (exact attention), else
-        # (frontier, n, [(raw ids [B, Hkv, ...], valid [B, Hkv, ...])], summaries read per KV head)
+        # (frontier, n, [(raw ids [B, Hkv, ...], valid [B, Hkv, ...])] — the decode path: (its refined pages
+        # [B, Hkv, K], valid or None), resolved when asked —, summaries read per KV head)
         self._att: tuple | None = None
         self._att_count: float | None = None  # the decode path's attended count, when known without a mask
 
@@ -93,13 +95,38 @@ class LuKAPolicy(LayerPolicy):
         return self.method.sink + self.P[1] * self.method.page_size
 
     def extra_bytes(self) -> int:
+        """The summaries held: each level's P[l] keys and values (and, below the top level, their accumulated mass,
+        the next level's compressor weights) + the fast path's cover copies of its valid entries (``Cover.nbytes``).
+        """
         m = self.method
         total = 0
         for lvl in range(1, m.levels + 1):
             if self.sk[lvl] is not None:
                 per = self.sk[lvl][:, :, :1].nbytes + self.sv[lvl][:, :, :1].nbytes
+                if self.imp[lvl] is not None:
+                    per += self.imp[lvl][:, :, :1].nbytes
                 total += per * self.P[lvl]
         return total + self.cover.nbytes()  # the fast path's cover buffer holds copies: counted too
+
+    def buffer_bytes(self, store) -> int:
+        """Allocated beyond what ``extra_bytes`` counts, as allocated: each level's summary buffers' room past its
+        P[l] nodes (grown by half when short: ``_append``), the cover's free slots, room and the decode step's
+        scratch (``Cover.scratch_bytes``) and what the last step read (``attended``) and its masses."""
+        m = self.method
+        total = self.cover.scratch_bytes()
+        for lvl in range(1, m.levels + 1):
+            bufs = [t for t in (self.sk[lvl], self.sv[lvl], self.imp[lvl]) if t is not None]
+            total += sum(t.untyped_storage().nbytes() - t[:, :, :1].nbytes * self.P[lvl] for t in bufs)
+        # what the last step read (``attended``: its refined pages or raw ids) and its masses (``last_masses``)
+        last: dict[int, int] = {}
+        todo = [self._att, self._last_total]
+        while todo:
+            x = todo.pop()
+            if isinstance(x, (tuple, list)):
+                todo.extend(x)
+            elif isinstance(x, torch.Tensor):
+                last[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return total + sum(last.values())
 
     def _needs_mass(self) -> bool:
         return self.method.compressor in ("attention_weighted", "zero_value")
@@ -129,8 +156,8 @@ class LuKAPolicy(LayerPolicy):
         if self._att is None:
             return None
         fr, n, raw, _ = self._att
-        if callable(raw):  # the decode path resolves its refined pages' raw ids only when asked
-            raw = raw()
+        if isinstance(raw, tuple):  # the decode path's (pages, valid): their raw ids resolved only when asked
+            raw = self._decode_raw(*raw, self.method.page_size, self.method.sink)
         b, h = store.keys.shape[:2]
         hit = torch.zeros(b, h, store.n, dtype=torch.int32, device=store.device)
         hit[:, :, : self.method.sink] = 1
@@ -193,15 +220,17 @@ class LuKAPolicy(LayerPolicy):
             b, h = k.shape[:2]
             nk = k.new_empty(b, h, cap, k.shape[-1])
             nv = v.new_empty(b, h, cap, v.shape[-1])
-            ni = w.new_zeros(b, h, cap)
+            ni = w.new_zeros(b, h, cap) if lvl < self.method.levels else None
             if buf is not None:
                 nk[:, :, :cur] = buf[:, :, :cur]
                 nv[:, :, :cur] = self.sv[lvl][:, :, :cur]
-                ni[:, :, :cur] = self.imp[lvl][:, :, :cur]
+                if ni is not None:
+                    ni[:, :, :cur] = self.imp[lvl][:, :, :cur]
             self.sk[lvl], self.sv[lvl], self.imp[lvl] = nk, nv, ni
         self._combine(pi, k, self.sk[lvl][:, :, cur: cur + new])
         self._combine(pi, v, self.sv[lvl][:, :, cur: cur + new], value=value)
-        torch.sum(w, -1, out=self.imp[lvl][:, :, cur: cur + new])
+        if self.imp[lvl] is not None:
+            torch.sum(w, -1, out=self.imp[lvl][:, :, cur: cur + new])
         self.P[lvl] = cur + new
 
     def compress(self, store) -> None:
@@ -336,7 +365,7 @@ class LuKAPolicy(LayerPolicy):
                 logit.scatter_(-1, pidx, NEG)
             # what this step read (LayerPolicy.attended), resolved only when asked
             pages, valid = idx.view(b, hkv, k_sel), None if valid is None else valid.view(b, hkv, k_sel)
-            self._att = (fr, n, lambda: self._decode_raw(pages, valid, S, s0), P - k_sel if valid is None else valid)
+            self._att = (fr, n, (pages, valid), P - k_sel if valid is None else valid)
             if valid is None:
                 self._att_count = float(s0 + n - fr + KS)
             t2 = cache.mark(query.device)
@@ -348,7 +377,7 @@ class LuKAPolicy(LayerPolicy):
             t2 = cache.mark(query.device)
             p = torch.softmax(logit, -1)
             out = torch.bmm(p.to(cv.dtype), cv[:, :, :W].view(bh, W, -1))
-        self._last_p, self._last_total = p, None
+        self._last_total = None  # the step's masses are not kept (one softmax over cover + children: they sum to one)
         if self._needs_mass():
             # the raw tail's importance += its mass summed over the group's query heads: one batched GEMV that adds
             # into the accumulator (ones [1, g] @ p), instead of a sum and an add; over the whole tail region (its
@@ -376,9 +405,8 @@ class LuKAPolicy(LayerPolicy):
 
     @property
     def last_masses(self) -> torch.Tensor | None:
-        """For tests: the sum of the resolved masses per (KV head, query head, query) of the last attend."""
-        if self._last_p is not None:
-            return self._last_p.sum(-1).unsqueeze(-1)  # [B, Hkv, g, 1]
+        """For tests: the sum of the resolved masses per (KV head, query head, query) of the last attend through the
+        general path (``clustered``); None after a decode fast-path step, which keeps no per-step tensor."""
         return self._last_total
 
     def clustered(self, store, query, scaling):
@@ -474,12 +502,12 @@ class LuKAPolicy(LayerPolicy):
                     acc[:, :, p.lo: p.lo + mass.shape[-1]] += mass.sum(2)
                 elif p.level == 0:  # per query, distinct ids; queries share them: no float atomics (CUDA)
                     scatter_add_rows(acc, p.ids, mass)
-                elif p.level == 1:
+                elif p.level == 1 and self.imp[1] is not None:  # (levels 1: a page's mass is never read)
                     if p.ids is None:
                         self.imp[1][:, :, p.lo: p.lo + mass.shape[-1]] += mass.sum(2)
                     else:
                         scatter_add_rows(self.imp[1], p.ids, mass)
-        self._last_p, self._last_total = None, total
+        self._last_total = total
         t3 = cache.mark(dev)
         cache.add_span("attention", t0, t1)
         cache.add_span("attention", t2, t3)

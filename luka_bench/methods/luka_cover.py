@@ -44,6 +44,17 @@ class Cover:
         """Bytes of the copies it holds (its valid entries)."""
         return 0 if self.k is None else (self.k[:, :, :1].nbytes + self.v[:, :, :1].nbytes) * self.n
 
+    def scratch_bytes(self) -> int:
+        """Bytes it allocates beyond its valid entries (``nbytes``), as allocated: the buffer's free tail slots, the
+        refined pages' scratch and the room for later pages, and the step's logits buffer, ones and zero, the
+        pages' row offsets (not the store's row offsets it keys them by: the store's own)."""
+        if self.k is None:
+            return 0
+        kv = [self.kv] if self.kv is not None else [self.k, self.v]
+        scratch = [t for t in (self._lbuf, self._ones, self._zero) if t is not None]
+        scratch += [self._rows[2]] if self._rows is not None else []
+        return sum(t.untyped_storage().nbytes() for t in kv + scratch) - self.nbytes()
+
     def sync(self, store: Store, step: DecodeStep | None, sk: torch.Tensor, sv: torch.Tensor, P: int, fr: int,
              room: int) -> int:
         """Bring the buffer in sync with the store: ``sk`` / ``sv`` [B, Hkv, >= P, D] the ``P`` page summaries,

@@ -110,6 +110,23 @@ class LycheePolicy(LayerPolicy):
              self.c_members, self.c_start, self.c_count]
         return sum(x.nbytes for x in t if x is not None) + self.path.nbytes()  # + the decode path's tables
 
+    def buffer_bytes(self, store) -> int:
+        """Allocated beyond what ``extra_bytes`` counts, as allocated: the chunk keys' and assignments' room past the
+        M indexed chunks (``build`` / ``lazy_update``: M + max(64, M / 4) slots), what the last step chose (``_fast``
+        or its materialised ``last``; the chunker's boundaries there are the prompt's, ``Lychee.state_bytes``) and
+        the decode path's step buffers (``DecodePath.buffer_bytes``)."""
+        total = self.path.buffer_bytes()
+        if self.built:
+            total += sum(t.untyped_storage().nbytes() - t[:, :, : self.M].nbytes for t in (self.ck, self.assign))
+        ch = store.cache.state.get("lychee_chunker")
+        starts = None if ch is None else ch.starts.untyped_storage().data_ptr()
+        held = {}
+        for d in (self._fast, self._last):
+            for t in (d or {}).values():
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != starts:
+                    held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return total + sum(held.values())
+
     # -- hooks ---------------------------------------------------------------------------------------------
     def after_prefill(self, store) -> None:
         if store.n > self.method.token_budget:
@@ -518,6 +535,12 @@ class Lychee(KVMethod):
         if tokenizer is not self.tokenizer:
             self._tables = None
         self.tokenizer = tokenizer
+
+    def state_bytes(self, cache) -> int:
+        """The prompt's chunk boundaries (the ``Chunker`` every layer shares, in ``cache.state``): ``starts`` [M + 1],
+        ``lens`` [M] and each chunked token's chunk ``tok_chunk`` (int64)."""
+        ch = cache.state.get("lychee_chunker")
+        return 0 if ch is None else ch.nbytes()
 
     def level_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self._tables is None:

@@ -99,6 +99,10 @@ class Chunker:
         self.tok_chunk = torch.empty(0, dtype=torch.long, device=device)
         self.upto = 0  # advanced for this many seen tokens
 
+    def nbytes(self) -> int:
+        """Bytes of its tensors (``starts``, ``lens``, ``tok_chunk``), as allocated."""
+        return sum(t.untyped_storage().nbytes() for t in (self.starts, self.lens, self.tok_chunk))
+
     @property
     def n_chunks(self) -> int:
         return len(self.bounds) - 1

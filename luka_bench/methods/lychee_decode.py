@@ -39,6 +39,13 @@ class DecodePath:
         t += [self.lay[1]] if self.lay is not None else []
         return sum(x.nbytes for x in t if x is not None)
 
+    def buffer_bytes(self) -> int:
+        """The step's buffers (``buffers``: the query row, the units' comparison matrix, the additive mask and its
+        constants; ``cf``'s 0-dim tensor), as allocated: the policy's ``buffer_bytes``."""
+        t = list(self.buf[1:4]) + list(self.buf[4]) if self.buf is not None else []
+        t += [self.cf_t, self.no_bias]
+        return sum(x.untyped_storage().nbytes() for x in t if x is not None)
+
     def rebuild(self, units, clusters, ck: torch.Tensor, assign: torch.Tensor, parent: torch.Tensor,
                 tok_g: torch.Tensor) -> None:
         """After the index changed (build, lazy update): every node's scoring column in one table [B, H, D + g + 1,
