@@ -40,6 +40,7 @@ CASES = [
     pytest.param("luka_mixed", id="luka_mixed"),
     pytest.param("oracle_topk", id="oracle_topk"),
     pytest.param("quest", id="quest"),
+    pytest.param(("quest", {"select": "evaluation"}), id="quest-evaluation"),  # the reference's accuracy rule
     pytest.param("arkvale", id="arkvale"),
     pytest.param("shadowkv", id="shadowkv"),
     pytest.param("clusterkv", id="clusterkv"),
@@ -91,7 +92,8 @@ def test_two_steady_steps_dispatch_the_same_ops_on_the_same_shapes_without_a_syn
     """Steady: a step with no event (compression, flush, chunk closing); two are compared when they change the
     tokens held alike (with ``budget`` a fraction of the tokens seen, one step in 1/budget grows a fixed-capacity
     method's capacity by one: that step is compared with none)."""
-    rows = _steps(llama.model, instantiate(sync_method_config(name), _convert_="all"), llama.tokenizer)
+    name, overrides = name if isinstance(name, tuple) else (name, {})
+    rows = _steps(llama.model, instantiate(sync_method_config(name, overrides), _convert_="all"), llama.tokenizer)
     steady = [i for i, r in enumerate(rows) if i and not r[4]]
     grew = [[a - b for a, b in zip(r[3], r[2])] for r in rows]
     pairs = [(i, i + 1) for i in steady if i + 1 in steady and grew[i] == grew[i + 1]]

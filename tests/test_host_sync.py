@@ -50,6 +50,7 @@ VARIANTS = [(p.stem, {}) for p in sorted(CONF.glob("*.yaml"))] + [
     ("entropy_ols", {"mode": "linear"}),
     ("entropy_ols", {"mode": "drop"}),
     ("h2o", {"decay": 0.9}),
+    ("quest", {"select": "evaluation"}),  # the reference's accuracy-evaluation rule
 ]
 
 
