@@ -131,6 +131,44 @@ def release_memory() -> None:
         pass
 
 
+MMAP_THRESHOLD = 65536  # bytes: an allocation at least this large is its own mapping, returned to the OS when freed
+_STEADY = [False]
+
+
+def steady_allocator() -> bool:
+    """With ``LUKA_BENCH_ALLOCATOR=steady``: make the process's CPU memory peak follow what is alive, once per process
+    (the harness calls it when a method is attached to a model on the CPU; unset or ``default``: the process is left as
+    it is — the setting costs speed, ``docs/speed.md``): glibc's mmap threshold fixed at ``MMAP_THRESHOLD`` or
+    ``LUKA_BENCH_MMAP_THRESHOLD`` bytes (``mallopt``: glibc otherwise raises it to the size of each large block freed, up to 32 MB, so
+    that later blocks of that size come from the heap, whose freed pages stay resident — how much depends on the
+    order of frees, and identical processes peaked apart) and MKL's buffer cache off (``mkl_serv_disable_fast_mm``,
+    exported by torch's CPU library: each thread otherwise keeps its GEMM packing buffers). Returns whether anything
+    was set (False: not asked for, already set, not glibc and no MKL symbol)."""
+    import os
+
+    if _STEADY[0] or os.environ.get("LUKA_BENCH_ALLOCATOR", "default") != "steady":
+        return False
+    _STEADY[0] = True
+    done = False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        threshold = int(os.environ.get("LUKA_BENCH_MMAP_THRESHOLD", MMAP_THRESHOLD))
+        done = bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
+    try:
+        import ctypes
+
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        lib.mkl_serv_disable_fast_mm()
+        done = True
+    except (OSError, AttributeError):  # no MKL inside torch's CPU library
+        pass
+    return done
+
+
 def memory_mark(device) -> int:
     """Start a peak measurement on ``device``: the high-water mark reset (the allocator's on CUDA, the process RSS's on
     the CPU) and the bytes in use now returned, for ``peak_growth``."""

@@ -352,3 +352,34 @@ def test_a_stale_kernel_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     os.utime(lock, (old, old))
     assert clear_stale_lock(tmp_path) and not lock.exists()
     assert not clear_stale_lock(tmp_path)  # none there: nothing to do
+
+
+def test_the_steady_allocator_is_set_once_per_process_and_can_be_turned_off(monkeypatch):
+    """``steady_allocator``: with ``LUKA_BENCH_ALLOCATOR=steady``, glibc's mmap threshold fixed and MKL's buffer cache
+    off, once per process (attaching a method calls it); unset or ``default`` leaves the process as it is."""
+    import ctypes
+
+    monkeypatch.setattr(devices, "_STEADY", [False])
+    calls = []
+    real = ctypes.CDLL
+
+    class Lib:
+        def __init__(self, name):
+            self.name, self.lib = name, real(name)
+
+        def __getattr__(self, fn):
+            if fn not in ("mallopt", "mkl_serv_disable_fast_mm"):
+                return getattr(self.lib, fn)
+            return lambda *a: calls.append((fn, a)) or 1
+
+    monkeypatch.setattr(ctypes, "CDLL", Lib)
+    monkeypatch.delenv("LUKA_BENCH_ALLOCATOR", raising=False)
+    assert devices.steady_allocator() is False and not calls
+    monkeypatch.setenv("LUKA_BENCH_ALLOCATOR", "default")
+    assert devices.steady_allocator() is False and not calls
+    monkeypatch.setenv("LUKA_BENCH_ALLOCATOR", "steady")
+    assert devices.steady_allocator() is True
+    assert ("mallopt", (-3, devices.MMAP_THRESHOLD)) in calls
+    assert [c for c in calls if c[0] == "mkl_serv_disable_fast_mm"] or not torch.backends.mkl.is_available()
+    n = len(calls)
+    assert devices.steady_allocator() is False and len(calls) == n  # once per process

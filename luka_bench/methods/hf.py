@@ -44,6 +44,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
+from luka_bench.device import steady_allocator
+
 from .attention import sdpa
 from .base import KVMethod, LayerInfo
 from .cache import _CHUNK_THREAD, MethodCache, replay_forward, run_policy  # noqa: F401  (importable from the glue)
@@ -320,6 +322,8 @@ def attach(model: PreTrainedModel, method: KVMethod, tokenizer=None):
     through one of its caches (``Attached.new_cache``) runs the method, ``model.generate`` included.
     ``tokenizer`` reaches the method through ``KVMethod.bind`` (methods that chunk by token strings need it)."""
     register()
+    if model.device.type == "cpu":  # LUKA_BENCH_ALLOCATOR=steady: a peak that follows what is alive (once per process)
+        steady_allocator()
     if tokenizer is not None or method.tokenizer is None:
         method.bind(tokenizer)
     previous = model.config._attn_implementation
