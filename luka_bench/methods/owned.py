@@ -10,10 +10,10 @@ method object (shared by every prompt) are not walked.
 
 - ``kv_bytes`` (``cache.held_bytes()``: what the stores' heads hold + each policy's ``extra_bytes``), less what the
   method says it holds for the harness only (``harness_only_bytes`` in its report);
-- the bookkeeping: the stores' (``KVStore.bookkeeping_bytes``: the position table and the per-token ``aux`` state over
+- the bookkeeping: the stores' (``bookkeeping_bytes``: the position table and the per-token ``aux`` state over
   the slots in use, index caches, the last step's slot) and the cache's (``MethodCache.bookkeeping_bytes``: per-step
   tensors, shared masks, and the per-prompt state the method declares, ``KVMethod.state_bytes``);
-- the decode headroom each store declares (``KVStore.declared_headroom_bytes``: the slots its growth rule may leave
+- the decode headroom each store declares (``declared_headroom_bytes``: the slots its growth rule may leave
   free beyond those in use, with their bookkeeping), and each policy's declared decode buffers
   (``LayerPolicy.buffer_bytes``).
 
@@ -84,6 +84,35 @@ def owned_tensors(cache) -> dict[tuple, tuple[str, int]]:
     return out
 
 
+def _slot_state_bytes(store) -> int:
+    """A store's bookkeeping bytes per slot over all rows and heads: the position table's and each ``aux``'s."""
+    b, h = store._k.shape[:2]
+    per = 8 if store._positions.table is not None else 0
+    return b * h * (per + sum(a.element_size() for a in store._aux.values()))
+
+
+def bookkeeping_bytes(store) -> int:
+    """A store's own state besides keys and values, over the slots in use: the position table, the per-token ``aux``
+    state, a shared position description, the index caches (``row_offsets``, ``head_index``) and the last decode
+    step's slot, keys and values (``static_slot``, ``static_kv``)."""
+    if store._k is None:
+        return 0
+    shared = store._positions.shared
+    small = sum(t.nbytes for c in (store._row_base, store._heads) if c is not None for t in c[1:])
+    step = [store.static_slot, *(store.static_kv or ())]
+    small += sum(t.nbytes for t in step if t is not None)
+    return store.n * _slot_state_bytes(store) + (shared.nbytes if isinstance(shared, torch.Tensor) else 0) + small
+
+
+def declared_headroom_bytes(store) -> int:
+    """Bytes of the free slots a store declares (``KVStore.declared_room``, at most what it has): keys, values and
+    bookkeeping."""
+    if store._k is None:
+        return 0
+    free = min(store._k.shape[2] - store.n, store.declared_room())
+    return free * (store.token_bytes() + _slot_state_bytes(store))
+
+
 def allocation(cache) -> dict:
     """The cache's allocated bytes against its reported and declared bytes: ``allocated`` (every storage it reaches,
     once), ``reported`` (``kv_bytes`` less harness-only bytes), ``bookkeeping``, ``headroom`` (declared: the stores'
@@ -101,7 +130,7 @@ def allocation(cache) -> dict:
         owners.setdefault(owner, [0, 0])[0] += b
     bookkeeping = headroom = 0
     for i, s in enumerate(cache.stores):
-        book, room, buf = s.bookkeeping_bytes(), s.declared_headroom_bytes(), s.policy.buffer_bytes(s)
+        book, room, buf = bookkeeping_bytes(s), declared_headroom_bytes(s), s.policy.buffer_bytes(s)
         owners.setdefault(f"store[{i}]", [0, 0])[1] += s.held_bytes() + book + room
         owners.setdefault(f"policy[{i}]", [0, 0])[1] += s.policy.extra_bytes() + buf
         bookkeeping += book

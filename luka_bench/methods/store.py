@@ -499,32 +499,6 @@ class KVStore:
         n = self.n if n is None else n
         return -(-n // 16) + 16 + self.policy.storage_multiple
 
-    def _slot_state_bytes(self) -> int:
-        """Bookkeeping bytes per slot over all rows and heads: the position table's and each ``aux``'s."""
-        b, h = self._k.shape[:2]
-        per = 8 if self._positions.table is not None else 0
-        return b * h * (per + sum(a.element_size() for a in self._aux.values()))
-
-    def bookkeeping_bytes(self) -> int:
-        """The store's own state besides keys and values, over the slots in use: the position table, the per-token
-        ``aux`` state, a shared position description, the index caches (``row_offsets``, ``head_index``) and the last
-        decode step's slot, keys and values (``static_slot``, ``static_kv``)."""
-        if self._k is None:
-            return 0
-        shared = self._positions.shared
-        small = sum(t.nbytes for c in (self._row_base, self._heads) if c is not None for t in c[1:])
-        step = [self.static_slot, *(self.static_kv or ())]  # the last decode step's slot and its keys and values
-        small += sum(t.nbytes for t in step if t is not None)
-        return self.n * self._slot_state_bytes() + (shared.nbytes if isinstance(shared, torch.Tensor) else 0) + small
-
-    def declared_headroom_bytes(self) -> int:
-        """Bytes of the free slots the store declares (``declared_room``, at most what it has), keys, values and
-        bookkeeping."""
-        if self._k is None:
-            return 0
-        free = min(self._k.shape[2] - self.n, self.declared_room())
-        return free * (self.token_bytes() + self._slot_state_bytes())
-
     def full_bytes(self) -> int:
         """What plain full attention would hold for this layer at the same logical length."""
         if self._k is None:
