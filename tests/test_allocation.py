@@ -31,15 +31,7 @@ def explain(a: dict) -> str:
             f"{a['bookkeeping']}, headroom {a['headroom']}): x{a['ratio']:.3f}; largest: {top}")
 
 
-# storage as wide as the layer's widest head: the slots a head does not hold stay allocated (issue 61's storage per
-# head group is not built yet): each must fail the check until it is (strict)
-WIDE = {"duo_attention": "streaming heads unhold, storage stays as wide as the retrieval heads'",
-        "razor_attention": "non-retrieval heads unhold, storage stays as wide as the retrieval heads'",
-        "adakv": "storage padded to the layer's longest head"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=WIDE[n])) if n in WIDE
-                                  else n for n in METHOD_CONFIGS])
+@pytest.mark.parametrize("name", METHOD_CONFIGS)
 def test_every_method_allocates_what_it_reports(name, tiny_gqa3):
     method = instantiate(sync_method_config(name), _convert_="all")
     prefill, decode, _ = measured(tiny_gqa3, method)

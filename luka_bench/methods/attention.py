@@ -166,6 +166,9 @@ def exact_attention(store: HeldKV, query: torch.Tensor, scaling: float,
     """Exact attention of the last query chunk over everything the store holds — each KV head over its own tokens
     where head-wise budgets left some heads holding fewer (``head_mask``). A long prefill chunk after a prefix
     (no window, no head-wise budgets) takes ``causal_chunk_attention``: no mask over the whole chunk."""
+    packed = getattr(store, "packed", None)  # head-wise budgets in storage of their own width (``methods/packed.py``)
+    if packed is not None:
+        return packed.attend(query, scaling, query.shape[2])
     held = store.head_mask() if hasattr(store, "head_mask") else None  # a bare HeldKV has no head-wise budgets
     lq, n = query.shape[2], store.n
     if held is None and 1 < lq < n and lq * n > MASK_BLOCK_ELEMENTS and fused_masked_gqa(query.device) and \

@@ -45,7 +45,8 @@ fixed-shape decode              ``LayerPolicy.step`` (a decode step's attention,
 eviction during decode          ``MovingStore`` (``evict_into``, ``move_last_into``, ``rotate_keys``,
                                 ``set_next_position``), ``LayerPolicy.moves_tokens_every_step``. Slots leave time
                                 order after a move: read ``positions``.
-per-head budgets                ``HeadBudgetStore`` (``keep_heads``, ``unhold``); ``ScorerPolicy.head_capacities``.
+per-head budgets                ``HeadBudgetStore`` (``keep_heads``, ``unhold``, ``pack``, ``slide_windows``);
+                                ``ScorerPolicy.head_capacities``.
 entries held outside the store  ``LayerPolicy.extra_bytes`` / ``extra_entries`` / ``attended_extra``; ``AccountedStore``.
                                 LuKA's summaries, entropy_ols's synthetic pairs: ``attention_with_extra`` attends over
                                 the held tokens plus such entries in one softmax; they count in ``kv_bytes`` (REAL

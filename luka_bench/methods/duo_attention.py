@@ -15,8 +15,10 @@ pattern for smoke tests with no learned meaning (its results are not DuoAttentio
 Memory is freed per head with the store's head-wise budgets: on a layer with both kinds, the streaming heads stop
 holding the slots between their sinks and their recent window (``KVStore.unhold``: masked out of their attention,
 out of ``kv_bytes`` and the held counts), after the prefill and after every later forward (as the reference's
-streaming heads keep a fixed sink + recent cache while decoding; kvpress masks only the prefill's middle); the
-storage stays as wide as the retrieval heads need. A layer of streaming heads only is StreamingLLM's policy with a
+streaming heads keep a fixed sink + recent cache while decoding; kvpress masks only the prefill's middle), and the
+layer is then packed (``KVStore.pack``, ``methods/packed.py``): each streaming head's segment is as wide as its sinks,
+its window and its decode room, each retrieval head's as its whole cache — the reference's two caches, in one
+storage tensor. A layer of streaming heads only is StreamingLLM's policy with a
 capacity of ``sink + recent`` (physically evicted); a layer of retrieval heads only is full attention.
 """
 from __future__ import annotations
@@ -85,6 +87,9 @@ class DuoPolicy(StreamingPolicy):
         return super().capacity(store)
 
     def _unhold(self, store) -> None:
+        if store.packed is not None:  # the windows slide in the packed storage
+            store.slide_windows()
+            return
         target = store.n - self.method.recent
         if target > self._dropped:
             b = store.keys.shape[0]
@@ -92,6 +97,9 @@ class DuoPolicy(StreamingPolicy):
                 self._heads = torch.tensor(self.row, dtype=torch.bool, device=store.device)[None].expand(b, -1)
             store.unhold(self._dropped, target, self._heads, b * sum(self.row))
             self._dropped = target
+            # the streaming heads' freed slots leave the storage: each head group in storage of its own width
+            m = self.method
+            store.pack(windows=[(m.sink, m.recent) if s else None for s in self.row])
 
     def after_prefill(self, store) -> None:
         if self.mode == "streaming":

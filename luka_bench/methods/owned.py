@@ -95,6 +95,11 @@ def bookkeeping_bytes(store) -> int:
     """A store's own state besides keys and values, over the slots in use: the position table, the per-token ``aux``
     state, a shared position description, the index caches (``row_offsets``, ``head_index``) and the last decode
     step's slot, keys and values (``static_slot``, ``static_kv``)."""
+    if store.packed is not None:  # the packing's bias (H / R entries a slot) and positions over the held slots, its bases
+        p = store.packed
+        held = p.held_total(store.seen)
+        small = sum(t.nbytes for t in p.small() if t is not None)
+        return held * (p.bias.element_size() * p.H // p.R + p.pos.element_size()) + small
     if store._k is None:
         return 0
     shared = store._positions.shared
@@ -107,6 +112,12 @@ def bookkeeping_bytes(store) -> int:
 def declared_headroom_bytes(store) -> int:
     """Bytes of the free slots a store declares (``KVStore.declared_room``, at most what it has): keys, values and
     bookkeeping."""
+    if store.packed is not None:  # each segment's free slots (at most ``declared_room`` of the longest head) and bookkeeping
+        p = store.packed
+        per_head = store.token_bytes() // (p.B * p.H) + p.bias.element_size() * p.H // p.R + p.pos.element_size()
+        room = store.declared_room(store.n)
+        free = sum(min(p.cap[b][h] - p.held(b, h, store.seen), room) for b in range(p.B) for h in range(p.H))
+        return free * per_head
     if store._k is None:
         return 0
     free = min(store._k.shape[2] - store.n, store.declared_room())

@@ -170,13 +170,26 @@ class MovingStore(Protocol):
 class HeadBudgetStore(Protocol):
     """Capability *per-head budgets*: KV heads of one layer holding different numbers of tokens (AdaKV,
     DuoAttention, RazorAttention). Rules: the slots a head does not hold are masked out of attention
-    (``head_mask``) and out of every count; ``held_per_head`` is the mean count per KV head."""
+    (``head_mask``) and out of every count; ``held_per_head`` is the mean count per KV head. Memory: ``keep_heads``
+    packs what the heads hold (``packed``: storage as wide as each head's tokens, ``methods/packed.py``); a policy
+    that unholds calls ``pack`` once its heads' shares are set (with ``windows`` for heads that keep only their sinks
+    and last tokens, slid by ``slide_windows`` after every forward). Packed, a store appends, attends
+    (``exact_attention``) and reports; any other operation unpacks it first (``unpack``: a copy back to the classic
+    layout; refused for a packing with windows)."""
+
+    packed: "object | None"  # the PackedHeads of a packed store, None in the classic layout
 
     def keep_heads(self, index: torch.Tensor, held: torch.Tensor) -> None: ...
 
     def unhold(self, start: int, stop: int, heads: torch.Tensor, count: int) -> None: ...
 
     def held_per_head(self) -> float: ...
+
+    def pack(self, windows: list[tuple[int, int] | None] | None = None, bias: str | None = None) -> bool: ...
+
+    def unpack(self) -> None: ...
+
+    def slide_windows(self) -> None: ...
 
 
 class FixedShapeStore(Protocol):

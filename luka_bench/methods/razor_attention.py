@@ -24,7 +24,8 @@ so that identical dropped tokens are attended exactly. The compensation token si
 dropped slot) and its bias in a per-token additive mask (``aux`` "razor_bias": 0 held, log |D| the compensation
 token, -inf a slot the head dropped). Memory: a layer with no retrieval head keeps only those tokens (physically
 evicted, ``KVStore.keep``); a mixed layer's non-retrieval heads stop holding the dropped slots (``KVStore.unhold``,
-head-wise budgets: out of ``kv_bytes`` and every count; the storage stays as wide as the retrieval heads need).
+head-wise budgets: out of ``kv_bytes`` and every count) and the layer is packed (``KVStore.pack``): each head's
+tokens in a segment of its own width, the bias carried with them (``methods/packed.py``).
 
 **Decode:** Algorithm 1 compresses the prompt's cache once; generated tokens are appended to every head and kept
 (no sliding window during the decode): a step is one SDPA with the layer's bias as its mask, no host sync.
@@ -197,6 +198,7 @@ class RazorPolicy(LayerPolicy):
             store.keep_ends(first, n - stop)
         else:
             store.unhold(first, stop, other, b * sum(not r for r in retrieval))
+            store.pack(bias=BIAS)  # the compressed heads' freed slots leave the storage (``methods/packed.py``)
         self.dropped = d
 
     def after_prefill(self, store) -> None:
@@ -205,7 +207,7 @@ class RazorPolicy(LayerPolicy):
         self.compress(store, [(li, h) in heads for h in range(self.info.num_kv_heads)])
 
     def attend(self, store, query, scaling):
-        if not self.dropped:
+        if not self.dropped or store.packed is not None:  # packed: the bias is the packing's (``exact_attention``)
             return exact_attention(store, query, scaling)
         b, hq, lq, d = query.shape
         hkv = store.keys.shape[1]

@@ -4,17 +4,17 @@ tokens with. ``luka_bench.methods.hf`` makes it a transformers cache layer (``Ca
 """
 from __future__ import annotations
 
-import inspect
 import weakref
 
 import torch
 
-from .base import LayerPolicy, MethodConfigError
+from .base import LayerPolicy
+from . import packed as packed_store, rope
+from .packed import UNHELD, PackedHeads  # UNHELD: True on a slot its head does not hold (``keep_heads``)
 from .protocols import PromptCache
 from .positions import LazyPositions, write_position
 
 
-UNHELD = "unheld"  # per-token state of head-wise budgets: True on a slot its head does not hold (``keep_heads``)
 
 
 def _stackable(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -38,6 +38,7 @@ class KVStore:
     # prefill holds ~6 % unused, not 25 % (a reallocation every ~n/16 steps copies n slots: 16 per step, amortised);
     # storage shrinks when an eviction frees more than half
     GROWTH = 1.0625
+    PACK_HEADS = True  # head-wise budgets packed (``pack``); False: the classic layout (the tests' reference)
 
     def __init__(self, policy: LayerPolicy, cache: "PromptCache"):
         # keys/values are views of the storage (properties below), never attributes
@@ -71,6 +72,7 @@ class KVStore:
         self._unheld = 0
         self.compressed_in_forward = False  # the policy's after_prefill ran inside the prefill's last forward
         self.pos_shift = 0  # seen - the position the next token gets (StreamingLLM's positions=cache); 0: logical
+        self.packed: PackedHeads | None = None  # head-wise budgets packed (``pack``): then ``_k``, ``_v``, ``_kv`` None
 
     # The cache owns its stores; a strong reference back would make every cache a reference cycle, freed only by
     # Python's cyclic garbage collector, which runs on object counts, not bytes: a run answering 200 questions
@@ -90,6 +92,8 @@ class KVStore:
     # -- views ---------------------------------------------------------------------------------------------
     @property
     def keys(self) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.view(self.seen)["keys"]
         return self._k[:, :, : self.n]
 
     @keys.setter
@@ -99,6 +103,8 @@ class KVStore:
 
     @property
     def values(self) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.view(self.seen)["values"]
         return self._v[:, :, : self.n]
 
     @values.setter
@@ -109,11 +115,14 @@ class KVStore:
     @property
     def positions(self) -> torch.Tensor:
         """Logical position of each held token, [B, Hkv, n] (int64)."""
+        if self.packed is not None:
+            return self.packed.view(self.seen)["positions"]
         return self._positions.read(self.n, self._k, self._due_cache())
 
     def positions_before(self, stop: int) -> torch.Tensor:
         """Positions of the held tokens in slots ``:stop`` (``stop < n``), without writing a decode step's pending
         position (the last slot's): for an eviction that moves that token and writes its position where it lands."""
+        self.unpack()
         return self._positions.before(stop, self.n, self._k)
 
     def _due_cache(self) -> "PromptCache | None":
@@ -128,7 +137,7 @@ class KVStore:
     def end_forward(self) -> None:
         """The layer's forward is over: a decode step's pending position joins the run of unwritten positions when it
         continues it — no kernel — and is written otherwise (``LazyPositions.end_forward``)."""
-        if self._positions.due is not None:
+        if self.packed is None and self._positions.due is not None:
             self._positions.end_forward(self.n, self.policy.moves_tokens_every_step, self._k, self.cache)
 
     def aux(self, name: str, dtype: torch.dtype = torch.float32, zero_new: bool = True,
@@ -139,6 +148,7 @@ class KVStore:
         entry itself in the forward that appended it (one kernel fewer per step where it writes them anyway).
         ``whole``: the whole capacity [B, Hkv, cap] (entries from n on are 0 and must stay 0: a policy that adds
         over a fixed span, so that its steps have the same shapes, adds 0 there)."""
+        self.unpack()
         if name not in self._aux:
             b, h, cap = self._k.shape[:3]
             self._aux[name] = torch.zeros(b, h, cap, dtype=dtype, device=self._k.device)
@@ -148,7 +158,7 @@ class KVStore:
 
     @property
     def device(self) -> torch.device:
-        return self._k.device
+        return self.packed.kv.device if self.packed is not None else self._k.device
 
     @property
     def reference_length(self) -> int:
@@ -193,8 +203,11 @@ class KVStore:
             self._kv, self._k, self._v = None, k.contiguous(), v.contiguous()
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.end_forward()  # a previous decode step's position, if its forward did not end through run_policy
         L = key_states.shape[2]
+        if self.packed is not None:
+            packed_store.append_store(self, key_states, value_states)
+            return
+        self.end_forward()  # a previous decode step's position, if its forward did not end through run_policy
         need = self.n + L
         if self._k is None or need > self._k.shape[2]:
             cap = need if self._k is None else max(need, int(self._k.shape[2] * self.GROWTH) + 16)
@@ -226,22 +239,22 @@ class KVStore:
         self.seen += L
 
     def keep_heads(self, index: torch.Tensor, held: torch.Tensor) -> None:
-        """Head-wise budgets: keep, per KV head, the tokens at ``index`` [B, Hkv, m] whose entry of ``held`` [B, Hkv, m]
-        (bool) is True — a head holding fewer than m fills its other entries with any slot (they are masked). The
-        store's storage is m slots wide (the longest head's count); attention reads each head's own tokens only
-        (``head_mask``), and ``held_bytes``, ``held_per_head`` and the attended counts count what each head holds.
-        One host read of the count (a prefill-time compression, not a decode step)."""
+        """Head-wise budgets: keep, per KV head, the tokens at ``index`` [B, Hkv, m] whose entry of ``held`` (bool, same
+        shape) is True (a head holding fewer fills its other entries with any slot), then pack them (``pack``: storage
+        as wide as what the heads hold; attention, ``head_mask`` and every count read each head's own tokens). One
+        host read of the count (a prefill-time compression, not a decode step)."""
         self.keep(index)
         unheld = ~held
         self.aux(UNHELD, dtype=torch.bool)[:, :, : self.n] = unheld
         self._unheld = int(unheld.sum())
+        self.pack()
 
     def unhold(self, start: int, stop: int, heads: torch.Tensor, count: int) -> None:
         """Head-wise budgets without moving a token: the heads flagged in ``heads`` [B, Hkv] (bool) stop holding the
         slots ``start:stop`` (masked out of their attention, left out of every count, as ``keep_heads``'s unheld
         slots); ``count`` is the number of flagged heads over all batch rows (a host number the caller knows: no
-        read of ``heads``). One in-place op, no host sync (DuoAttention's streaming heads: sinks + recent window).
-        The slots stay allocated: a head holding more (a retrieval head) keeps the storage that wide."""
+        read of ``heads``). One in-place op, no host sync; the slots stay allocated until the policy calls ``pack``."""
+        self.unpack()
         if stop <= start:
             return
         unheld = self.aux(UNHELD, dtype=torch.bool)
@@ -251,10 +264,14 @@ class KVStore:
     def head_mask(self) -> torch.Tensor | None:
         """[B, Hkv, n] bool, True where the head holds the slot; None when every head holds all n (no head-wise
         budget in play): attention then needs no mask for it."""
+        if self.packed is not None:
+            return self.packed.view(self.seen)["mask"]
         return None if not self._unheld else ~self.aux(UNHELD, dtype=torch.bool)
 
     def held_per_head(self) -> float:
         """Tokens held per KV head, mean over batch rows and heads (``n`` unless head-wise budgets differ)."""
+        if self.packed is not None:
+            return self.packed.held_total(self.seen) / (self.packed.B * self.packed.H)
         if not self._unheld:
             return float(self.n)
         b, h = self._k.shape[:2]
@@ -266,6 +283,7 @@ class KVStore:
         is reallocated (memory actually freed) as ``_shrinks`` says. ``runs``: a 1-D ``index``
         described as runs of consecutive tokens ((start, stop), ...) in its order (``keep_ends``): the positions
         are then kept as runs, no tensor."""
+        self.unpack()
         # the kept positions from the index alone where no position was written yet (``LazyPositions.plan_keep``)
         pos, shared = self._positions.plan_keep(index, runs, self.n, self._k, self._due_cache())
         if index.dim() == 1:
@@ -299,10 +317,9 @@ class KVStore:
         self._recount_unheld()
 
     def _shrinks(self, m: int) -> bool:
-        """Whether a keep of ``m`` tokens gets storage of its own (the memory freed): when it frees more than half
-        the storage, and, outside the decode phase (a prefill's compression), whenever the free slots left would
-        exceed what the growth rule leaves (``declared_room``): a method keeping 60 % of its prompt then holds 60 %
-        of its storage, not all of it. A decode step's keep keeps its storage (no copy per step)."""
+        """Whether a keep of ``m`` tokens gets storage of its own (the memory freed): when it frees more than half the
+        storage, or outside the decode phase when more free slots would be left than ``declared_room`` (a decode
+        step's keep keeps its storage: no copy per step)."""
         return m < self._k.shape[2] // 2 or self._frees_room(m)
 
     def _frees_room(self, m: int) -> bool:
@@ -326,6 +343,7 @@ class KVStore:
         fixed-size writes, no shift, no host sync. Slots are not in time order afterwards; positions (and keys:
         cached after RoPE) move with their tokens, so attention is unchanged, and a policy that needs time order
         reads ``positions``."""
+        self.unpack()
         P = self._positions
         P.settle_run(self.n, self._k)
         n = self.n
@@ -377,6 +395,7 @@ class KVStore:
         ``may_be_last``: ``slot`` may also be the last slot itself (the newest token is the one dropped, TOVA's
         decode step): the newest token is copied first (one copy more per storage tensor), so that it can be
         written onto itself; ``n`` shrinking then drops it."""
+        self.unpack()
         P = self._positions
         P.settle_run(self.n, self._k)
         n = self.n
@@ -411,6 +430,7 @@ class KVStore:
     def gather_stacked(self, flat: torch.Tensor, m: int) -> torch.Tensor | None:
         """``gather_flat``'s keys and values as one tensor [2, B, Hkv, m, D] (one copy moves both), or None where
         they are stored apart."""
+        self.unpack()
         if self._kv is None:
             return None
         b, h, cap, d = self._k.shape
@@ -427,17 +447,20 @@ class KVStore:
         """Keys and values over the whole allocated capacity [B, Hkv, cap, D] (slots from ``n`` on are free: zero
         or a dropped token's, always finite): for a policy that attends over a fixed shape with the free slots
         masked, so that consecutive decode steps have the same shapes (``LayerPolicy.static_decode``)."""
+        self.unpack()
         return self._k, self._v
 
     def stacked(self, start: int, stop: int) -> torch.Tensor | None:
         """Keys and values of the held slots ``start:stop`` as one view [2, B, Hkv, stop - start, D] of the stacked
         storage (one copy moves both), or None where they are stored apart (their shapes or dtypes differ)."""
+        self.unpack()
         return None if self._kv is None else self._kv[:, :, :, start:stop]
 
     def pages(self, start: int, size: int) -> torch.Tensor | None:
         """The stacked storage from slot ``start`` on as pages of ``size`` slots, keys and values together: a view
         [2, B * Hkv, pages, size * D] (page p of a head: slots start + p * size ...), for a policy that gathers whole
         pages in one kernel; None where keys and values are stored apart."""
+        self.unpack()
         if self._kv is None:
             return None
         _, b, h, cap, d = self._kv.shape
@@ -459,6 +482,7 @@ class KVStore:
 
     def keep_ends(self, head: int, tail: int) -> None:
         """Keep the first ``head`` and the last ``tail`` held tokens, drop the rest (all heads alike)."""
+        self.unpack()
         drop_to = self.n - tail
         if drop_to <= head:
             return
@@ -474,20 +498,39 @@ class KVStore:
                            torch.arange(drop_to, self.n, device=self.device)])
         self.keep(index, runs=((0, head), (drop_to, self.n)))
 
+    def pack(self, windows: list[tuple[int, int] | None] | None = None, bias: str | None = None) -> bool:
+        """Head-wise budgets: what each head holds into storage of its own width (``packed.pack_store``)."""
+        return packed_store.pack_store(self, windows, bias)
+
+    def unpack(self) -> None:
+        """Back to the classic layout for an operation the packed storage does not do: ``packed.unpack_store``."""
+        packed_store.unpack_store(self)
+
+    def slide_windows(self) -> None:
+        """Packed storage with windows: what left a window head's window in this forward stops being held."""
+        packed_store.slide_store(self)
+
     def token_bytes(self) -> int:
         """Bytes of one token's keys and values over all heads of this layer."""
+        if self.packed is not None:
+            p = self.packed
+            return p.B * p.H * 2 * p.kv.shape[-1] * p.kv.element_size()
         b, h, _, dk = self._k.shape
         return b * h * (dk + self._v.shape[-1]) * self._k.element_size()
 
     def held_bytes(self) -> int:
         """Bytes of keys and values actually held (the live part of the storage; with head-wise budgets, each
         head's own tokens: ``allocated_bytes`` counts the slots a shorter head leaves unused)."""
+        if self.packed is not None:
+            return self.packed.held_total(self.seen) * self.token_bytes() // (self.packed.B * self.packed.H)
         if self._k is None:
             return 0
         b, h = self._k.shape[:2]
         return (self.n * b * h - self._unheld) * self.token_bytes() // (b * h)
 
     def allocated_bytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.nbytes()
         if self._k is None:
             return 0
         pos = self._positions.nbytes()
@@ -501,7 +544,7 @@ class KVStore:
 
     def full_bytes(self) -> int:
         """What plain full attention would hold for this layer at the same logical length."""
-        if self._k is None:
+        if self._k is None and self.packed is None:
             return 0
         w = self.policy.info.sliding_window
         held = self.seen if w is None else min(self.seen, w - 1)
@@ -514,6 +557,8 @@ class KVStore:
         self.append(key_states, value_states)
         if self.cache.observer is not None:  # the fidelity probe reads what this forward added
             self.last_update = (key_states, value_states)
+        if self.packed is not None:  # our attention function reads the packed storage, not these
+            return key_states, value_states
         if self.static_slot is not None:
             # transformers hands these to our attention function, which reads the store instead: a static decode
             # step returns the whole storage, so that no view of a step-dependent length is made in the step
@@ -526,24 +571,10 @@ class KVStore:
         return self.seen - self.pos_shift
 
     def rotate_keys(self, start: int, stop: int, delta: int | torch.Tensor) -> None:
-        """Move the held keys ``start:stop`` (stored after RoPE) by ``delta`` positions in place: RoPE rotations
-        compose, R(p + delta) k = R(delta) R(p) k, so a key rotated for position p becomes the key for p + delta
-        (the model's own rotary embedding gives cos/sin of ``delta``; its attention scaling divided out; the
-        rotate-half layout of Llama / Qwen / Mistral / Gemma; a partial rotary dimension rotates only its part).
-        ``delta``: one number for all, or one per key [B, Hkv, stop - start] (FINCH's re-rotation to new positions)."""
-        per_key = isinstance(delta, torch.Tensor)
-        if stop <= start or (not per_key and delta == 0):
-            return
-        k = self._k[:, :, start:stop]
-        if per_key:
-            cos, sin = self.rope_cos_sin(delta.to(k.device, torch.long).reshape(1, -1))  # [B*Hkv*m, rot]
-            cos, sin = cos.reshape(*k.shape[:3], -1), sin.reshape(*k.shape[:3], -1)
-        else:
-            cos, sin = self.rope_cos_sin(torch.full((1, 1), delta, device=k.device, dtype=torch.long))  # [1, rot]
-        rot, half = cos.shape[-1], cos.shape[-1] // 2
-        x = k[..., :rot].float()
-        out = x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-        self._k[:, :, start:stop, :rot] = out.to(k.dtype)
+        """Move the held keys ``start:stop`` (stored after RoPE) by ``delta`` positions in place (one number, or one per
+        key [B, Hkv, stop - start]): ``rope.rotate_keys``."""
+        self.unpack()
+        rope.rotate_keys(self, start, stop, delta)
 
     def set_next_position(self, position: int) -> None:
         """The next token appended gets logical position ``position`` (transformers' ``cache_position`` follows it:
@@ -552,30 +583,12 @@ class KVStore:
         self.pos_shift = self.seen - position
 
     def rope_cos_sin(self, positions: torch.Tensor, scaled: bool = False) -> tuple[torch.Tensor, ...]:
-        """The model's rotary embedding at ``positions`` [1, m] (int64): (cos, sin) [m, rot] fp32 with its attention
-        scaling divided out (a pure rotation; the rotate-half layout of Llama / Qwen / Mistral / Gemma; ``rot`` the
-        rotary part of the head dimension). ``scaled``: (cos, sin, scaling) as the model applies them, unscaled."""
-        model = self.cache.model
-        if model is None:  # a cache made without its model (the probe's replay)
-            raise MethodConfigError(f"method={self.policy.method.name} needs the model's rotary embedding, and this "
-                                    "cache has no model (the probe replays without one); allowed: a cache made by "
-                                    "new_cache(model, method)")
-        rope = getattr(getattr(model, "model", model), "rotary_emb", None)
-        if rope is None:
-            raise RuntimeError(f"{type(model).__name__} has no model.rotary_emb: keys cannot be re-rotated")
-        x = self._k[:1, :1, :1].float() if self._k is not None else torch.zeros(1, device=positions.device)
-        layer_type = self.policy.info.layer_type
-        if "layer_type" in inspect.signature(rope.forward).parameters:  # one RoPE per layer type (Gemma3)
-            cos, sin = rope(x, positions, layer_type=layer_type)  # [1, m, rot]
-            scale = getattr(rope, f"{layer_type}_attention_scaling", None)
-        else:
-            cos, sin = rope(x, positions)
-            scale = getattr(rope, "attention_scaling", None)
-        scale = float(scale or 1.0)
-        cos, sin = cos[0].float() / scale, sin[0].float() / scale
-        return (cos, sin, scale) if scaled else (cos, sin)
+        """The model's rotary embedding at ``positions`` [1, m]: (cos, sin) [m, rot] fp32, a pure rotation
+        (``scaled``: with the model's attention scaling as a third item): ``rope.rope_cos_sin``."""
+        return rope.rope_cos_sin(self, positions, scaled)
 
     def reset(self) -> None:
+        self.packed = None
         self._unheld = 0
         self._k = self._v = self._kv = None
         self._positions.reset()
