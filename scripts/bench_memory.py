@@ -23,7 +23,8 @@ prefills in chunks of that many tokens (``prefill_chunk``: layer by layer for a 
 the prefill), ``<name>@<chunk>/chunkwise`` chunk by chunk through every layer (``layer_major=False``). The table
 (``--markdown``) gives each method's growth, its ratio to full attention's and the KV it holds over full's at each N
 (below 1: a compressing method), then names the compressing methods that peak above full attention; ``--plot`` draws
-peak growth against context length, one line per method. ``--json`` keeps every measurement, with the bytes of free
+per method (sorted) and length its peak over full attention's beside the KV it holds over full's, kvpress's rows
+marked. ``--json`` keeps every measurement, with the bytes of free
 chunks in glibc's heap at the reset (``heap_free_bytes``: the history a process's measured work can land in).
 
     .venv/bin/python scripts/bench_memory.py --lengths 8192 16384 --repeats 3 \\
@@ -357,28 +358,67 @@ def held_fraction(r: dict, full: dict | None) -> float | None:
     return r["kv_bytes"] / whole if r.get("kv_bytes") is not None and whole else None
 
 
+def plot_points(rows: list[dict], methods: list[str]) -> tuple[list[str], list[int], dict]:
+    """What ``plot`` draws: the methods sorted by peak over full attention's at the longest N (lowest first; a
+    method not measured there by its shortest-N ratio), the lengths, and {(method, N): (peak / full, held / full)}
+    (held None where unknown). A row needs a full row at its N (ours, else kvpress's)."""
+    med = {(r["method"], r["n"]): r for r in rows}
+    lengths = sorted({r["n"] for r in rows})
+    pts = {}
+    for (m, n), r in med.items():
+        f = med.get(("full", n)) or med.get((KVPRESS + "full", n))
+        if m in methods and f and f["median"]:
+            pts[(m, n)] = (r["median"] / f["median"], held_fraction(r, f))
+    order = [m for m in methods if any((m, n) in pts for n in lengths)]
+
+    def key(m):
+        got = [pts[(m, n)][0] for n in reversed(lengths) if (m, n) in pts]
+        return (got[0], m)
+
+    return sorted(order, key=key), lengths, pts
+
+
 def plot(rows: list[dict], methods: list[str], path: str) -> None:
+    """One row per method (sorted by peak / full at the longest N), one colour per context length: a filled dot at the
+    prefill's peak over full attention's, a hollow diamond at the KV it holds over full's, a line between them (what
+    the method computes or keeps beside its KV during the prefill); kvpress's rows named in italics with square
+    dots; a dashed line at full attention (1.0)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4 + 2.2 * (len(methods) > 12), 4.2 + 1.0 * (len(methods) > 12)))
-    colors = plt.get_cmap("tab20").colors
-    for i, m in enumerate(methods):
-        pts = sorted((r["n"], r["median"] / 1e9) for r in rows if r["method"] == m)
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m,
-                    linestyle="--" if m == "full" else ":" if m.startswith(KVPRESS) else "-" if i < 20 else "-.",
-                    color="black" if m == "full" else colors[i % len(colors)])
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("peak memory growth over the prefill + 2 steps (GB)")
-    ax.set_title("Prefill peak per method (median over processes)")
-    ax.grid(alpha=0.3)
-    if len(methods) > 12:  # many methods: the legend beside the axes, not over the lines
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 + (len(methods) > 24))
-    else:
-        ax.legend(fontsize=8)
+    order, lengths, pts = plot_points(rows, methods)
+    fig, ax = plt.subplots(figsize=(9.6, 1.6 + 0.27 * len(order)))
+    colors = plt.get_cmap("tab10").colors
+    span = 0.36 / max(1, len(lengths) - 1) if len(lengths) > 1 else 0.0
+    for j, n in enumerate(lengths):
+        c = colors[j % len(colors)]
+        dy = (j - (len(lengths) - 1) / 2) * span
+        for i, m in enumerate(order):
+            if (m, n) not in pts:
+                continue
+            peak, held = pts[(m, n)]
+            y = i + dy
+            if held is not None:
+                ax.plot([min(peak, held), max(peak, held)], [y, y], color=c, alpha=0.35, linewidth=1.5)
+                ax.plot([held], [y], marker="D", markersize=5, markerfacecolor="none", markeredgecolor=c)
+            ax.plot([peak], [y], marker="s" if m.startswith(KVPRESS) else "o", markersize=6, color=c,
+                    label=f"N = {n}: peak / full" if i == 0 else None)
+        ax.plot([], [], marker="D", linestyle="none", markerfacecolor="none", markeredgecolor=c,
+                label=f"N = {n}: KV held / full")
+    ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
+    ax.set_yticks(range(len(order)))
+    ax.set_yticklabels(order, fontsize=8)
+    for t, m in zip(ax.get_yticklabels(), order):
+        if m.startswith(KVPRESS):
+            t.set_fontstyle("italic")
+    ax.invert_yaxis()
+    ax.set_xlabel("over full attention's (1.0 = full): prefill peak growth (dots; squares: kvpress) and KV held "
+                  "(diamonds)", fontsize=8)
+    ax.set_title("Prefill peak and KV held per method, over full attention's", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, over no row
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

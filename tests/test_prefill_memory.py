@@ -380,3 +380,26 @@ def test_a_method_row_can_carry_its_settings():
     assert bench.parse_method("finch,chunk=512@4096") == ("finch,chunk=512", 4096, True)
     with pytest.raises(SystemExit, match="seed is not key=value; allowed: <config>"):
         bench.method_settings("duo_attention,seed")
+
+
+def test_the_memory_figure_sorts_methods_by_peak_over_full_and_pairs_it_with_the_held_kv(tmp_path):
+    """``bench_memory.plot_points`` (what the figure draws): per method and N the peak over full attention's and the KV
+    held over full's, methods sorted by the longest N's peak ratio; kvpress's rows over kvpress's full where ours is
+    missing; the figure is written."""
+    from conftest import load_script
+
+    bench = load_script("bench_memory")
+
+    def row(method, n, median, kv, full_kv=1000):
+        return {"method": method, "n": n, "median": median, "min": median, "max": median, "tensor_median": None,
+                "kv_bytes": kv, "kv_bytes_full": full_kv}
+
+    rows = [row("full", 8, 100e6, 1000), row("snapkv", 8, 46e6, 125), row("duo", 8, 90e6, 520),
+            row("full", 16, 200e6, 2000, 2000), row("snapkv", 16, 92e6, 250, 2000), row("duo", 16, 120e6, 1040, 2000),
+            {**row("kvpress:snapkv", 16, 94e6, 250), "kv_bytes_full": None}]
+    order, lengths, pts = bench.plot_points(rows, ["full", "duo", "snapkv", "kvpress:snapkv", "absent"])
+    assert order == ["snapkv", "kvpress:snapkv", "duo", "full"] and lengths == [8, 16]
+    assert pts[("duo", 16)] == (0.6, 0.52) and pts[("snapkv", 8)] == (0.46, 0.125)
+    assert pts[("kvpress:snapkv", 16)] == (0.47, 0.125)  # held over our full row's KV
+    bench.plot(rows, ["full", "duo", "snapkv", "kvpress:snapkv"], str(tmp_path / "m.png"))
+    assert (tmp_path / "m.png").stat().st_size > 10_000
