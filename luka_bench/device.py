@@ -142,8 +142,8 @@ def steady_allocator() -> bool:
     ``LUKA_BENCH_MMAP_THRESHOLD`` bytes (``mallopt``: glibc otherwise raises it to the size of each large block freed, up to 32 MB, so
     that later blocks of that size come from the heap, whose freed pages stay resident — how much depends on the
     order of frees, and identical processes peaked apart) and MKL's buffer cache off (``mkl_serv_disable_fast_mm``,
-    exported by torch's CPU library: each thread otherwise keeps its GEMM packing buffers). Returns whether anything
-    was set (False: not asked for, already set, not glibc and no MKL symbol)."""
+    exported by torch's CPU library: each thread otherwise keeps its GEMM packing buffers; ``LUKA_BENCH_MKL_CACHE=keep``
+    leaves it on). Returns whether anything was set (False: not asked for, already set, not glibc and no MKL symbol)."""
     import os
 
     if _STEADY[0] or os.environ.get("LUKA_BENCH_ALLOCATOR", "default") != "steady":
@@ -158,6 +158,8 @@ def steady_allocator() -> bool:
         done = bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):  # not glibc
         pass
+    if os.environ.get("LUKA_BENCH_MKL_CACHE", "off") == "keep":  # a sensitivity setting: MKL's buffers kept
+        return done
     try:
         import ctypes
 

@@ -22,6 +22,7 @@ implementation is switched once per prefill or decode round, never inside a time
     .venv/bin/python scripts/bench_decode.py                                # every method, N = 2K, 8K, 16K
     .venv/bin/python scripts/bench_decode.py --lengths 8192 --methods luka_clustered --steps 64 --threads 2
     .venv/bin/python scripts/bench_decode.py --methods luka_clustered --set refine.k=3 compressor=mean
+    .venv/bin/python scripts/bench_decode.py --lengths 8192 --methods duo_attention,pattern_seed=0 adakv
 
 On a GPU: ``--model shape_llama31_8b --device cuda --dtype bfloat16`` (a real-shape random-weight model: no hub,
 no weights; byte-level token ids). Times are taken after ``torch.cuda.synchronize()``; each method also reports
@@ -64,10 +65,12 @@ def all_methods() -> list[str]:
 
 
 def compose_method(name: str, sets: list[str], model: list[str] = ()):
-    """The method ``name`` (``--set`` overrides apply to luka_clustered only) and the model config (``model``:
-    overrides such as ``model=shape_llama31_8b``, ``model.dtype=bfloat16``)."""
-    return _conf.compose_method([f"method={name}", *model]
-                                + ([f"method.{s}" for s in sets] if name == "luka_clustered" else []))
+    """The method ``name`` (``--set`` overrides apply to luka_clustered only; ``<name>,key=value,...`` sets the
+    method's keys: ``duo_attention,pattern_seed=0``) and the model config (``model``: overrides such as
+    ``model=shape_llama31_8b``, ``model.dtype=bfloat16``)."""
+    base, *own = name.split(",")
+    return _conf.compose_method([f"method={base}", *model, *(f"method.{kv}" for kv in own)]
+                                + ([f"method.{s}" for s in sets] if base == "luka_clustered" else []))
 
 
 class Stock:
@@ -148,7 +151,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     known = all_methods()
     names = [m for m in (args.methods or known) if m not in REFS]
-    bad = [m for m in names if m not in known]
+    bad = [m for m in names if m.split(",")[0] not in known]
     if bad:
         sys.exit(f"--methods {' '.join(bad)}: unknown; allowed: stock, {', '.join(known)}")
     models = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
