@@ -450,6 +450,11 @@ class KVMethod:
         (``tests/test_prefill_memory.py``); what changes is the peak memory of the prefill."""
         return type(self).after_prefill_cache is KVMethod.after_prefill_cache
 
+    def batch_refusal(self) -> str | None:
+        """Why this method cannot run a batch of rows through one cache (the one-line refusal's reason), or None: it
+        decides per row (``tests/test_batch_rows.py`` checks every row equals the same prompt run alone)."""
+        return None
+
     def state_bytes(self, cache: "PromptCache") -> int:
         """Bytes of the per-prompt tensors the method keeps in ``cache.state`` that are not KV it holds (not in
         ``kv_bytes``: e.g. a RoPE table the model would hold anyway): declared for the allocation check."""

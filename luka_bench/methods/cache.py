@@ -178,7 +178,7 @@ class MethodCache:
         if self.phase == "prefill" and not self.manual:  # this forward (its last chunk) ends the prefill
             self.in_forward = self.method.compresses_in_forward(self)
         missing = self.seen + length - len(self.token_ids)
-        if missing > 0 and input_ids is not None:
+        if missing > 0 and input_ids is not None and input_ids.shape[0] == 1:  # a batch's rows: no one list of ids
             self.token_ids.extend(int(i) for i in input_ids[0, -missing:].tolist())
 
     def _note_attended(self) -> None:
@@ -276,6 +276,11 @@ class MethodCache:
         if self.model is None:
             raise RuntimeError("scratch_forward needs a cache made by new_cache(model, method)")
         start = self.reference_length if start is None else int(start)
+        first = self.stores[0]
+        rows = first.packed.B if first.packed is not None else first._k.shape[0] if first._k is not None else 1
+        if rows != 1:
+            raise ValueError(f"method={self.method.name}: a scratch forward (question-aware scoring, the tail rule) "
+                             f"runs one row, and this cache holds {rows}; allowed: a batch of 1")
         saved = [(s.n, s.seen) for s in self.stores]
         phase, self.phase = self.phase, "scratch"
         for s in self.stores:

@@ -103,6 +103,9 @@ class Finch(KVMethod):
             raise MethodConfigError(f"method.full_layers={self.full_layers} with method.rerotate=true: every layer's "
                                     "positions must move together; allowed: full_layers=0, or rerotate=false")
 
+    def batch_refusal(self) -> str | None:
+        return "its question lies inside the prompt at one span per cache"
+
     def check_layer(self, info: LayerInfo) -> None:
         if self.rerotate and info.sliding_window is not None:
             raise MethodConfigError("method.rerotate=true is not supported on models with sliding-window layers "

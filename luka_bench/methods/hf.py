@@ -27,7 +27,9 @@ whose keys/values are dropped afterwards: the stores are restored to their lengt
 
 Masks: every policy builds its own mask from what its store holds (``attention.chunk_mask``), because after eviction
 the physical length no longer matches the logical positions transformers would build a mask from. Our mask
-function therefore returns None; it refuses padded batches, which the harness never makes (batch size 1).
+function therefore returns None; it refuses padded batches. A batch of rows of one length runs through one cache
+where the method decides per row (``KVMethod.batch_refusal`` None: every row is what it would be alone,
+``tests/test_batch_rows.py``); the harness's clients still run one sequence at a time (issue 60's next steps).
 
 Everything that does not touch transformers lives below this module: the interface (``base``), the numerics
 (``attention``), the store (``store``), the stock policies (``policies``) and the prompt's cache and its lifecycle
@@ -176,9 +178,11 @@ def _before_forward(module, args, kwargs):
     if not isinstance(cache, MethodCache):
         return None
     ids, x = _input_of(args, kwargs)
-    if x.shape[0] != 1:
-        raise ValueError(f"luka_bench methods run one sequence at a time: got a batch of {x.shape[0]}; allowed: 1 "
-                         "(generate each prompt with its own cache)")
+    if x.shape[0] != 1:  # rows of one length, unpadded (``_mask`` refuses padding), each decided on its own
+        why = cache.method.batch_refusal()
+        if why is not None:
+            raise ValueError(f"method={cache.method.name} runs one sequence at a time: got a batch of {x.shape[0]} "
+                             f"({why}); allowed: 1 (generate each prompt with its own cache)")
     kwargs = {**kwargs, CACHE_KWARG: cache}
     if cache.splitting:  # a leading chunk of a chunked prefill: positions as the split gave them
         return args, kwargs

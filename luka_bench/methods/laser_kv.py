@@ -109,7 +109,7 @@ class LaserKVPolicy(LayerPolicy):
         hkv, mlen = k.shape[1], k.shape[2]
         g = hq // hkv
         qg = q.reshape(b, hkv, g, nq, d)
-        exact = torch.zeros(mlen, dtype=torch.float32, device=k.device)
+        exact = torch.zeros(b, mlen, dtype=torch.float32, device=k.device)  # per batch row: each row selects its own
         if self.method.alpha > 0:
             for s in range(0, nq, QUERY_CHUNK):
                 qc = qg[:, :, :, s: s + QUERY_CHUNK]
@@ -118,17 +118,17 @@ class LaserKVPolicy(LayerPolicy):
                     qpos = mlen - nq + torch.arange(s, s + qc.shape[3], device=k.device)
                     visible = torch.arange(mlen, device=k.device)[None, :] <= qpos[:, None]
                     logits = logits.masked_fill(~visible, float("-inf"))
-                exact += torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2, 3))
-        lsh = torch.zeros(mlen, dtype=torch.float32, device=k.device)
+                exact += torch.softmax(logits, dim=-1).sum(dim=(1, 2, 3))
+        lsh = torch.zeros(b, mlen, dtype=torch.float32, device=k.device)
         if self.method.alpha < 1:
             planes = self.method.planes(st, d, k.device)
             qc = simhash_codes(qg.reshape(b * hkv, g * nq, d), planes)  # [B*Hkv, g*Q, R]
             kc = simhash_codes(k.reshape(b * hkv, mlen, d), planes)  # [B*Hkv, M, R]
             # collisions counted, not divided by R: integer sums are exact in fp32, so ties rank the same
             # whatever the order of summation (the frequency is this / R, a constant factor)
-            lsh = collision_counts(qc, kc, self.method.lsh_bits).sum(0)
+            lsh = collision_counts(qc, kc, self.method.lsh_bits).view(b, hkv, mlen).sum(1)
             # (causality does not matter here: every candidate lies before every scoring query)
-        if st["exact"] is None or st["exact"].shape[0] != mlen:
+        if st["exact"] is None or st["exact"].shape != exact.shape:
             st["exact"], st["lsh"] = exact, lsh
         else:
             st["exact"] += exact
@@ -221,15 +221,23 @@ class LaserKV(KVMethod):
                 cache.scratch_forward(cache.question_ids, cache.reference_length)
             finally:
                 st["scoring"] = False
-        index = self.select(st, ref.positions[0, 0], ref.n, ref.seen, cache)
+        pos, w0 = ref.positions[:, 0], st["w0"]  # every KV head holds the same tokens; each batch row its own
+        picks = []
+        for row in range(pos.shape[0]):  # each row selects from its own scores (the same block geometry)
+            st["w0"] = w0
+            picks.append(self.select(st, pos[row], ref.n, ref.seen, cache, row))
+        if len({p.numel() for p in picks}) > 1:
+            raise MethodConfigError(f"method={self.name}: the rows of a batch kept different numbers of tokens "
+                                    f"({', '.join(str(p.numel()) for p in picks)}); allowed: rows of one length")
+        index = picks[0] if len(picks) == 1 else torch.stack(picks)[:, None].expand(-1, ref.keys.shape[1], -1)
         for s in stores:
             s.keep(index)
         st["prev_seen"] = ref.seen
         st["exact"] = st["lsh"] = None
 
-    def select(self, st: dict, positions: torch.Tensor, n: int, seen: int, cache) -> torch.Tensor:
-        """Held-token indices to keep after the block that ends at logical position ``seen``; sets the next
-        block's window start. positions [n]: logical positions of the held tokens (time order)."""
+    def select(self, st: dict, positions: torch.Tensor, n: int, seen: int, cache, row: int = 0) -> torch.Tensor:
+        """Held-token indices to keep after the block that ends at logical position ``seen``, for batch row ``row``;
+        sets the next block's window start. positions [n]: logical positions of the held tokens (time order)."""
         _, a, w, g = self.split(cache)
         w0, start = st["w0"], st["prev_seen"]
         dev = positions.device
@@ -248,12 +256,12 @@ class LaserKV(KVMethod):
             k_exact = min(math.floor(self.alpha * g + 1e-9), n_cand)
             chosen = torch.zeros_like(cand)
             if k_exact > 0:
-                sc = st["exact"] if st["exact"] is not None else torch.zeros(pos.shape[0], device=dev)
+                sc = st["exact"][row] if st["exact"] is not None else torch.zeros(pos.shape[0], device=dev)
                 chosen[top_indices(sc.masked_fill(~cand, float("-inf")), k_exact)] = True
             k_lsh = g - k_exact
             if k_lsh > 0:
                 rest = cand & ~chosen
-                sc = st["lsh"] if st["lsh"] is not None else torch.zeros(pos.shape[0], device=dev)
+                sc = st["lsh"][row] if st["lsh"] is not None else torch.zeros(pos.shape[0], device=dev)
                 chosen[top_indices(sc.masked_fill(~rest, float("-inf")), k_lsh)] = True
             keep = keep | chosen
         index = torch.cat([torch.arange(w0, device=dev), w0 + keep.nonzero().flatten()])

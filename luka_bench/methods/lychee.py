@@ -536,6 +536,9 @@ class Lychee(KVMethod):
             self._tables = None
         self.tokenizer = tokenizer
 
+    def batch_refusal(self) -> str | None:
+        return "its chunks follow the prompt's token ids, which a cache records for one row"
+
     def state_bytes(self, cache) -> int:
         """The prompt's chunk boundaries (the ``Chunker`` every layer shares, in ``cache.state``): ``starts`` [M + 1],
         ``lens`` [M] and each chunked token's chunk ``tok_chunk`` (int64)."""

@@ -156,7 +156,8 @@ class MovingStore(Protocol):
     ``set_next_position`` says which position the next token gets (the two together move positions, as
     StreamingLLM's ``positions=cache`` and FINCH's ``rerotate`` do)."""
 
-    def evict_into(self, slot: torch.Tensor, sources: dict[str, torch.Tensor] | None = None) -> None: ...
+    def evict_into(self, slot: torch.Tensor, sources: dict[str, torch.Tensor] | None = None,
+                   may_be_last: bool = False) -> None: ...
 
     def move_last_into(self, slot: torch.Tensor, start: int = 0, may_be_last: bool = False) -> None: ...
 

@@ -334,15 +334,12 @@ class KVStore:
         if self._unheld:
             self._unheld = int(self._aux[UNHELD][:, :, : self.n].sum())
 
-    def evict_into(self, slot: torch.Tensor, sources: dict[str, torch.Tensor] | None = None) -> None:
-        """Drop one held token per KV head, ``slot`` [B, Hkv] (int64, any slot before the last), by moving the
-        newest held token (the last slot) into it: one indexed write per storage tensor — keys and values as one
-        (stacked storage), the position (a decode step's pending one goes straight from the cache's counter),
-        each aux (from ``sources[name]`` [B, Hkv] where given: a value the policy computed for the new token
-        instead of its slot's) — and ``n`` shrinks by one. A decode step's eviction at slots the device chose:
-        fixed-size writes, no shift, no host sync. Slots are not in time order afterwards; positions (and keys:
-        cached after RoPE) move with their tokens, so attention is unchanged, and a policy that needs time order
-        reads ``positions``."""
+    def evict_into(self, slot: torch.Tensor, sources: dict[str, torch.Tensor] | None = None,
+                   may_be_last: bool = False) -> None:
+        """Drop one held token per row and KV head, ``slot`` [B, Hkv] (int64, before the last; ``may_be_last``: or
+        the last), by moving the newest (the last slot) into it: one indexed write per storage tensor (keys and values
+        as one, the position, each aux — from ``sources[name]`` [B, Hkv] where given) and ``n`` shrinks by one. No
+        shift, no host sync; slots leave time order (positions move with their tokens: read ``positions``)."""
         self.unpack()
         P = self._positions
         P.settle_run(self.n, self._k)
@@ -354,8 +351,8 @@ class KVStore:
         named = {id(a): name for name, a in self._aux.items()}
         for t, ax in self._token_tensors():
             rows = t.movedim(0, 3) if ax == 3 else t  # stacked K/V [2, B, H, cap, D] -> [B, H, cap, 2, D]
-            # written through a view that ends before the source slot (the source is not overwritten)
-            window = rows.narrow(2, 0, n - 1)
+            # through a view that ends before the source slot (``may_be_last``: the newest, copied first, onto itself)
+            window = rows.narrow(2, 0, n if may_be_last else n - 1)
             if t is P.table and due is not None:  # a decode step's token: its position goes straight there
                 counter, seen = due
                 if not self.cache.position_holds(counter, seen):
@@ -364,7 +361,8 @@ class KVStore:
             elif named.get(id(t)) in sources:
                 window.index_put_(index, sources[named[id(t)]])
             else:
-                window.index_put_(index, rows.select(2, n - 1))
+                src = rows.select(2, n - 1)
+                window.index_put_(index, src.clone() if may_be_last else src)
         self.n = n - 1
         self._recount_unheld()
 

@@ -114,11 +114,17 @@ class TOVAPolicy(ScorerPolicy):
         candidate. Then the newest token moves into the victim's slot (or, being the victim, is dropped)."""
         n = store.n
         last = not self.method.protect_last
-        pos = store.positions_before(n - 1)[0, 0]  # every KV head holds the same tokens in the same slots
+        b, h = store.keys.shape[:2]
+        # every KV head holds the same tokens in the same slots; each batch row its own
+        pos = store.positions_before(n - 1)[:, 0] if b > 1 else store.positions_before(n - 1)[0, 0]
         if last:
             pos = F.pad(pos, (0, 1), value=(1 << 31) - 1)
         else:
             scores = scores[:, : n - 1]
+        if b > 1:  # a victim per row: each row's newest token moves into its own victim's slot
+            key = torch.sub(pos, scores.contiguous().view(torch.int32), alpha=1 << 32)
+            store.evict_into(key.argmax(-1)[:, None].expand(b, h), may_be_last=last)
+            return
         key = torch.sub(pos, scores[0].contiguous().view(torch.int32), alpha=1 << 32)
         store.move_last_into(key.argmax().view(1), may_be_last=last)
 
@@ -126,8 +132,17 @@ class TOVAPolicy(ScorerPolicy):
         """Keep the top ``capacity`` tokens by ``scores`` [B, n] (the last one too with ``protect_last``), ties to the
         earlier token by position (decode steps leave the slots out of time order), in time order."""
         n, cap = store.n, self.capacity(store)
-        order = store.positions[0, 0].argsort()  # time order of the slots (the same for every head)
         keep_last = 1 if self.method.protect_last else 0
+        b, h = store.keys.shape[:2]
+        if b > 1:  # each batch row keeps its own top tokens (the same count), every head of a row the same
+            order = store.positions[:, 0].argsort(-1)  # [B, n]: each row's time order
+            order = order[:, : n - keep_last]
+            top = order.gather(1, top_indices(scores.gather(1, order), cap - keep_last))
+            if keep_last:
+                top = torch.cat([top, torch.full((b, 1), n - 1, dtype=top.dtype, device=top.device)], dim=1)
+            store.keep(top[:, None].expand(b, h, -1))
+            return
+        order = store.positions[0, 0].argsort()  # time order of the slots (the same for every head)
         if keep_last:  # the newest token (the last slot, the last in time order) is kept whatever its score
             order = order[: n - 1]
         top = order[top_indices(scores[0, order], cap - keep_last)]
