@@ -228,8 +228,8 @@ def cuda_sync_debug(mode: str | None):
 
 @torch.no_grad()
 def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool = False, seed: int = 0,
-                       tokenizer=None, sync_debug: str | None = None):
-    """Prefill ``prompt_len`` random tokens through ``method``'s cache, then run ``steps`` teacher-forced decode
+                       tokenizer=None, sync_debug: str | None = None, batch: int = 1):
+    """Prefill ``prompt_len`` random tokens (``batch`` rows of one length) through ``method``'s cache, then run ``steps`` teacher-forced decode
     steps, counting syncs during each step's model forward (the method's whole per-step work: attention, eviction,
     compression). Returns a list of (syncs, events — layers that took a host-side decision —, Counter of ops,
     Counter of sites) per step. ``sync_debug`` ("warn" or "error", CUDA only): each step also runs under
@@ -242,6 +242,7 @@ def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool =
     g = torch.Generator().manual_seed(seed)
     vocab = min(model.config.get_text_config().vocab_size, 256)
     ids = torch.randint(0, vocab, (1, prompt_len + steps), generator=g)
+    ids = torch.cat([ids, torch.randint(0, vocab, (batch - 1, prompt_len + steps), generator=g)])
     host_ids = ids[0].tolist()  # the runner hands the ids over from the host (MethodCache.add_tokens)
     ids = ids.to(dev)
     out = []
@@ -278,6 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--where", action="store_true", help="print the source line of every sync")
+    p.add_argument("--batch", type=int, default=1, help="rows of one length decoded together (issue 60)")
     a = p.parse_args(argv)
     lm = TinyRandomModel(name="tiny", arch=a.arch, num_hidden_layers=4, device=a.device, dtype=a.dtype).load()
     from pathlib import Path
@@ -286,7 +288,11 @@ def main(argv=None) -> int:
         p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "method").glob("*.yaml"))
     for name in names:
         method = instantiate(sync_method_config(name), _convert_="all")
-        rows = decode_sync_counts(lm.model, method, a.prompt, a.steps, where=a.where, tokenizer=lm.tokenizer)
+        if a.batch > 1 and method.batch_refusal():
+            print(f"{name:16s} refuses a batch: {method.batch_refusal()}")
+            continue
+        rows = decode_sync_counts(lm.model, method, a.prompt, a.steps, where=a.where, tokenizer=lm.tokenizer,
+                                  batch=a.batch)
         per_step = [r[0] for r in rows]
         ev = [r[1] for r in rows]
         with_ev = [s for s, e in zip(per_step, ev) if e]

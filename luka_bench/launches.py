@@ -152,19 +152,21 @@ def event_count(cache) -> list[int]:
     return out
 
 
-def _ids(model, prompt_len: int, steps: int, seed: int):
+def _ids(model, prompt_len: int, steps: int, seed: int, batch: int = 1):
+    """Random token ids [batch, prompt_len + steps] (row 0 the same whatever ``batch``)."""
     g = torch.Generator().manual_seed(seed)
     vocab = min(model.config.get_text_config().vocab_size, 256)
-    return torch.randint(0, vocab, (1, prompt_len + steps), generator=g)
+    first = torch.randint(0, vocab, (1, prompt_len + steps), generator=g)
+    return torch.cat([first, torch.randint(0, vocab, (batch - 1, prompt_len + steps), generator=g)])
 
 
 @torch.no_grad()
-def stock_launch_counts(model, prompt_len: int, steps: int, seed: int = 0) -> list[int]:
+def stock_launch_counts(model, prompt_len: int, steps: int, seed: int = 0, batch: int = 1) -> list[int]:
     """Launches of each of ``steps`` decode steps of plain transformers (sdpa, ``DynamicCache``) after a prefill
-    of ``prompt_len`` random tokens."""
+    of ``prompt_len`` random tokens (``batch`` rows)."""
     from transformers import DynamicCache
 
-    ids = _ids(model, prompt_len, steps, seed).to(model.device)
+    ids = _ids(model, prompt_len, steps, seed, batch).to(model.device)
     previous = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
     try:
@@ -183,15 +185,15 @@ def stock_launch_counts(model, prompt_len: int, steps: int, seed: int = 0) -> li
 
 @torch.no_grad()
 def decode_launch_counts(model, method, prompt_len: int, steps: int, seed: int = 0, tokenizer=None,
-                         trace: bool = False, method_only: bool = False):
-    """``method``'s cache prefilled with ``prompt_len`` random tokens, then ``steps`` teacher-forced decode steps
-    (as ``host_sync.decode_sync_counts``). Returns per step (launches, events — layers that took a host-side
+                         trace: bool = False, method_only: bool = False, batch: int = 1):
+    """``method``'s cache prefilled with ``prompt_len`` random tokens (``batch`` rows of one length), then ``steps``
+    teacher-forced decode steps (as ``host_sync.decode_sync_counts``). Returns per step (launches, events — layers that took a host-side
     decision or compressed —, Counter of launching ops, trace or None). ``method_only``: the trace holds the ops
     of luka_bench's own code only (``method_scope``); the counts are always the whole forward's."""
     from luka_bench.engine import stand_in_question
     from luka_bench.methods import cpu_kernel, hf
 
-    ids = _ids(model, prompt_len, steps, seed)
+    ids = _ids(model, prompt_len, steps, seed, batch)
     host_ids = ids[0].tolist()
     ids = ids.to(model.device)
     out = []
@@ -268,19 +270,23 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=400)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--ops", action="store_true", help="print each method's launching ops over stock, per layer")
+    p.add_argument("--batch", type=int, default=1, help="rows of one length decoded together (issue 60)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     lm = TinyRandomModel(name="tiny", arch=a.arch, num_hidden_layers=a.layers, device="cpu", dtype="float32").load()
     names = a.methods.split(",") if a.methods else sorted(
         q.stem for q in (Path(__file__).resolve().parent.parent / "conf" / "method").glob("*.yaml"))
-    stock = stock_launch_counts(lm.model, a.prompt, a.steps)
+    stock = stock_launch_counts(lm.model, a.prompt, a.steps, batch=a.batch)
     sops = stock_ops(lm.model, a.prompt) if a.ops else None
-    print(f"launches per layer per decode step ({a.arch}, {a.layers} layers, prompt {a.prompt}, median of "
-          f"{a.steps} steps); stock (sdpa + DynamicCache): {statistics.median(stock) / a.layers:g}")
+    print(f"launches per layer per decode step ({a.arch}, {a.layers} layers, prompt {a.prompt}, batch {a.batch}, "
+          f"median of {a.steps} steps); stock (sdpa + DynamicCache): {statistics.median(stock) / a.layers:g}")
     print(f"{'method':16s} {'stock/layer':>11s} {'extra/layer':>11s} {'per event':>10s} {'event steps':>11s}")
     for name in names:
         method = instantiate(sync_method_config(name), _convert_="all")
-        rows = decode_launch_counts(lm.model, method, a.prompt, a.steps, tokenizer=lm.tokenizer)
+        if a.batch > 1 and method.batch_refusal():
+            print(f"{name:16s} refuses a batch: {method.batch_refusal()}")
+            continue
+        rows = decode_launch_counts(lm.model, method, a.prompt, a.steps, tokenizer=lm.tokenizer, batch=a.batch)
         s = summary(rows, stock, a.layers)
         ev = "-" if s["event_extra"] is None else f"{s['event_extra']:.1f}"
         print(f"{name:16s} {s['stock']:11g} {s['extra']:11g} {ev:>10s} {s['steps_with_events']:11d}")

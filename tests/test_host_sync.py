@@ -226,3 +226,13 @@ def test_entropy_ols_linear_flushes_cost_their_stated_syncs():
     assert sum(r[1] for r in rows) > 0
     assert all(n == 2 * ev for n, ev, _, _ in rows), [(n, ev, dict(ops)) for n, ev, ops, _ in rows if n != 2 * ev]
     assert {k for r in rows for k in r[2]} == {"linalg_pinv", "_linalg_svd"}
+
+
+@pytest.mark.parametrize("name", ["tova", "h2o", "streaming_llm", "luka_clustered", "quest", "arkvale", "clusterkv",
+                                  "shadowkv", "adakv", "duo_attention", "laser_kv"])
+def test_a_batch_of_rows_does_not_sync_either(name, model):
+    """Issue 60: four rows of one length decoded together sync no more than one (0 on a step without an event)."""
+    method = instantiate(sync_method_config(name), _convert_="all")
+    rows = decode_sync_counts(model.model, method, prompt_len=400, steps=12, tokenizer=model.tokenizer, batch=4)
+    plain = [(i, n, dict(ops)) for i, (n, ev, ops, _) in enumerate(rows) if not ev and n]
+    assert not plain, f"{name}: host syncs on batched decode steps without an event: {plain}"
