@@ -124,11 +124,31 @@ def test_question_is_fed_through_the_compressed_cache_not_compressed(tiny_llama,
     assert ans.context_tokens == PROMPT and ans.question_tokens == 12
 
 
-def test_a_batch_is_refused_in_one_line(tiny_llama):
+@pytest.mark.parametrize("name", ["full", "streaming_llm"])
+def test_generate_with_a_batch_of_rows_of_one_length_gives_each_rows_own_tokens(name, tiny_llama):
+    """``model.generate`` through a method's cache with a batch of equal-length prompts (issue 60's first step):
+    each row's greedy tokens are the row's alone."""
     ids = torch.cat([_prompt(7), _prompt(8)])
-    with lb.attach(tiny_llama.model, "full") as kv, pytest.raises(ValueError) as e:
+    method = lb.method(name, budget=0.25) if name != "full" else name
+    with lb.attach(tiny_llama.model, method) as kv:
+        both = tiny_llama.model.generate(ids, past_key_values=kv.new_cache(), max_new_tokens=4, do_sample=False)
+        alone = [tiny_llama.model.generate(ids[r: r + 1], past_key_values=kv.new_cache(), max_new_tokens=4,
+                                           do_sample=False) for r in range(2)]
+    assert torch.equal(both, torch.cat(alone))
+
+
+def test_a_padded_batch_or_a_method_that_refuses_one_is_refused_in_one_line(tiny_llama):
+    ids = torch.cat([_prompt(7), _prompt(8)])
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded row
+    with lb.attach(tiny_llama.model, "full") as kv, pytest.raises(NotImplementedError) as e:
+        tiny_llama.model.generate(ids, attention_mask=mask, past_key_values=kv.new_cache(), max_new_tokens=2,
+                                  do_sample=False)
+    assert "unpadded" in str(e.value) and "\n" not in str(e.value)
+    with lb.attach(tiny_llama.model, lb.method("lychee", chunking="fixed")) as kv, pytest.raises(ValueError) as e:
         tiny_llama.model.generate(ids, past_key_values=kv.new_cache(), max_new_tokens=2, do_sample=False)
-    assert "batch of 2" in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith("method=lychee runs one sequence at a time: got a batch of 2 (")
+    assert "\n" not in str(e.value)
 
 
 def test_method_settings_are_validated_as_the_command_line_validates_them():
