@@ -344,9 +344,10 @@ def table(rows: list[dict], methods: list[str], lengths: list[int]) -> str:
                 above[n].append(f"{m} (+{(r['median'] - f['median']) / 1e6:.1f} MB)")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines += [f"N = {n}: compressing methods (held KV / full < 1) peaking above full attention: "
-              + (", ".join(above[n]) or "none") + ("" if ("full", n) in med else " (no full row to compare)")
-              for n in lengths]
+    verdicts = [f"N = {n}: compressing methods (held KV / full < 1) peaking above full attention: "
+                + (", ".join(above[n]) or "none") + ("" if ("full", n) in med else " (no full row to compare)")
+                for n in lengths]
+    lines += "\n\n".join(verdicts).split("\n")  # a paragraph each (markdown joins adjacent lines)
     return "\n".join(lines)
 
 
@@ -389,7 +390,7 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
     import matplotlib.pyplot as plt
 
     order, lengths, pts = plot_points(rows, methods)
-    fig, ax = plt.subplots(figsize=(9.6, 1.6 + 0.27 * len(order)))
+    fig, ax = plt.subplots(figsize=(7.0, 2.2 + 0.3 * len(order)))  # read at a docs page's width
     colors = plt.get_cmap("tab10").colors
     span = 0.36 / max(1, len(lengths) - 1) if len(lengths) > 1 else 0.0
     for j, n in enumerate(lengths):
@@ -409,16 +410,15 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
                 label=f"N = {n}: KV held / full")
     ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
     ax.set_yticks(range(len(order)))
-    ax.set_yticklabels(order, fontsize=8)
+    ax.set_yticklabels(order, fontsize=10)
     for t, m in zip(ax.get_yticklabels(), order):
         if m.startswith(KVPRESS):
             t.set_fontstyle("italic")
     ax.invert_yaxis()
-    ax.set_xlabel("over full attention's (1.0 = full): prefill peak growth (dots; squares: kvpress) and KV held "
-                  "(diamonds)", fontsize=8)
-    ax.set_title("Prefill peak and KV held per method, over full attention's", fontsize=10)
+    ax.set_xlabel("over full attention's (1.0 = full)", fontsize=10)
+    ax.set_title("Prefill peak (dots; kvpress: squares) and KV held (diamonds)", fontsize=11)
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, over no row
+    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.35 / max(1, len(order)) * 8), ncol=2)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -340,7 +340,8 @@ def test_the_table_names_compressing_methods_above_full_and_not_those_holding_ev
     assert "held KV / full" in lines[0]
     assert "| snapkv | 0.101 (0.101–0.101) | 1.01 | 0.125 |" in md and "| 1.130 |" in md
     assert "0.095 (0.095–0.095) | 0.47 | 0.125 |" in md  # kvpress's held over the full row's KV
-    assert lines[-2] == "N = 8: compressing methods (held KV / full < 1) peaking above full attention: snapkv (+1.0 MB)"
+    assert lines[-3] == "N = 8: compressing methods (held KV / full < 1) peaking above full attention: snapkv (+1.0 MB)"
+    assert lines[-2] == ""  # a paragraph each
     assert lines[-1] == "N = 16: compressing methods (held KV / full < 1) peaking above full attention: none"
 
 
