@@ -14,6 +14,8 @@ from luka_bench.methods.hf import attach
 
 from conftest import CONF, tiny
 
+pytestmark = pytest.mark.device  # LUKA_TEST_DEVICE=cuda runs them on the GPU (docs/gpu.md)
+
 METHOD_CONFIGS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
 REFUSE = {"lychee": "its chunks follow the prompt's token ids", "finch": "its question lies inside the prompt"}
 # held once per cache, whatever its rows: ShadowKV's RoPE table (its step reads the table of positions 0..L0-1)

@@ -15,6 +15,8 @@ from luka_bench.methods.packed import plan
 from luka_bench.methods.razor_attention import RazorAttention
 from luka_bench.methods.store import KVStore
 
+pytestmark = pytest.mark.device  # LUKA_TEST_DEVICE=cuda runs them on the GPU (docs/gpu.md)
+
 
 def write_pattern(path, rows):
     path.mkdir(parents=True, exist_ok=True)
