@@ -41,7 +41,7 @@ from typing import Iterator
 import torch
 
 from luka_bench import device as D
-from luka_bench.methods.hf import MethodCache
+from luka_bench.methods.hf import MethodCache, RowBatch
 from luka_bench.prompting import ExamplePlan, QuestionPlan, with_tail
 
 
@@ -158,31 +158,81 @@ def greedy_decode(model, tokenizer, cache: MethodCache, logits: torch.Tensor, ma
     excluded; stops there, after ``max_new_tokens`` or once the text contains a stop string. The text is decoded
     without special tokens; with ``special_stops`` the stop check decodes with them (lm-eval's stop criterion, so
     ``<|im_end|>`` stops), otherwise it reads the text without them, leading blanks stripped (the runner's)."""
+    return greedy_decode_rows(model, tokenizer, [cache], logits.view(1, -1), max_new_tokens, eos_ids, stop_strings,
+                              special_stops)[0]
+
+
+def _goes_on(tok: int, out: list[int], tokenizer, max_new_tokens: int, eos_ids: set[int],
+             stop_strings: tuple[str, ...], special_stops: bool) -> bool:
+    """Greedy decoding's rule for one argmax ``tok``: an end-of-sequence id stops before it (not kept); otherwise it
+    joins ``out``, and decoding stops once the text holds a stop string or ``out`` is ``max_new_tokens`` long.
+    True: ``tok`` is fed as the next decode step."""
+    if tok in eos_ids:
+        return False
+    out.append(tok)
+    if stop_strings and tokenizer is not None:
+        if special_stops:
+            if any(s in tokenizer.decode(out, skip_special_tokens=False) for s in stop_strings):
+                return False
+        elif stopped(tokenizer.decode(out, skip_special_tokens=True), stop_strings):
+            return False
+    return len(out) < max_new_tokens
+
+
+@torch.no_grad()
+def forward_rows(model, tokens: list[int], caches: list[MethodCache]) -> torch.Tensor:
+    """One token per row, each through its own cache, all rows in one forward of the model (``hf.RowBatch``: the
+    projections over the batch, each layer's attention on the row's own store); logits [B, vocab]. One row is
+    ``forward`` itself (batch 1 unchanged)."""
+    if len(caches) == 1:
+        return forward(model, tokens[:1], caches[0]).view(1, -1)
+    for c, tok in zip(caches, tokens):
+        c.add_tokens([tok])
+    x = torch.as_tensor(tokens, device=model.device).view(-1, 1)
+    return model(input_ids=x, past_key_values=RowBatch(caches), use_cache=True, logits_to_keep=1).logits[:, -1]
+
+
+@torch.no_grad()
+def greedy_decode_rows(model, tokenizer, caches: list[MethodCache], logits: torch.Tensor,
+                       max_new_tokens: int | list[int], eos_ids: set[int], stop_strings: tuple[str, ...] = ("\n",),
+                       special_stops: bool = False) -> list[Generation]:
+    """``greedy_decode`` for a batch of rows, each from its own compressed cache and its row of ``logits`` [B,
+    vocab] (its tail's), every row under the same rule as alone (``_goes_on``; ``max_new_tokens`` one for all or
+    one per row). Each step is one forward over the rows still running (``forward_rows``): a row that stopped costs
+    nothing further and never changes another row (rows of any lengths and methods: each row's cache is its own).
+    One host read of the step's argmaxes for all rows. A row's ``step_s`` are the seconds of the batched steps it
+    took part in."""
+    B = len(caches)
+    limits = [max_new_tokens] * B if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if logits.shape[0] != B or len(limits) != B:
+        raise ValueError(f"greedy_decode_rows: {B} caches, {logits.shape[0]} rows of logits and {len(limits)} "
+                         f"limits; allowed: one of each per row")
+    before = [dict(c.timings) for c in caches]
+    n_before = [len(c.attended_tokens) for c in caches]
+    outs: list[list[int]] = [[] for _ in range(B)]
+    steps: list[list[float]] = [[] for _ in range(B)]
+    active = [b for b in range(B) if limits[b] > 0]
+    logits = logits[active] if len(active) < B else logits
     device = model.device
-    before = dict(cache.timings)
-    n_before = len(cache.attended_tokens)
-    out: list[int] = []
-    steps: list[float] = []
-    while len(out) < max_new_tokens:
-        tok = int(torch.argmax(logits))
-        if tok in eos_ids:
+    while active:
+        toks = torch.argmax(logits, dim=-1).tolist()
+        going = [(b, tok) for b, tok in zip(active, toks)
+                 if _goes_on(tok, outs[b], tokenizer, limits[b], eos_ids, stop_strings, special_stops)]
+        if not going:
             break
-        out.append(tok)
-        if stop_strings and tokenizer is not None:
-            if special_stops:
-                if any(s in tokenizer.decode(out, skip_special_tokens=False) for s in stop_strings):
-                    break
-            elif stopped(tokenizer.decode(out, skip_special_tokens=True), stop_strings):
-                break
-        if len(out) >= max_new_tokens:
-            break
+        active = [b for b, _ in going]
         t = time.perf_counter()
-        logits = forward(model, [tok], cache)
+        logits = forward_rows(model, [tok for _, tok in going], [caches[b] for b in active])
         sync(device)
-        steps.append(time.perf_counter() - t)
-    after = {k: v - before.get(k, 0.0) for k, v in cache.timings.items()}
-    text = tokenizer.decode(out, skip_special_tokens=True) if tokenizer is not None else ""
-    return Generation(out, text, 0.0, steps, after, cache.attended_stats(n_before))
+        dt = time.perf_counter() - t
+        for b in active:
+            steps[b].append(dt)
+    gens = []
+    for b, c in enumerate(caches):
+        after = {k: v - before[b].get(k, 0.0) for k, v in c.timings.items()}
+        text = tokenizer.decode(outs[b], skip_special_tokens=True) if tokenizer is not None else ""
+        gens.append(Generation(outs[b], text, 0.0, steps[b], after, c.attended_stats(n_before[b])))
+    return gens
 
 
 @torch.no_grad()
@@ -228,22 +278,46 @@ def teacher_force(model, cache: MethodCache, logits: torch.Tensor, tokens: list[
     feeding the one before it as a decode step (the method acts on every token). Log-softmax in ``dtype`` (None: the
     logits' own dtype, as lm-eval's hf model takes it); no host synchronisation per token unless ``timed`` (then
     ``step_s`` holds each forward's seconds)."""
-    lps, greedy, steps = [], [], []
+    return teacher_force_rows(model, [cache], logits.view(1, -1), [tokens], dtype, timed)[0]
+
+
+@torch.no_grad()
+def teacher_force_rows(model, caches: list[MethodCache], logits: torch.Tensor, tokens: list[list[int]],
+                       dtype: torch.dtype | None = torch.float32, timed: bool = False) -> list[Forced]:
+    """``teacher_force`` for a batch of rows, each from its own cache and its row of ``logits`` [B, vocab]: row b's
+    ``tokens[b]`` scored one by one, the rows of different lengths right-padded in effect — a row whose tokens are
+    all scored leaves the batch, so no pad is ever fed, attended or scored. Each step is one forward over the rows
+    still going (``forward_rows``)."""
+    B = len(caches)
+    if logits.shape[0] != B or len(tokens) != B:
+        raise ValueError(f"teacher_force_rows: {B} caches, {logits.shape[0]} rows of logits and {len(tokens)} token "
+                         f"lists; allowed: one of each per row")
+    lps: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    greedy: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    steps: list[list[float]] = [[] for _ in range(B)]
     device = model.device
-    for j, tok in enumerate(tokens):
+    active = [b for b in range(B) if tokens[b]]
+    logits = logits[active] if len(active) < B else logits
+    j = 0
+    while active:
         lp = torch.log_softmax(logits, dim=-1, dtype=dtype)
-        lps.append(lp[tok])
-        greedy.append(torch.argmax(lp) == tok)
-        if j == len(tokens) - 1:
+        for i, b in enumerate(active):
+            tok = tokens[b][j]
+            lps[b].append(lp[i, tok])
+            greedy[b].append(torch.argmax(lp[i]) == tok)
+        going = [i for i, b in enumerate(active) if j < len(tokens[b]) - 1]
+        if not going:
             break
+        active = [active[i] for i in going]
         t = time.perf_counter()
-        logits = forward(model, tokens[j: j + 1], cache)
+        logits = forward_rows(model, [tokens[b][j] for b in active], [caches[b] for b in active])
         if timed:
             sync(device)
-            steps.append(time.perf_counter() - t)
-    if not lps:
-        return Forced(torch.zeros(0), torch.zeros(0, dtype=torch.bool), steps)
-    return Forced(torch.stack(lps), torch.stack(greedy), steps)
+            for b in active:
+                steps[b].append(time.perf_counter() - t)
+        j += 1
+    return [Forced(torch.stack(lps[b]), torch.stack(greedy[b]), steps[b]) if lps[b] else
+            Forced(torch.zeros(0), torch.zeros(0, dtype=torch.bool), steps[b]) for b in range(B)]
 
 
 @torch.no_grad()

@@ -79,6 +79,88 @@ class ModelCache(MethodCache, Cache):
         Cache.__init__(self, layers=stores)
 
 
+class _RowsLayer(CacheLayerMixin):
+    """One decoder layer of a ``RowBatch``: row b's new keys and values go to row b's own store."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, stores: list[KVStore]):
+        super().__init__()
+        self.stores = stores
+        self.is_sliding = stores[0].is_sliding
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        for b, store in enumerate(self.stores):
+            store.update(key_states[b: b + 1], value_states[b: b + 1])
+        return key_states, value_states  # unused: our attention function reads each row's store
+
+    def get_seq_length(self) -> int:
+        return max(s.get_seq_length() for s in self.stores)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return max(s.n for s in self.stores) + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class RowBatch(Cache):
+    """Rows decoded together (issue 60): each row keeps its own ``MethodCache`` — prefilled, compressed and fed its
+    tail alone, so its compression is exactly the solo one — and one forward of the model runs every row: the
+    projections and the MLP over the batch, each layer's attention row by row on the row's own store and policy
+    (``_attention``), each row at its own positions (the pre-hook). A row is therefore exactly what it would be
+    alone whatever its length, its partners or its method (per-row token ids, question spans and positions are its
+    cache's); a finished row leaves the batch (the next forward is made over the rows still running: no pad ever
+    enters a cache). Every row must be past its prefill (phase "decode")."""
+
+    def __init__(self, caches: list[MethodCache]):
+        if not caches:
+            raise ValueError("RowBatch needs at least one row's cache")
+        for i, c in enumerate(caches):
+            if not isinstance(c, MethodCache) or c.phase != "decode":
+                got = type(c).__name__ if not isinstance(c, MethodCache) else f"phase {c.phase!r}"
+                raise ValueError(f"RowBatch row {i}: got {got}; allowed: a MethodCache past its prefill (phase "
+                                 f"'decode'): prefill each row alone first")
+        self.rows = list(caches)
+        Cache.__init__(self, layers=[_RowsLayer([c.stores[i] for c in caches]) for i in range(len(caches[0].stores))])
+
+    def row_positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """[B, length] int64: each row's positions for the next ``length`` tokens (its logical length less its
+        position shift; a decode step's from the row cache's device counter, as a row alone)."""
+        out = []
+        for c in self.rows:
+            first = c.stores[0]
+            if length == 1 and first.pos_shift == 0:
+                out.append(c.position_tensor(c.seen, device).view(1, 1))
+            else:
+                start = first.get_seq_length()
+                out.append(torch.arange(start, start + length, device=device).view(1, length))
+        return torch.cat(out, 0)
+
+
+def _rows_forward(cache: RowBatch, ids: torch.Tensor | None, x: torch.Tensor, kwargs: dict):
+    """The pre-hook's part for a ``RowBatch``: each row's cache is told of its tokens, the positions are each row's."""
+    if x.shape[0] != len(cache.rows):
+        raise ValueError(f"a RowBatch of {len(cache.rows)} rows got a forward of {x.shape[0]} rows; allowed: "
+                         f"{len(cache.rows)}")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise NotImplementedError("a RowBatch forward takes no padding: feed each row its own tokens (rows of "
+                                  "different lengths: one token per row per forward, or the row alone)")
+    n = x.shape[1]
+    for b, c in enumerate(cache.rows):
+        c.before_forward(None if ids is None else ids[b: b + 1], n)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "cache_position", "attention_mask")}
+    kwargs["position_ids"] = cache.row_positions(n, x.device)
+    kwargs[CACHE_KWARG] = cache
+    return (), {**kwargs, ("input_ids" if ids is not None else "inputs_embeds"): x}
+
+
 def layer_infos(model: PreTrainedModel) -> list[LayerInfo]:
     """Per-layer facts a policy may use, read from the model config."""
     cfg = model.config.get_text_config()
@@ -122,7 +204,11 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
         out = sdpa(query, key, value, scaling, mask)
         return out.transpose(1, 2).contiguous(), None
-    out = run_policy(cache.stores[module.layer_idx], query, scaling)
+    if isinstance(cache, RowBatch):  # each row on its own store and policy
+        out = torch.cat([run_policy(c.stores[module.layer_idx], query[b: b + 1], scaling)
+                         for b, c in enumerate(cache.rows)])
+    else:
+        out = run_policy(cache.stores[module.layer_idx], query, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -175,6 +261,9 @@ def _before_forward(module, args, kwargs):
     ``position_ids`` derived from an attention mask; a prefill longer than the cache's ``prefill_chunk`` goes
     through the model chunk by chunk (the leading chunks here, the last one as this forward)."""
     cache = kwargs.get("past_key_values")
+    if isinstance(cache, RowBatch):
+        ids, x = _input_of(args, kwargs)
+        return _rows_forward(cache, ids, x, {k: v for k, v in kwargs.items() if k not in ("input_ids", "inputs_embeds")})
     if not isinstance(cache, MethodCache):
         return None
     ids, x = _input_of(args, kwargs)
@@ -309,6 +398,9 @@ def _after_forward(module, args, kwargs, output):
     cache = kwargs.get("past_key_values")
     if isinstance(cache, MethodCache):
         cache.after_forward()
+    elif isinstance(cache, RowBatch):
+        for row in cache.rows:
+            row.after_forward()
 
 
 def _end_split(module, args, kwargs, output):
