@@ -138,6 +138,42 @@ class KV:
         question. Without a question the context is the whole prompt: its last token is the tail.
         ``query_aware=True`` (the runner's ``query_aware=true``, kvpress's protocol; text only): the question is
         compressed with the context, and only what follows the question's text is the tail."""
+        return self.generate_many([context], [question], max_new_tokens, stop_strings, answer_prefix, question_aware,
+                                  query_aware, batch_size=1)[0]
+
+    def generate_many(self, contexts: list, questions: list | None = None, max_new_tokens: int = 32,
+                      stop_strings: tuple[str, ...] = (), answer_prefix: str = "", question_aware: bool = True,
+                      query_aware: bool = False, batch_size: int = 8) -> list[Answer]:
+        """``generate`` for many prompts (``questions``: one per context, or None), ``batch_size`` at a time: each
+        prompt prefilled, compressed and fed its tail alone in its own cache (its compression is exactly the solo
+        one), then the batch's rows decoded together, one forward per step over the rows still running
+        (``engine.greedy_decode_rows``): every answer equals ``generate``'s for its prompt alone, whatever its
+        length or its partners. Answers in the order of ``contexts``; an answer's ``tpot_s`` is its batch's step."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}: must be an integer >= 1")
+        questions = [None] * len(contexts) if questions is None else list(questions)
+        if len(questions) != len(contexts):
+            raise ValueError(f"{len(contexts)} contexts and {len(questions)} questions; allowed: one question per "
+                             f"context (or questions=None)")
+        model, eos = self.model, E.eos_token_ids(self.model, self.tokenizer)
+        answers = []
+        for at in range(0, len(contexts), batch_size):
+            rows = []
+            for context, question in zip(contexts[at: at + batch_size], questions[at: at + batch_size]):
+                ctx, q, head, tail_ids, cache_kw = self._plan(context, question, answer_prefix, question_aware,
+                                                              query_aware)
+                cache = self.new_cache(**cache_kw)
+                info = E.timed_prefill(model, head, cache)
+                rows.append((ctx, q, tail_ids, cache, info, E.feed(model, tail_ids, cache)))
+            gens = E.greedy_decode_rows(model, self.tokenizer, [r[3] for r in rows], torch.stack([r[5] for r in rows]),
+                                        max_new_tokens, eos, tuple(stop_strings))
+            answers += [self._answer(ctx, q, tail_ids, cache, info, gen)
+                        for (ctx, q, tail_ids, cache, info, _), gen in zip(rows, gens)]
+        return answers
+
+    def _plan(self, context, question, answer_prefix: str, question_aware: bool, query_aware: bool):
+        """A prompt's layout under the tail rule: (context ids, question ids, the compressed part, the tail, the
+        cache's settings)."""
         ctx, q = self._ids(context, question, answer_prefix)
         tail = len(q)
         if query_aware:
@@ -146,13 +182,13 @@ class KV:
                                 "ends is read from the text)")
             tail = qa_tail(self.tokenizer, self.chat_template, context, question or "", answer_prefix) if q else 0
         head, tail_ids = with_tail(ctx + q[: len(q) - tail], q[len(q) - tail:] if tail else [])
-        model = self.model
-        eos = E.eos_token_ids(model, self.tokenizer)
         aware = q if (q and question_aware and not query_aware) else None
-        cache = self.new_cache(reference_length=len(head), question_ids=aware,
-                               question_span=max(0, len(head) - len(ctx)) if query_aware else 0)
-        info = E.timed_prefill(model, head, cache)
-        gen = E.greedy_answer(model, self.tokenizer, cache, tail_ids, max_new_tokens, eos, tuple(stop_strings))
+        cache_kw = {"reference_length": len(head), "question_ids": aware,
+                    "question_span": max(0, len(head) - len(ctx)) if query_aware else 0}
+        return ctx, q, head, tail_ids, cache_kw
+
+    @staticmethod
+    def _answer(ctx, q, tail_ids, cache, info, gen) -> Answer:
         mem = E.memory(cache)
         att = gen.attended or {}
         return Answer(

@@ -137,6 +137,27 @@ def test_generate_with_a_batch_of_rows_of_one_length_gives_each_rows_own_tokens(
     assert torch.equal(both, torch.cat(alone))
 
 
+@pytest.mark.parametrize("name", ["h2o", "lychee"])
+def test_generate_many_decodes_prompts_of_different_lengths_together_each_as_alone(name, tiny_llama):
+    """``kv.generate_many``: prompts of 256, 200 and 150 tokens, each with its question, decoded as rows of one
+    batch (``batch_size`` 3, and 2: a batch of two then one) — each answer's tokens, kv ratios and held tokens equal
+    ``generate``'s for the prompt alone."""
+    contexts = [_prompt(9)[0].tolist(), _prompt(10)[0, :200].tolist(), _prompt(11)[0, :150].tolist()]
+    questions = [_prompt(12, 6)[0].tolist(), _prompt(13, 3)[0].tolist(), _prompt(14, 9)[0].tolist()]
+    method = lb.method(name, budget=0.25) if name == "h2o" else lb.method(name, chunking="fixed")
+    with lb.attach(tiny_llama.model, method) as kv:
+        alone = [kv.generate(c, q, max_new_tokens=6) for c, q in zip(contexts, questions)]
+        for size in (3, 2):
+            many = kv.generate_many(contexts, questions, max_new_tokens=6, batch_size=size)
+            for a, m in zip(alone, many):
+                assert (m.token_ids, m.kv_ratio, m.kv_ratio_context, m.kv_tokens) == \
+                       (a.token_ids, a.kv_ratio, a.kv_ratio_context, a.kv_tokens)
+        with pytest.raises(ValueError, match=r"^batch_size=0: must be an integer >= 1$"):
+            kv.generate_many(contexts, questions, batch_size=0)
+        with pytest.raises(ValueError, match="^3 contexts and 2 questions"):
+            kv.generate_many(contexts, questions[:2])
+
+
 def test_a_padded_batch_or_a_method_that_refuses_one_is_refused_in_one_line(tiny_llama):
     ids = torch.cat([_prompt(7), _prompt(8)])
     mask = torch.ones_like(ids)

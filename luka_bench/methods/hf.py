@@ -216,7 +216,8 @@ def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_functio
           **kwargs):
     """AttentionMaskInterface function: policies build their own masks (see module docstring)."""
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        raise NotImplementedError("luka_bench methods run one unpadded sequence at a time (batch size 1)")
+        raise NotImplementedError("a padded batch through one method cache: rows of one length, unpadded; "
+                                  "prompts of different lengths: KV.generate_many (each row its own cache)")
     return None
 
 
