@@ -326,10 +326,20 @@ def teacher_forced_nll(model, attached, ids: list[int], **cache_kw) -> tuple[lis
     fraction of the whole document), then every next token one at a time with the method active. Returns (NLL of
     tokens 1..n-1, seconds per step, the cache). fp32 log-softmax. ``cache_kw``: more settings of the cache
     (``MethodCache``)."""
-    cache = attached.new_cache(reference_length=len(ids), **cache_kw)
-    logits = prefill(model, ids[:1], cache)  # a one-token prefill: the method has nothing to compress before it
-    forced = teacher_force(model, cache, logits, list(ids[1:]), torch.float32, timed=True)
-    return (-forced.logprobs).tolist(), forced.step_s, cache
+    return teacher_forced_nll_rows(model, attached, [ids], **cache_kw)[0]
+
+
+@torch.no_grad()
+def teacher_forced_nll_rows(model, attached, docs: list[list[int]], **cache_kw
+                            ) -> list[tuple[list[float], list[float], MethodCache]]:
+    """``teacher_forced_nll`` for documents of any lengths as the rows of one batch (``teacher_force_rows``): each
+    its own cache and one-token prefill, then every next token of every row still going in one forward per step;
+    each row's NLL is its document's alone. A row's seconds per step are its batch's."""
+    caches = [attached.new_cache(reference_length=len(ids), **cache_kw) for ids in docs]
+    # a one-token prefill: the method has nothing to compress before it
+    logits = torch.stack([prefill(model, ids[:1], c) for ids, c in zip(docs, caches)])
+    forced = teacher_force_rows(model, caches, logits, [list(ids[1:]) for ids in docs], torch.float32, timed=True)
+    return [((-f.logprobs).tolist(), f.step_s, c) for f, c in zip(forced, caches)]
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
@@ -386,29 +396,47 @@ class Answered:
     device_peak_bytes: int | None = None  # the device allocator's peak over the prefill and this answer (CUDA)
 
 
-def answer_example(lm, attached, plan: ExamplePlan, todo: list[QuestionPlan], eos_ids: set[int],
-                   stop_strings: tuple[str, ...], cache_kw: dict | None = None, query_aware: bool = False
-                   ) -> Iterator[Answered]:
-    """The runner's QA protocol for one example: one prefill of the context (question-aware methods see every
-    question's ids), compressed, then each question in ``todo`` from a clone of that context-only cache: its
-    question part is the tail fed through the compressed cache, then greedy decoding.
+@dataclass
+class Ready:
+    """A question ready to decode (``ready_questions``): its own cache past the tail and the tail's logits."""
+
+    plan: QuestionPlan
+    cache: MethodCache
+    logits: torch.Tensor
+    question_s: float  # the tail through the compressed cache
+    tail_tokens: int
+    prefill: dict  # the example's (or, query-aware, the question's) prefill: ``_prefill``'s info
+    prefill_peak: int | None  # the device allocator's peak over that prefill (CUDA)
+
+
+def ready_questions(lm, attached, plan: ExamplePlan, todo: list[QuestionPlan], cache_kw: dict | None = None,
+                    query_aware: bool = False) -> Iterator[Ready]:
+    """The runner's QA protocol for one example up to the first answer token: one prefill of the context
+    (question-aware methods see every question's ids), compressed, then for each question in ``todo`` a clone of
+    that context-only cache with the question part fed through it as the tail.
 
     ``query_aware`` (kvpress's "query-aware" protocol): the question is compressed together with the context: each
     question's context + question text is one prefill, compressed by the method (its observation window, if any,
     ends at the question), and the rest of the prompt — the chat template's end of turn and assistant header, the
     answer prefix (``QuestionPlan.tail``; at least the prompt's last token) — is the tail fed through the compressed
     cache before the first answer token. ``cache_kw``: more settings of the caches (``MethodCache``:
-    ``prefill_chunk``, ``cuda_events``). On CUDA each answer carries the device allocator's peak over its prefill
-    and generation."""
+    ``prefill_chunk``, ``cuda_events``). Lazy: a question's cache is made when the caller asks for it."""
     model, cache_kw = lm.model, dict(cache_kw or {})
+
+    def tail_through(qp, cache, tail, info, peak) -> Ready:
+        sync(model.device)
+        t0 = time.perf_counter()
+        logits = feed(model, tail, cache)
+        sync(model.device)
+        return Ready(qp, cache, logits, time.perf_counter() - t0, len(tail), info, peak)
+
     if query_aware:
         for qp in todo:
             D.reset_peak(model.device)
             head, tail = with_tail(plan.context_ids + qp.ids[: len(qp.ids) - qp.tail], qp.ids[len(qp.ids) - qp.tail:])
             span = max(0, len(head) - len(plan.context_ids))  # the question's tokens at the end of the prefill
             cache, info = _prefill(lm, attached, plan, head, None, {**cache_kw, "question_span": span})
-            gen = greedy_answer(model, lm.tokenizer, cache, tail, qp.max_new_tokens, eos_ids, stop_strings)
-            yield Answered(qp, gen, cache, info, D.peak_allocated(model.device))
+            yield tail_through(qp, cache, tail, info, None)
         return
     D.reset_peak(model.device)
     context, first_tail = plan.context_ids, None
@@ -418,11 +446,32 @@ def answer_example(lm, attached, plan: ExamplePlan, todo: list[QuestionPlan], eo
     prefill_peak = D.peak_allocated(model.device)
     for qp in todo:
         D.reset_peak(model.device)
-        c = cache.clone()
-        gen = greedy_answer(model, lm.tokenizer, c, (first_tail or []) + qp.ids, qp.max_new_tokens, eos_ids,
-                            stop_strings)
-        peak = D.peak_allocated(model.device)
-        yield Answered(qp, gen, c, info, None if peak is None else max(peak, prefill_peak or 0))
+        yield tail_through(qp, cache.clone(), (first_tail or []) + qp.ids, info, prefill_peak)
+
+
+def answer_rows(lm, ready: list[Ready], eos_ids: set[int], stop_strings: tuple[str, ...]) -> list[Answered]:
+    """Questions ready to decode (of any examples) answered as the rows of one batch (``greedy_decode_rows``): each
+    answer is the one its question gets alone. On CUDA each answer carries the device allocator's peak over its
+    prefill and the batch's generation."""
+    model = lm.model
+    gens = greedy_decode_rows(model, lm.tokenizer, [r.cache for r in ready], torch.stack([r.logits for r in ready]),
+                              [r.plan.max_new_tokens for r in ready], eos_ids, stop_strings)
+    peak = D.peak_allocated(model.device)
+    out = []
+    for r, gen in zip(ready, gens):
+        gen.question_s, gen.tail_tokens = r.question_s, r.tail_tokens
+        out.append(Answered(r.plan, gen, r.cache, r.prefill,
+                            None if peak is None else max(peak, r.prefill_peak or 0)))
+    return out
+
+
+def answer_example(lm, attached, plan: ExamplePlan, todo: list[QuestionPlan], eos_ids: set[int],
+                   stop_strings: tuple[str, ...], cache_kw: dict | None = None, query_aware: bool = False
+                   ) -> Iterator[Answered]:
+    """The runner's QA protocol for one example, one question at a time: ``ready_questions`` (one prefill, each
+    question from a clone of the compressed context, its question part the tail), then greedy decoding."""
+    for r in ready_questions(lm, attached, plan, todo, cache_kw, query_aware):
+        yield answer_rows(lm, [r], eos_ids, stop_strings)[0]
 
 
 def _prefill(lm, attached, plan: ExamplePlan, ids: list[int], question_ids, cache_kw: dict):

@@ -29,7 +29,7 @@ import yaml
 # sweep it belongs to, the experiment file that set its values); NOT_COMPARED are recorded in its config.yaml but
 # may change between a run and its resumption (more items, display, how many CPU threads ran it).
 NOT_RECORDED = ("logger", "sweep_name", "experiment")
-NOT_COMPARED = ("data.limit", "progress", "threads")
+NOT_COMPARED = ("data.limit", "progress", "threads", "batch_size")
 
 
 def identifies_run(key: str | tuple) -> bool:

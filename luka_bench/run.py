@@ -73,30 +73,46 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
     plans = plan_qa(task, lm, cfg.get("max_new_tokens"))  # every prompt checked before any work is done
     eos = E.eos_token_ids(lm.model, lm.tokenizer)
 
-    def new_records():
+    batch = int(cfg.get("batch_size") or 1)
+    by_id = {q.question.id: p for p in plans for q in p.questions}
+
+    def answered():
+        """Every question not done, answered in the dataset's order, ``batch_size`` questions (of any examples)
+        decoded together as the rows of one batch; a batch's records are written as soon as it ends, so an
+        interrupted run loses at most the batch under way (its questions run again on resume)."""
+        ready = []
         for plan in plans:
             todo = [q for q in plan.questions if q.question.id not in folder.done]
             if not todo:
                 continue
-            for a in E.answer_example(lm, attached, plan, todo, eos, tuple(task.stop_strings), cache_settings(cfg),
-                                      bool(cfg.get("query_aware"))):
-                q, gen, info = a.plan.question, a.generation, a.prefill
-                pred = task.postprocess(gen.text)
-                yield {
-                    "item_id": q.id, "example_id": plan.example.id, "question": q.question, "gold": q.answers,
-                    "prediction": pred, "raw_output": gen.text, "scores": task.score(pred, q),
-                    "context_tokens": len(plan.context_ids), "question_tokens": len(a.plan.ids),
-                    "tail_tokens": gen.tail_tokens,
-                    "new_tokens": len(gen.token_ids), "prefill_s": info["prefill_s"], "question_s": gen.question_s,
-                    "ttft_s": info["prefill_s"] + gen.question_s, "tpot_s": M.mean(gen.step_s),
-                    "latency_breakdown": E.breakdown(gen.step_timings, gen.step_s),
-                    "kv_bytes_prefill": info["kv_bytes_prefill"],
-                    "kv_bytes_full_prefill": info["kv_bytes_full_prefill"],
-                    "kv_tokens_prefill": info["kv_tokens_prefill"],
-                    "prefill_peak_growth_bytes": info["prefill_peak_growth_bytes"], **E.memory(a.cache),
-                    **(gen.attended or {}),
-                    "evidence_kept": info["evidence_kept"], "device_peak_bytes": a.device_peak_bytes, "meta": q.meta,
-                }
+            for r in E.ready_questions(lm, attached, plan, todo, cache_settings(cfg), bool(cfg.get("query_aware"))):
+                ready.append(r)
+                if len(ready) == batch:
+                    yield from E.answer_rows(lm, ready, eos, tuple(task.stop_strings))
+                    ready = []
+        if ready:
+            yield from E.answer_rows(lm, ready, eos, tuple(task.stop_strings))
+
+    def new_records():
+        for a in answered():
+            plan = by_id[a.plan.question.id]
+            q, gen, info = a.plan.question, a.generation, a.prefill
+            pred = task.postprocess(gen.text)
+            yield {
+                "item_id": q.id, "example_id": plan.example.id, "question": q.question, "gold": q.answers,
+                "prediction": pred, "raw_output": gen.text, "scores": task.score(pred, q),
+                "context_tokens": len(plan.context_ids), "question_tokens": len(a.plan.ids),
+                "tail_tokens": gen.tail_tokens,
+                "new_tokens": len(gen.token_ids), "prefill_s": info["prefill_s"], "question_s": gen.question_s,
+                "ttft_s": info["prefill_s"] + gen.question_s, "tpot_s": M.mean(gen.step_s),
+                "latency_breakdown": E.breakdown(gen.step_timings, gen.step_s),
+                "kv_bytes_prefill": info["kv_bytes_prefill"],
+                "kv_bytes_full_prefill": info["kv_bytes_full_prefill"],
+                "kv_tokens_prefill": info["kv_tokens_prefill"],
+                "prefill_peak_growth_bytes": info["prefill_peak_growth_bytes"], **E.memory(a.cache),
+                **(gen.attended or {}),
+                "evidence_kept": info["evidence_kept"], "device_peak_bytes": a.device_peak_bytes, "meta": q.meta,
+            }
 
     return _record(folder, cfg, [q.question.id for p in plans for q in p.questions], new_records(), on_item)
 
@@ -109,17 +125,27 @@ def evaluate_ppl(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item
             raise PromptTooLong(f"document {d.id!r} has {n} tokens but model.max_context={lm.max_context} for "
                                 f"'{lm.name}'; allowed: data.max_tokens <= {lm.max_context}")
 
-    def new_records():
-        for d in docs:
-            if d.id in folder.done:
-                continue
+    batch = int(cfg.get("batch_size") or 1)
+
+    def scored():
+        """(document, NLLs, seconds per step, cache, wall seconds) of every document not done, in the dataset's
+        order, ``batch_size`` documents teacher-forced together as the rows of one batch."""
+        todo = [d for d in docs if d.id not in folder.done]
+        for at in range(0, len(todo), batch):
+            group = todo[at: at + batch]
             t0 = time.perf_counter()
             D.reset_peak(lm.model.device)
-            nll, steps, cache = E.teacher_forced_nll(lm.model, attached, d.meta["ids"], **cache_settings(cfg))
+            rows = E.teacher_forced_nll_rows(lm.model, attached, [d.meta["ids"] for d in group], **cache_settings(cfg))
+            wall = time.perf_counter() - t0
+            for d, (nll, steps, cache) in zip(group, rows):
+                yield d, nll, steps, cache, wall
+
+    def new_records():
+        for d, nll, steps, cache, wall in scored():
             yield {"item_id": d.id, "n_tokens": len(nll), "nll_sum": float(sum(nll)),
                    "nll_blocks": S.nll_blocks(nll), "perplexity": math.exp(sum(nll) / len(nll)),
                    "tpot_s": M.mean(steps), "ttft_s": None, "latency_breakdown": E.breakdown(cache.timings, steps),
-                   "wall_s": time.perf_counter() - t0, "kv_bytes_prefill": None, **E.memory(cache),
+                   "wall_s": wall, "kv_bytes_prefill": None, **E.memory(cache),
                    "device_peak_bytes": D.peak_allocated(lm.model.device),
                    **cache.attended_stats()}
 
@@ -191,6 +217,7 @@ def check_settings(cfg: DictConfig) -> None:
     _int_setting(cfg, "threads", 1, True, "an integer >= 1 or null (torch's default)")
     _int_setting(cfg, "max_new_tokens", 1, True, "an integer >= 1 or null (the dataset's default)")
     _int_setting(cfg, "prefill_chunk", 0, True, "an integer >= 0 (0: the whole context in one pass)")
+    _int_setting(cfg, "batch_size", 1, True, "an integer >= 1 or null (1: one item at a time)")
     for key in ("query_aware", "cuda_breakdown"):
         if cfg.get(key) not in (None, True, False):
             raise RunConfigError(f"{key}={cfg.get(key)!r} must be true, false or null (false)")

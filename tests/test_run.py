@@ -32,8 +32,8 @@ def test_resume_does_not_redo_finished_items(tmp_path, monkeypatch):
     (tmp_path / "predictions.jsonl").write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])
     (tmp_path / "metrics.json").unlink()
     calls = []
-    real = E.greedy_answer
-    monkeypatch.setattr(E, "greedy_answer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = E.answer_rows
+    monkeypatch.setattr(E, "answer_rows", lambda lm, ready, *a, **k: calls.extend(ready) or real(lm, ready, *a, **k))
     again = R.run(cfg, tmp_path)
     assert len(calls) == n_items - 3
     recs = read_jsonl(tmp_path / "predictions.jsonl")

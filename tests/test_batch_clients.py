@@ -1,0 +1,63 @@
+"""The clients on batches (issue 60): the runner's ``batch_size`` (QA and perplexity) gives every item the record it
+gets alone, in the dataset's order, and an interrupted batch loses nothing already written."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import luka_bench.engine as E
+import luka_bench.run as R
+from luka_bench.errors import RunConfigError
+from luka_bench.methods.hf import attach
+from luka_bench.methods.h2o import H2O
+
+from conftest import compose
+
+SAME = ("item_id", "prediction", "raw_output", "scores", "new_tokens", "kv_bytes_prefill", "kv_bytes_peak",
+        "kv_bytes_full", "kv_tokens")
+
+
+def records(folder):
+    return [json.loads(line) for line in (folder / "predictions.jsonl").read_text().splitlines()]
+
+
+def test_a_qa_run_in_batches_gives_each_item_its_record_alone_and_resumes_an_interrupted_batch(tmp_path,
+                                                                                             monkeypatch):
+    base = ["model=tiny_llama", "data.limit=3", "max_new_tokens=4", "progress=false", "method=h2o",
+            "method.budget=0.5"]
+    one = R.run(compose(*base), tmp_path / "one")
+    alone = records(tmp_path / "one")
+    assert len(alone) >= 6
+    real, calls = E.answer_rows, []
+
+    def stop_on_second(lm, ready, *a, **k):  # the second batch is interrupted
+        calls.append(len(ready))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(lm, ready, *a, **k)
+
+    monkeypatch.setattr(E, "answer_rows", stop_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        R.run(compose(*base, "batch_size=4"), tmp_path / "four")
+    assert calls == [4, 4] and len(records(tmp_path / "four")) == 4  # the first batch written, whole
+    monkeypatch.setattr(E, "answer_rows", real)
+    four = R.run(compose(*base, "batch_size=4"), tmp_path / "four")
+    together = records(tmp_path / "four")
+    assert [[r[k] for k in SAME] for r in together] == [[r[k] for k in SAME] for r in alone]
+    assert four["em_lenient"] == one["em_lenient"] and four["n_examples"] == one["n_examples"]
+    with pytest.raises(RunConfigError, match=r"^batch_size=0 must be an integer >= 1"):
+        R.run(compose(*base, "batch_size=0"), tmp_path / "bad")
+
+
+def test_perplexity_of_documents_of_different_lengths_in_one_batch_is_each_documents_alone(tiny_llama):
+    g = torch.Generator().manual_seed(2)
+    docs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (90, 40, 130)]
+    with attach(tiny_llama.model, H2O(budget=0.25)) as a:
+        alone = [E.teacher_forced_nll(tiny_llama.model, a, d) for d in docs]
+        together = E.teacher_forced_nll_rows(tiny_llama.model, a, docs)
+    for (nll, _, c), (nll_b, steps_b, c_b) in zip(alone, together):
+        assert len(nll_b) == len(nll) and len(steps_b) == len(nll) - 1
+        torch.testing.assert_close(torch.tensor(nll_b), torch.tensor(nll), rtol=0, atol=1e-4)
+        assert c_b.held_tokens() == c.held_tokens() and c_b.held_bytes() < c_b.full_bytes()
