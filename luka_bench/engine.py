@@ -194,16 +194,18 @@ def forward_rows(model, tokens: list[int], caches: list[MethodCache]) -> torch.T
 
 @torch.no_grad()
 def greedy_decode_rows(model, tokenizer, caches: list[MethodCache], logits: torch.Tensor,
-                       max_new_tokens: int | list[int], eos_ids: set[int], stop_strings: tuple[str, ...] = ("\n",),
-                       special_stops: bool = False) -> list[Generation]:
+                       max_new_tokens: int | list[int], eos_ids: set[int],
+                       stop_strings: tuple[str, ...] | list[tuple[str, ...]] = ("\n",), special_stops: bool = False
+                       ) -> list[Generation]:
     """``greedy_decode`` for a batch of rows, each from its own compressed cache and its row of ``logits`` [B,
-    vocab] (its tail's), every row under the same rule as alone (``_goes_on``; ``max_new_tokens`` one for all or
-    one per row). Each step is one forward over the rows still running (``forward_rows``): a row that stopped costs
+    vocab] (its tail's), every row under the same rule as alone (``_goes_on``; ``max_new_tokens`` and
+    ``stop_strings`` one for all or one per row). Each step is one forward over the rows still running (``forward_rows``): a row that stopped costs
     nothing further and never changes another row (rows of any lengths and methods: each row's cache is its own).
     One host read of the step's argmaxes for all rows. A row's ``step_s`` are the seconds of the batched steps it
     took part in."""
     B = len(caches)
     limits = [max_new_tokens] * B if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    stops = [stop_strings] * B if isinstance(stop_strings, tuple) else [tuple(s) for s in stop_strings]
     if logits.shape[0] != B or len(limits) != B:
         raise ValueError(f"greedy_decode_rows: {B} caches, {logits.shape[0]} rows of logits and {len(limits)} "
                          f"limits; allowed: one of each per row")
@@ -217,7 +219,7 @@ def greedy_decode_rows(model, tokenizer, caches: list[MethodCache], logits: torc
     while active:
         toks = torch.argmax(logits, dim=-1).tolist()
         going = [(b, tok) for b, tok in zip(active, toks)
-                 if _goes_on(tok, outs[b], tokenizer, limits[b], eos_ids, stop_strings, special_stops)]
+                 if _goes_on(tok, outs[b], tokenizer, limits[b], eos_ids, stops[b], special_stops)]
         if not going:
             break
         active = [b for b, _ in going]

@@ -112,6 +112,18 @@ def _split_args(args: dict[str, Any]) -> tuple[dict, dict, dict]:
     return model_s, method_s, hf
 
 
+def _batch_size(value: Any) -> int:
+    """lm-eval's ``batch_size`` as the number of rows decoded together: an integer >= 1 (lm-eval's default "1"
+    included); ``auto`` (lm-eval's search for the largest batch that fits) is refused in one line: a request's rows
+    hold caches of different sizes, which that search does not see."""
+    text = str(value).strip()
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise RunConfigError(f"batch_size={value}: --model luka_bench takes an integer >= 1 (requests decoded together "
+                         f"as the rows of one batch); 'auto' searches for a batch that fits by one padded forward, "
+                         f"which a method's caches do not follow")
+
+
 def _device_setting(device: Any, explicit: bool) -> Any:
     """lm-eval's ``--device`` (its command line passes ``cuda:0`` when none is given) as ``model.device``: on a
     machine without CUDA a CUDA device falls back to ``auto``, as lm-eval's own hf model does; a device given as
@@ -205,7 +217,8 @@ class LukaBenchLM(HFLM):
     luka_bench command line checks them; ``dtype=`` / ``device=`` (``--device``) as ``model.dtype`` /
     ``model.device``; and HFLM's ``max_length`` (default: the model's ``max_context``), ``truncation``,
     ``add_bos_token``, ``prefix_token_id``, ``think_end_token``, ``enable_thinking``, ``chat_template_args``,
-    ``batch_size`` (accepted; requests run one at a time: a method's cache holds one sequence)."""
+    ``batch_size`` (an integer: that many requests decoded or teacher-forced together as the rows of one batch, each
+    prefilled alone in its own cache: every result is the request's alone; ``auto`` is refused in one line)."""
 
     def __init__(self, model: str = "smollm2_135m", method: str = "full", **kwargs) -> None:
         try:
@@ -238,9 +251,8 @@ class LukaBenchLM(HFLM):
                                  "method (run it with the runner's query_aware=true)")
         loaded = load(self.luka_model, model_s)
         self.loaded = loaded
-        bs = hf.pop("batch_size", 1)
-        if str(bs) not in ("1", "auto", "auto:1", "None"):
-            log.warning("batch_size=%s: luka_bench runs one sequence at a time (a method's cache holds one)", bs)
+        self.rows = _batch_size(hf.pop("batch_size", 1))
+        hf.pop("max_batch_size", None)  # only read with batch_size=auto, which is refused
         hf.setdefault("max_length", loaded.max_context)
         if hf.get("add_bos_token") is not None and hasattr(loaded.tokenizer, "add_bos_token"):
             # what --model hf does by loading its tokenizer with add_bos_token=: the tokenizer itself adds the BOS
@@ -380,30 +392,41 @@ class LukaBenchLM(HFLM):
                                      f"{self.max_length}; allowed: max_gen_toks < max_length")
             settings.append((until, max_gen_toks, kwargs.get("max_length")))
         out = []
-        for req, (until, max_gen_toks, max_length) in tqdm(list(zip(requests, settings)),
-                                                            disable=disable_tqdm or self.rank != 0,
-                                                            desc="Running generate_until requests"):
-            context, gen_kwargs = req.args
-            ids, _ = self.tok_batch_encode([context], left_truncate_len=self.max_length - max_gen_toks,
-                                           truncation=self.truncation)
-            if max_length is not None:  # hf semantics: prompt + generation
-                max_gen_toks = int(max_length) - ids.shape[1]
-            ids = ids[0].tolist()
-            cache, logits = self._prefill(ids, self._tail(context, len(ids)))
-            gen = E.greedy_decode(self.model, self.tokenizer, cache, logits, max_gen_toks, self._eos_ids,
-                                  tuple(until), special_stops=True)
-            toks = gen.token_ids
-            think = self.think_end_token
-            if isinstance(think, int) and think in toks:
-                toks = toks[len(toks) - toks[::-1].index(think):]
-            s = self.tok_decode(toks)
-            if isinstance(think, int):
-                s = s.lstrip()
-            s = postprocess_generated_text(s, until, think if isinstance(think, str) else None)
-            self._note(cache, "generate_until", req.task_name)
-            out.append(s)
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), s)
+        bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running generate_until requests")
+        todo = list(zip(requests, settings))
+        for at in range(0, len(todo), self.rows):  # ``batch_size`` requests decoded together, each in its own cache
+            rows = []
+            for req, (until, max_gen_toks, max_length) in todo[at: at + self.rows]:
+                context, gen_kwargs = req.args
+                ids, _ = self.tok_batch_encode([context], left_truncate_len=self.max_length - max_gen_toks,
+                                               truncation=self.truncation)
+                if max_length is not None:  # hf semantics: prompt + generation
+                    max_gen_toks = int(max_length) - ids.shape[1]
+                ids = ids[0].tolist()
+                rows.append((req, until, max_gen_toks, *self._prefill(ids, self._tail(context, len(ids)))))
+            gens = E.greedy_decode_rows(self.model, self.tokenizer, [r[3] for r in rows],
+                                        torch.stack([r[4] for r in rows]), [r[2] for r in rows], self._eos_ids,
+                                        [tuple(r[1]) for r in rows], special_stops=True)
+            for (req, until, _, cache, _), gen in zip(rows, gens):
+                out.append(self._finish(req, until, cache, gen))
+                bar.update(1)
+        bar.close()
         return out
+
+    def _finish(self, req, until, cache, gen) -> str:
+        """A generation's text as lm-eval's hf model returns it (thinking cut, stop sequences applied), noted."""
+        context, gen_kwargs = req.args
+        toks = gen.token_ids
+        think = self.think_end_token
+        if isinstance(think, int) and think in toks:
+            toks = toks[len(toks) - toks[::-1].index(think):]
+        s = self.tok_decode(toks)
+        if isinstance(think, int):
+            s = s.lstrip()
+        s = postprocess_generated_text(s, until, think if isinstance(think, str) else None)
+        self._note(cache, "generate_until", req.task_name)
+        self.cache_hook.add_partial("generate_until", (context, gen_kwargs), s)
+        return s
 
     # -- loglikelihood ------------------------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False):
@@ -422,11 +445,13 @@ class LukaBenchLM(HFLM):
             ctx = (ctx + cont)[-(self.max_length + 1):][: -len(cont)]
         return list(ctx)
 
-    def _score(self, cache, logits: torch.Tensor, cont: list[int]) -> tuple[float, bool]:
-        """Sum of log p(cont) teacher-forced through ``cache`` from a tail's logits, and whether each token was the
-        argmax; log-softmax in ``softmax_dtype`` (None: the logits' dtype) and summed in it, as lm-eval's hf model."""
-        forced = E.teacher_force(self.model, cache, logits, cont, dtype=self.softmax_dtype)
-        return float(forced.logprobs.sum()), bool(forced.greedy.all())
+    def _score(self, rows: list[tuple]) -> list[tuple[float, bool]]:
+        """For rows (cache, tail logits, continuation) teacher-forced together (``teacher_force_rows``): the sum of
+        log p(continuation) and whether each token was the argmax; log-softmax in ``softmax_dtype`` (None: the
+        logits' dtype) and summed in it, as lm-eval's hf model."""
+        forced = E.teacher_force_rows(self.model, [r[0] for r in rows], torch.stack([r[1] for r in rows]),
+                                      [r[2] for r in rows], dtype=self.softmax_dtype)
+        return [(float(f.logprobs.sum()), bool(f.greedy.all())) for f in forced]
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         tasks = self._tasks if self._tasks is not None and len(self._tasks) == len(requests) else None
@@ -439,16 +464,30 @@ class LukaBenchLM(HFLM):
         res: list[tuple[float, bool] | None] = [None] * len(requests)
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0,
                    desc="Running loglikelihood requests")
-        for (ctx, tail), items in groups.items():
-            base, logits = self._prefill(list(ctx), tail)
-            for k, (i, cont) in enumerate(items):
-                cache = base if k == len(items) - 1 else base.clone()
-                res[i] = self._score(cache, logits, cont)
+
+        def rows():  # (request, cache, logits, continuation): a context prefilled once, each choice on a clone
+            for (ctx, tail), items in groups.items():
+                base, logits = self._prefill(list(ctx), tail)
+                for k, (i, cont) in enumerate(items):
+                    yield i, base if k == len(items) - 1 else base.clone(), logits, cont
+
+        def score(batch):  # ``batch_size`` choices (of any contexts) teacher-forced together
+            for (i, cache, _, _), r in zip(batch, self._score([b[1:] for b in batch])):
+                res[i] = r
                 self._note(cache, "loglikelihood", tasks[i] if tasks else None)
                 request_str = requests[i][0]
                 if request_str is not None:
-                    self.cache_hook.add_partial("loglikelihood", request_str, res[i])
+                    self.cache_hook.add_partial("loglikelihood", request_str, r)
                 bar.update(1)
+
+        batch = []
+        for row in rows():
+            batch.append(row)
+            if len(batch) == self.rows:
+                score(batch)
+                batch = []
+        if batch:
+            score(batch)
         bar.close()
         return res
 
@@ -462,14 +501,16 @@ class LukaBenchLM(HFLM):
             windows = map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
                 token_list=self.tok_encode(string), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
                 context_len=1))
-            total = 0.0
-            for ctx, cont in windows:
-                ids = list(ctx) + list(cont)
-                cache = self.kv.new_cache(reference_length=len(ids))
-                logits = E.prefill(self.model, ids[:1], cache)
-                forced = E.teacher_force(self.model, cache, logits, ids[1:], dtype=self.softmax_dtype)
-                total += float(forced.logprobs[len(ctx) - 1:].sum())
-                self._note(cache, "loglikelihood_rolling", req.task_name)
+            total, windows = 0.0, list(windows)
+            for at in range(0, len(windows), self.rows):  # ``batch_size`` windows teacher-forced together
+                group = [list(ctx) + list(cont) for ctx, cont in windows[at: at + self.rows]]
+                caches = [self.kv.new_cache(reference_length=len(ids)) for ids in group]
+                logits = torch.stack([E.prefill(self.model, ids[:1], c) for ids, c in zip(group, caches)])
+                forced = E.teacher_force_rows(self.model, caches, logits, [ids[1:] for ids in group],
+                                              dtype=self.softmax_dtype)
+                for (ctx, _), f, cache in zip(windows[at: at + self.rows], forced, caches):
+                    total += float(f.logprobs[len(ctx) - 1:].sum())
+                    self._note(cache, "loglikelihood_rolling", req.task_name)
             out.append(total)
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
         return out

@@ -230,7 +230,8 @@ def fixed_and_python_slots(monkeypatch, model, method_factory, classes, ids, pre
 class TailFeed:
     """Counts the tokens fed as decode steps before the first generated token (the engine's tail rule): a forward
     pre-hook on ``model`` records every forward through a method cache as (phase before it, tokens), and
-    ``engine.greedy_decode`` (patched with ``monkeypatch``) marks where greedy decoding starts."""
+    ``engine.greedy_decode_rows`` (patched with ``monkeypatch``; ``greedy_decode`` is its one-row case) marks where
+    greedy decoding starts."""
 
     def __init__(self, model, monkeypatch):
         from luka_bench import engine as E
@@ -239,8 +240,9 @@ class TailFeed:
         self.handles = []
         if model is not None:
             self.watch(model)
-        real = E.greedy_decode
-        monkeypatch.setattr(E, "greedy_decode", lambda *a, **k: self.events.append(("generate",)) or real(*a, **k))
+        real = E.greedy_decode_rows
+        monkeypatch.setattr(E, "greedy_decode_rows", lambda *a, **k: self.events.append(("generate",)) or
+                            real(*a, **k))
 
     def watch(self, model):
         self.handles.append(model.register_forward_pre_hook(self._hook, with_kwargs=True))

@@ -318,13 +318,13 @@ def test_smollm2_sinks_only_first_token_differs_and_the_chat_tail_is_fed(task_ma
     the tail fed through the compressed cache is what follows the user message (end of turn, assistant header, the
     answer's beginning)."""
     firsts, tails = [], []
-    decode, pre = E.greedy_decode, E.prefill_with_tail
+    decode, pre = E.greedy_decode_rows, E.prefill_with_tail
     def first_token(*a, **k):
-        gen = decode(*a, **k)
-        firsts.append(gen.token_ids[:1])
-        return gen
+        gens = decode(*a, **k)
+        firsts.extend(gen.token_ids[:1] for gen in gens)
+        return gens
 
-    monkeypatch.setattr(E, "greedy_decode", first_token)
+    monkeypatch.setattr(E, "greedy_decode_rows", first_token)
     monkeypatch.setattr(E, "prefill_with_tail", lambda m, h, t, c: tails.append(list(t)) or pre(m, h, t, c))
     for args in ("method=full", "method=streaming_llm,method.budget=0.005,method.sink=4"):
         evaluate("luka_bench", f"model=smollm2_135m,{args}", ["luka_fixture_gen_prefix"], task_manager, limit=2,
@@ -536,3 +536,34 @@ def test_a_method_that_needs_the_question_in_the_prompt_is_refused_before_the_mo
     with pytest.raises(RunConfigError) as e:
         L.LukaBenchLM.create_from_arg_string("model=tiny_llama,method=finch", {"device": "cpu"})
     assert "method=finch" in str(e.value) and "allowed:" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("args", ["method=full", "method=snapkv,method.budget=0.25,method.window=16",
+                                  "method=streaming_llm,method.budget=0.25"])
+def test_batch_size_8_gives_batch_size_1s_samples(args, tiny_folder, task_manager, one_thread, monkeypatch):
+    """``--batch_size 8``: requests decoded / teacher-forced together as the rows of one batch, each prefilled alone
+    in its own cache — the one-token multiple choice's log-likelihoods (within 1e-4) and is-greedy, the generative
+    task's generations and the rolling log-likelihoods equal ``--batch_size 1``'s, and so does what the method held."""
+    tasks = ["luka_fixture_abcd_bytes", "luka_fixture_gen", "luka_fixture_ppl"]
+    one = evaluate("luka_bench", f"model={tiny_folder},{args}", tasks, task_manager, limit=4, batch_size=1)
+    from luka_bench import engine as E
+
+    widths, real = [], E.forward_rows
+    monkeypatch.setattr(E, "forward_rows", lambda model, toks, caches: widths.append(len(caches)) or
+                        real(model, toks, caches))
+    eight = evaluate("luka_bench", f"model={tiny_folder},{args}", tasks, task_manager, limit=4, batch_size=8)
+    # the generative task's 4 requests decode as the 4 rows of one forward per step (a one-token choice is scored
+    # from its tail's logits: no forward after them)
+    assert max(widths) == 4
+    same_samples(one["samples"], eight["samples"], tol=1e-4)
+    kv1, kv8 = one["config"]["luka_bench"], eight["config"]["luka_bench"]
+    assert kv8["n"] == kv1["n"] and kv8["kv_tokens"] == kv1["kv_tokens"] and kv8["kv_ratio"] == kv1["kv_ratio"]
+
+
+def test_batch_size_auto_is_refused_in_one_line(tiny_folder):
+    from luka_bench.errors import RunConfigError
+    from luka_bench.lm_eval import LukaBenchLM
+
+    with pytest.raises(RunConfigError, match=r"^batch_size=auto: --model luka_bench takes an integer >= 1") as e:
+        LukaBenchLM(model=str(tiny_folder), method="full", batch_size="auto")
+    assert "\n" not in str(e.value)
