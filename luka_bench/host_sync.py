@@ -228,8 +228,10 @@ def cuda_sync_debug(mode: str | None):
 
 @torch.no_grad()
 def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool = False, seed: int = 0,
-                       tokenizer=None, sync_debug: str | None = None, batch: int = 1):
-    """Prefill ``prompt_len`` random tokens (``batch`` rows of one length) through ``method``'s cache, then run ``steps`` teacher-forced decode
+                       tokenizer=None, sync_debug: str | None = None, batch: int = 1, ragged: bool = False):
+    """Prefill ``prompt_len`` random tokens (``batch`` rows of one length; ``ragged``: rows of ``prompt_len``,
+    ``prompt_len - 7``, ... tokens, each prefilled alone in its own cache and decoded together through
+    ``hf.RowBatch``) through ``method``'s cache, then run ``steps`` teacher-forced decode
     steps, counting syncs during each step's model forward (the method's whole per-step work: attention, eviction,
     compression). Returns a list of (syncs, events — layers that took a host-side decision —, Counter of ops,
     Counter of sites) per step. ``sync_debug`` ("warn" or "error", CUDA only): each step also runs under
@@ -245,6 +247,8 @@ def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool =
     ids = torch.cat([ids, torch.randint(0, vocab, (batch - 1, prompt_len + steps), generator=g)])
     host_ids = ids[0].tolist()  # the runner hands the ids over from the host (MethodCache.add_tokens)
     ids = ids.to(dev)
+    if ragged:
+        return _ragged_sync_counts(model, method, ids, prompt_len, steps, where, tokenizer, sync_debug)
     out = []
     with hf.attach(model, method, tokenizer) as att:
         cache = att.new_cache(reference_length=prompt_len, **stand_in_question(method, prompt_len))
@@ -265,6 +269,37 @@ def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool =
     return out
 
 
+def _ragged_sync_counts(model, method, ids, prompt_len, steps, where, tokenizer, sync_debug):
+    """``decode_sync_counts`` for rows of different lengths (row b: ``prompt_len - 7 b`` tokens), one cache each,
+    every decode step one forward of all rows (``hf.RowBatch``); a step's events are summed over the rows."""
+    from luka_bench.engine import stand_in_question
+    from luka_bench.methods import hf
+
+    lengths = [prompt_len - 7 * b for b in range(ids.shape[0])]
+    host = ids.tolist()
+    out = []
+    with hf.attach(model, method, tokenizer) as att:
+        caches = []
+        for b, n in enumerate(lengths):
+            c = att.new_cache(reference_length=n, **stand_in_question(method, n))
+            c.add_tokens(host[b][:n])
+            model(input_ids=ids[b: b + 1, :n], past_key_values=c, use_cache=True, logits_to_keep=1)
+            caches.append(c)
+        before = [e for c in caches for e in events(c)]
+        for i in range(steps):
+            x = torch.stack([ids[b, n + i: n + i + 1] for b, n in enumerate(lengths)])
+            for b, (c, n) in enumerate(zip(caches, lengths)):
+                c.add_tokens(host[b][n + i: n + i + 1])
+            with SyncCounter(where=where) as cnt, cuda_sync_debug(sync_debug) as flagged:
+                model(input_ids=x, past_key_values=hf.RowBatch(caches), use_cache=True, logits_to_keep=1)
+            if flagged:
+                cnt.ops["cuda_sync_warnings"] += len(flagged)
+            now = [e for c in caches for e in events(c)]
+            out.append((cnt.total, sum(a > b for a, b in zip(now, before)), cnt.ops, cnt.sites))
+            before = now
+    return out
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -280,6 +315,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--where", action="store_true", help="print the source line of every sync")
     p.add_argument("--batch", type=int, default=1, help="rows of one length decoded together (issue 60)")
+    p.add_argument("--ragged", action="store_true", help="--batch rows of different lengths, one cache each")
     a = p.parse_args(argv)
     lm = TinyRandomModel(name="tiny", arch=a.arch, num_hidden_layers=4, device=a.device, dtype=a.dtype).load()
     from pathlib import Path
@@ -288,11 +324,11 @@ def main(argv=None) -> int:
         p.stem for p in (Path(__file__).resolve().parent.parent / "conf" / "method").glob("*.yaml"))
     for name in names:
         method = instantiate(sync_method_config(name), _convert_="all")
-        if a.batch > 1 and method.batch_refusal():
+        if a.batch > 1 and not a.ragged and method.batch_refusal():
             print(f"{name:16s} refuses a batch: {method.batch_refusal()}")
             continue
         rows = decode_sync_counts(lm.model, method, a.prompt, a.steps, where=a.where, tokenizer=lm.tokenizer,
-                                  batch=a.batch)
+                                  batch=a.batch, ragged=a.ragged)
         per_step = [r[0] for r in rows]
         ev = [r[1] for r in rows]
         with_ev = [s for s, e in zip(per_step, ev) if e]

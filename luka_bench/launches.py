@@ -185,8 +185,10 @@ def stock_launch_counts(model, prompt_len: int, steps: int, seed: int = 0, batch
 
 @torch.no_grad()
 def decode_launch_counts(model, method, prompt_len: int, steps: int, seed: int = 0, tokenizer=None,
-                         trace: bool = False, method_only: bool = False, batch: int = 1):
-    """``method``'s cache prefilled with ``prompt_len`` random tokens (``batch`` rows of one length), then ``steps``
+                         trace: bool = False, method_only: bool = False, batch: int = 1, ragged: bool = False):
+    """``method``'s cache prefilled with ``prompt_len`` random tokens (``batch`` rows of one length; ``ragged``: rows
+    of ``prompt_len``, ``prompt_len - 7``, ... tokens, each prefilled alone in its own cache and decoded together
+    through ``hf.RowBatch``, the events summed over the rows), then ``steps``
     teacher-forced decode steps (as ``host_sync.decode_sync_counts``). Returns per step (launches, events — layers that took a host-side
     decision or compressed —, Counter of launching ops, trace or None). ``method_only``: the trace holds the ops
     of luka_bench's own code only (``method_scope``); the counts are always the whole forward's."""
@@ -198,16 +200,37 @@ def decode_launch_counts(model, method, prompt_len: int, steps: int, seed: int =
     ids = ids.to(model.device)
     out = []
     with hf.attach(model, method, tokenizer) as att, (method_scope() if method_only else contextlib.nullcontext()):
-        cache = att.new_cache(reference_length=prompt_len, **stand_in_question(method, prompt_len))
-        cache.add_tokens(host_ids[:prompt_len])
-        model(input_ids=ids[:, :prompt_len], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        before = event_count(cache)
+        if ragged:
+            lengths = [prompt_len - 7 * b for b in range(batch)]
+            rows = [ids[b: b + 1].tolist()[0] for b in range(batch)]
+            caches = []
+            for b, n in enumerate(lengths):
+                c = att.new_cache(reference_length=n, **stand_in_question(method, n))
+                c.add_tokens(rows[b][:n])
+                model(input_ids=ids[b: b + 1, :n], past_key_values=c, use_cache=True, logits_to_keep=1)
+                caches.append(c)
+        else:
+            lengths, caches = [prompt_len], [att.new_cache(reference_length=prompt_len,
+                                                           **stand_in_question(method, prompt_len))]
+            caches[0].add_tokens(host_ids[:prompt_len])
+            model(input_ids=ids[:, :prompt_len], past_key_values=caches[0], use_cache=True, logits_to_keep=1)
+        cache = hf.RowBatch(caches) if ragged else caches[0]
+
+        def count():
+            return [e for c in caches for e in event_count(c)]
+
+        before = count()
         for i in range(steps):
-            cache.add_tokens(host_ids[prompt_len + i: prompt_len + i + 1])
+            if ragged:
+                x = torch.stack([ids[b, n + i: n + i + 1] for b, n in enumerate(lengths)])
+                for b, (c, n) in enumerate(zip(caches, lengths)):
+                    c.add_tokens(rows[b][n + i: n + i + 1])
+            else:
+                x = ids[:, prompt_len + i: prompt_len + i + 1]
+                cache.add_tokens(host_ids[prompt_len + i: prompt_len + i + 1])
             with cpu_kernel.kernels_off(), LaunchCounter(trace=trace, method_only=method_only) as c:
-                model(input_ids=ids[:, prompt_len + i: prompt_len + i + 1], past_key_values=cache, use_cache=True,
-                      logits_to_keep=1)
-            now = event_count(cache)
+                model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            now = count()
             out.append((c.total, sum(a > b for a, b in zip(now, before)), c.ops, c.trace))
             before = now
     return out
@@ -271,6 +294,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--ops", action="store_true", help="print each method's launching ops over stock, per layer")
     p.add_argument("--batch", type=int, default=1, help="rows of one length decoded together (issue 60)")
+    p.add_argument("--ragged", action="store_true", help="--batch rows of different lengths, one cache each")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     lm = TinyRandomModel(name="tiny", arch=a.arch, num_hidden_layers=a.layers, device="cpu", dtype="float32").load()
@@ -278,15 +302,17 @@ def main(argv=None) -> int:
         q.stem for q in (Path(__file__).resolve().parent.parent / "conf" / "method").glob("*.yaml"))
     stock = stock_launch_counts(lm.model, a.prompt, a.steps, batch=a.batch)
     sops = stock_ops(lm.model, a.prompt) if a.ops else None
-    print(f"launches per layer per decode step ({a.arch}, {a.layers} layers, prompt {a.prompt}, batch {a.batch}, "
+    print(f"launches per layer per decode step ({a.arch}, {a.layers} layers, prompt {a.prompt}, batch {a.batch}"
+          f"{' of different lengths, one cache per row' if a.ragged else ''}, "
           f"median of {a.steps} steps); stock (sdpa + DynamicCache): {statistics.median(stock) / a.layers:g}")
     print(f"{'method':16s} {'stock/layer':>11s} {'extra/layer':>11s} {'per event':>10s} {'event steps':>11s}")
     for name in names:
         method = instantiate(sync_method_config(name), _convert_="all")
-        if a.batch > 1 and method.batch_refusal():
+        if a.batch > 1 and not a.ragged and method.batch_refusal():
             print(f"{name:16s} refuses a batch: {method.batch_refusal()}")
             continue
-        rows = decode_launch_counts(lm.model, method, a.prompt, a.steps, tokenizer=lm.tokenizer, batch=a.batch)
+        rows = decode_launch_counts(lm.model, method, a.prompt, a.steps, tokenizer=lm.tokenizer, batch=a.batch,
+                                    ragged=a.ragged)
         s = summary(rows, stock, a.layers)
         ev = "-" if s["event_extra"] is None else f"{s['event_extra']:.1f}"
         print(f"{name:16s} {s['stock']:11g} {s['extra']:11g} {ev:>10s} {s['steps_with_events']:11d}")

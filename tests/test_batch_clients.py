@@ -61,3 +61,19 @@ def test_perplexity_of_documents_of_different_lengths_in_one_batch_is_each_docum
         assert len(nll_b) == len(nll) and len(steps_b) == len(nll) - 1
         torch.testing.assert_close(torch.tensor(nll_b), torch.tensor(nll), rtol=0, atol=1e-4)
         assert c_b.held_tokens() == c.held_tokens() and c_b.held_bytes() < c_b.full_bytes()
+
+
+def test_bench_batch_measures_every_batch_size_for_stock_and_our_methods(tmp_path):
+    """``scripts/bench_batch.py`` on a tiny model: RULER prompts of different lengths, each method and stock at
+    every batch size, a table with each method's batch-2 / batch-1 ratio, the JSON and the plot written."""
+    from conftest import load_script
+
+    bench = load_script("bench_batch")
+    out = tmp_path / "b.json"
+    bench.main(["--model", "tiny_llama", "--batches", "1,2", "--steps", "3", "--methods", "full", "h2o",
+                "--rounds", "1", "--length", "1200", "--tasks", "niah_single_1,fwe", "--json", str(out), "--plot"])
+    res = json.loads(out.read_text())
+    assert set(res["tokens_per_s"]) == {"stock", "full", "h2o"} and res["batches"] == [1, 2]
+    assert all(v > 0 for row in res["tokens_per_s"].values() for v in row.values())
+    assert len(set(res["prompt_tokens"])) > 1 and out.with_suffix(".png").stat().st_size > 0
+    assert "| h2o |" in bench.table(res)

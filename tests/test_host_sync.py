@@ -236,3 +236,17 @@ def test_a_batch_of_rows_does_not_sync_either(name, model):
     rows = decode_sync_counts(model.model, method, prompt_len=400, steps=12, tokenizer=model.tokenizer, batch=4)
     plain = [(i, n, dict(ops)) for i, (n, ev, ops, _) in enumerate(rows) if not ev and n]
     assert not plain, f"{name}: host syncs on batched decode steps without an event: {plain}"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONF.glob("*.yaml")))
+def test_rows_of_different_lengths_decoded_together_do_not_sync_either(name, model):
+    """Issue 60: three rows of 400, 393 and 386 tokens, each its own cache, decoded together (``hf.RowBatch``): no
+    host sync on a step without an event, every method config; with events, the method's own budget (summed over
+    the rows' events)."""
+    method = instantiate(sync_method_config(name), _convert_="all")
+    rows = decode_sync_counts(model.model, method, prompt_len=400, steps=8, tokenizer=model.tokenizer, batch=3,
+                              ragged=True)
+    budget = event_budget(name, {})
+    bad = [(i, n, ev, dict(ops)) for i, (n, ev, ops, _) in enumerate(rows)
+           if n > (budget(ev) if budget is not None and ev else 0)]
+    assert not bad, f"{name}: host syncs on decode steps of rows of different lengths: {bad}"
