@@ -269,27 +269,40 @@ def decode_sync_counts(model, method, prompt_len: int, steps: int, where: bool =
     return out
 
 
-def _ragged_sync_counts(model, method, ids, prompt_len, steps, where, tokenizer, sync_debug):
-    """``decode_sync_counts`` for rows of different lengths (row b: ``prompt_len - 7 b`` tokens), one cache each,
-    every decode step one forward of all rows (``hf.RowBatch``); a step's events are summed over the rows."""
+def ragged_rows(att, model, method, ids: torch.Tensor, prompt_len: int):
+    """Rows of ``prompt_len``, ``prompt_len - 7``, ... tokens of ``ids`` [B, ...], each prefilled alone in its own
+    cache (``att``: an ``hf.Attached``): (caches, step) where ``step(i)`` announces decode step i's token to each row's
+    cache and returns the step's input ids [B, 1] (row b's token after its own prompt)."""
     from luka_bench.engine import stand_in_question
-    from luka_bench.methods import hf
 
     lengths = [prompt_len - 7 * b for b in range(ids.shape[0])]
     host = ids.tolist()
+    caches = []
+    for b, n in enumerate(lengths):
+        c = att.new_cache(reference_length=n, **stand_in_question(method, n))
+        c.add_tokens(host[b][:n])
+        model(input_ids=ids[b: b + 1, :n], past_key_values=c, use_cache=True, logits_to_keep=1)
+        caches.append(c)
+
+    def step(i: int) -> torch.Tensor:
+        for b, (c, n) in enumerate(zip(caches, lengths)):
+            c.add_tokens(host[b][n + i: n + i + 1])
+        return torch.stack([ids[b, n + i: n + i + 1] for b, n in enumerate(lengths)])
+
+    return caches, step
+
+
+def _ragged_sync_counts(model, method, ids, prompt_len, steps, where, tokenizer, sync_debug):
+    """``decode_sync_counts`` for rows of different lengths (``ragged_rows``), every decode step one forward of all
+    rows (``hf.RowBatch``); a step's events are summed over the rows."""
+    from luka_bench.methods import hf
+
     out = []
     with hf.attach(model, method, tokenizer) as att:
-        caches = []
-        for b, n in enumerate(lengths):
-            c = att.new_cache(reference_length=n, **stand_in_question(method, n))
-            c.add_tokens(host[b][:n])
-            model(input_ids=ids[b: b + 1, :n], past_key_values=c, use_cache=True, logits_to_keep=1)
-            caches.append(c)
+        caches, step = ragged_rows(att, model, method, ids, prompt_len)
         before = [e for c in caches for e in events(c)]
         for i in range(steps):
-            x = torch.stack([ids[b, n + i: n + i + 1] for b, n in enumerate(lengths)])
-            for b, (c, n) in enumerate(zip(caches, lengths)):
-                c.add_tokens(host[b][n + i: n + i + 1])
+            x = step(i)
             with SyncCounter(where=where) as cnt, cuda_sync_debug(sync_debug) as flagged:
                 model(input_ids=x, past_key_values=hf.RowBatch(caches), use_cache=True, logits_to_keep=1)
             if flagged:

@@ -200,18 +200,12 @@ def decode_launch_counts(model, method, prompt_len: int, steps: int, seed: int =
     ids = ids.to(model.device)
     out = []
     with hf.attach(model, method, tokenizer) as att, (method_scope() if method_only else contextlib.nullcontext()):
-        if ragged:
-            lengths = [prompt_len - 7 * b for b in range(batch)]
-            rows = [ids[b: b + 1].tolist()[0] for b in range(batch)]
-            caches = []
-            for b, n in enumerate(lengths):
-                c = att.new_cache(reference_length=n, **stand_in_question(method, n))
-                c.add_tokens(rows[b][:n])
-                model(input_ids=ids[b: b + 1, :n], past_key_values=c, use_cache=True, logits_to_keep=1)
-                caches.append(c)
+        if ragged:  # rows of different lengths, one cache each (``host_sync.ragged_rows``)
+            from luka_bench.host_sync import ragged_rows
+
+            caches, ragged_step = ragged_rows(att, model, method, ids, prompt_len)
         else:
-            lengths, caches = [prompt_len], [att.new_cache(reference_length=prompt_len,
-                                                           **stand_in_question(method, prompt_len))]
+            caches = [att.new_cache(reference_length=prompt_len, **stand_in_question(method, prompt_len))]
             caches[0].add_tokens(host_ids[:prompt_len])
             model(input_ids=ids[:, :prompt_len], past_key_values=caches[0], use_cache=True, logits_to_keep=1)
         cache = hf.RowBatch(caches) if ragged else caches[0]
@@ -222,9 +216,7 @@ def decode_launch_counts(model, method, prompt_len: int, steps: int, seed: int =
         before = count()
         for i in range(steps):
             if ragged:
-                x = torch.stack([ids[b, n + i: n + i + 1] for b, n in enumerate(lengths)])
-                for b, (c, n) in enumerate(zip(caches, lengths)):
-                    c.add_tokens(rows[b][n + i: n + i + 1])
+                x = ragged_step(i)
             else:
                 x = ids[:, prompt_len + i: prompt_len + i + 1]
                 cache.add_tokens(host_ids[prompt_len + i: prompt_len + i + 1])

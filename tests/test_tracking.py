@@ -53,7 +53,7 @@ def test_crash_still_finishes_the_tracker(tmp_path, recorder, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(E, "greedy_answer", boom)
+    monkeypatch.setattr(E, "answer_rows", boom)
     with pytest.raises(RuntimeError, match="boom"):
         R.run(compose(*TINY), tmp_path)
     assert recorder.calls[-1] == ("finish", None, 1)
@@ -180,7 +180,7 @@ def test_wandb_run_is_finished_when_the_run_crashes(tmp_path, wandb_env, monkeyp
     def boom(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(E, "greedy_answer", boom)
+    monkeypatch.setattr(E, "answer_rows", boom)
     cfg = compose(*TINY, "logger=wandb", "logger.mode=offline")
     with pytest.raises(RuntimeError, match="boom"):
         R.run(cfg, tmp_path / "run")
