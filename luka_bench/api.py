@@ -157,9 +157,9 @@ class KV:
                              f"context (or questions=None)")
         model, eos = self.model, E.eos_token_ids(self.model, self.tokenizer)
         answers = []
-        for at in range(0, len(contexts), batch_size):
+        for group in E.in_batches(zip(contexts, questions), batch_size):
             rows = []
-            for context, question in zip(contexts[at: at + batch_size], questions[at: at + batch_size]):
+            for context, question in group:
                 ctx, q, head, tail_ids, cache_kw = self._plan(context, question, answer_prefix, question_aware,
                                                               query_aware)
                 cache = self.new_cache(**cache_kw)

@@ -82,6 +82,27 @@ def feed(model, ids: list[int] | torch.Tensor, cache: MethodCache) -> torch.Tens
     return forward(model, ids, cache)
 
 
+def timed_feed(model, ids: list[int], cache: MethodCache) -> tuple[torch.Tensor, float]:
+    """``feed`` timed (device synchronised before and after): (the last position's logits, seconds)."""
+    sync(model.device)
+    t0 = time.perf_counter()
+    logits = feed(model, ids, cache)
+    sync(model.device)
+    return logits, time.perf_counter() - t0
+
+
+def in_batches(items, size: int) -> Iterator[list]:
+    """``items`` (any iterable, consumed lazily) in lists of ``size``, the last one shorter."""
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
 @dataclass
 class Prefilled:
     """What ``prefill_with_tail`` did: the logits after the tail, and the timed figures."""
@@ -199,8 +220,9 @@ def greedy_decode_rows(model, tokenizer, caches: list[MethodCache], logits: torc
                        ) -> list[Generation]:
     """``greedy_decode`` for a batch of rows, each from its own compressed cache and its row of ``logits`` [B,
     vocab] (its tail's), every row under the same rule as alone (``_goes_on``; ``max_new_tokens`` and
-    ``stop_strings`` one for all or one per row). Each step is one forward over the rows still running (``forward_rows``): a row that stopped costs
-    nothing further and never changes another row (rows of any lengths and methods: each row's cache is its own).
+    ``stop_strings`` one for all or one per row). Each step is one forward over the rows still running
+    (``forward_rows``): a row that stopped costs nothing further and never changes another row (rows of any lengths
+    and methods: each row's cache is its own).
     One host read of the step's argmaxes for all rows. A row's ``step_s`` are the seconds of the batched steps it
     took part in."""
     B = len(caches)
@@ -243,12 +265,7 @@ def greedy_answer(model, tokenizer, cache: MethodCache, question_ids: list[int],
                   ) -> Generation:
     """Feed the tail (``question_ids``: the question part, at least one token) through a compressed cache, then
     ``greedy_decode`` from its logits. ``question_s``: the tail's seconds."""
-    device = model.device
-    sync(device)
-    t0 = time.perf_counter()
-    logits = feed(model, question_ids, cache)
-    sync(device)
-    question_s = time.perf_counter() - t0
+    logits, question_s = timed_feed(model, question_ids, cache)
     gen = greedy_decode(model, tokenizer, cache, logits, max_new_tokens, eos_ids, stop_strings, special_stops)
     gen.question_s, gen.tail_tokens = question_s, len(question_ids)
     return gen
@@ -315,8 +332,9 @@ def teacher_force_rows(model, caches: list[MethodCache], logits: torch.Tensor, t
         logits = forward_rows(model, [tokens[b][j] for b in active], [caches[b] for b in active])
         if timed:
             sync(device)
+            dt = time.perf_counter() - t
             for b in active:
-                steps[b].append(time.perf_counter() - t)
+                steps[b].append(dt)
         j += 1
     return [Forced(torch.stack(lps[b]), torch.stack(greedy[b]), steps[b]) if lps[b] else
             Forced(torch.zeros(0), torch.zeros(0, dtype=torch.bool), steps[b]) for b in range(B)]
@@ -337,11 +355,20 @@ def teacher_forced_nll_rows(model, attached, docs: list[list[int]], **cache_kw
     """``teacher_forced_nll`` for documents of any lengths as the rows of one batch (``teacher_force_rows``): each
     its own cache and one-token prefill, then every next token of every row still going in one forward per step;
     each row's NLL is its document's alone. A row's seconds per step are its batch's."""
+    return [((-f.logprobs).tolist(), f.step_s, c)
+            for f, c in forced_documents(model, attached, docs, torch.float32, timed=True, **cache_kw)]
+
+
+@torch.no_grad()
+def forced_documents(model, attached, docs: list[list[int]], dtype: torch.dtype | None = torch.float32,
+                     timed: bool = False, **cache_kw) -> list[tuple["Forced", MethodCache]]:
+    """Each document its own fresh cache (the budget a fraction of the document) and a one-token prefill (nothing to
+    compress before it), then every next token teacher-forced, the documents as the rows of one batch
+    (``teacher_force_rows``): per document (its ``Forced``, its cache)."""
     caches = [attached.new_cache(reference_length=len(ids), **cache_kw) for ids in docs]
-    # a one-token prefill: the method has nothing to compress before it
     logits = torch.stack([prefill(model, ids[:1], c) for ids, c in zip(docs, caches)])
-    forced = teacher_force_rows(model, caches, logits, [list(ids[1:]) for ids in docs], torch.float32, timed=True)
-    return [((-f.logprobs).tolist(), f.step_s, c) for f, c in zip(forced, caches)]
+    forced = teacher_force_rows(model, caches, logits, [list(ids[1:]) for ids in docs], dtype, timed)
+    return list(zip(forced, caches))
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
@@ -426,11 +453,7 @@ def ready_questions(lm, attached, plan: ExamplePlan, todo: list[QuestionPlan], c
     model, cache_kw = lm.model, dict(cache_kw or {})
 
     def tail_through(qp, cache, tail, info, peak) -> Ready:
-        sync(model.device)
-        t0 = time.perf_counter()
-        logits = feed(model, tail, cache)
-        sync(model.device)
-        return Ready(qp, cache, logits, time.perf_counter() - t0, len(tail), info, peak)
+        return Ready(qp, cache, *timed_feed(model, tail, cache), len(tail), info, peak)
 
     if query_aware:
         for qp in todo:

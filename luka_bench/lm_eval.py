@@ -393,10 +393,10 @@ class LukaBenchLM(HFLM):
             settings.append((until, max_gen_toks, kwargs.get("max_length")))
         out = []
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="Running generate_until requests")
-        todo = list(zip(requests, settings))
-        for at in range(0, len(todo), self.rows):  # ``batch_size`` requests decoded together, each in its own cache
+        # ``batch_size`` requests decoded together, each in its own cache
+        for group in E.in_batches(zip(requests, settings), self.rows):
             rows = []
-            for req, (until, max_gen_toks, max_length) in todo[at: at + self.rows]:
+            for req, (until, max_gen_toks, max_length) in group:
                 context, gen_kwargs = req.args
                 ids, _ = self.tok_batch_encode([context], left_truncate_len=self.max_length - max_gen_toks,
                                                truncation=self.truncation)
@@ -480,13 +480,7 @@ class LukaBenchLM(HFLM):
                     self.cache_hook.add_partial("loglikelihood", request_str, r)
                 bar.update(1)
 
-        batch = []
-        for row in rows():
-            batch.append(row)
-            if len(batch) == self.rows:
-                score(batch)
-                batch = []
-        if batch:
+        for batch in E.in_batches(rows(), self.rows):
             score(batch)
         bar.close()
         return res
@@ -501,14 +495,11 @@ class LukaBenchLM(HFLM):
             windows = map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
                 token_list=self.tok_encode(string), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
                 context_len=1))
-            total, windows = 0.0, list(windows)
-            for at in range(0, len(windows), self.rows):  # ``batch_size`` windows teacher-forced together
-                group = [list(ctx) + list(cont) for ctx, cont in windows[at: at + self.rows]]
-                caches = [self.kv.new_cache(reference_length=len(ids)) for ids in group]
-                logits = torch.stack([E.prefill(self.model, ids[:1], c) for ids, c in zip(group, caches)])
-                forced = E.teacher_force_rows(self.model, caches, logits, [ids[1:] for ids in group],
-                                              dtype=self.softmax_dtype)
-                for (ctx, _), f, cache in zip(windows[at: at + self.rows], forced, caches):
+            total = 0.0
+            for group in E.in_batches(windows, self.rows):  # ``batch_size`` windows teacher-forced together
+                docs = [list(ctx) + list(cont) for ctx, cont in group]
+                for (ctx, _), (f, cache) in zip(group, E.forced_documents(self.model, self.kv, docs,
+                                                                          self.softmax_dtype)):
                     total += float(f.logprobs[len(ctx) - 1:].sum())
                     self._note(cache, "loglikelihood_rolling", req.task_name)
             out.append(total)

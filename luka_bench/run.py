@@ -80,18 +80,16 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
         """Every question not done, answered in the dataset's order, ``batch_size`` questions (of any examples)
         decoded together as the rows of one batch; a batch's records are written as soon as it ends, so an
         interrupted run loses at most the batch under way (its questions run again on resume)."""
-        ready = []
-        for plan in plans:
-            todo = [q for q in plan.questions if q.question.id not in folder.done]
-            if not todo:
-                continue
-            for r in E.ready_questions(lm, attached, plan, todo, cache_settings(cfg), bool(cfg.get("query_aware"))):
-                ready.append(r)
-                if len(ready) == batch:
-                    yield from E.answer_rows(lm, ready, eos, tuple(task.stop_strings))
-                    ready = []
-        if ready:
-            yield from E.answer_rows(lm, ready, eos, tuple(task.stop_strings))
+
+        def ready():
+            for plan in plans:
+                todo = [q for q in plan.questions if q.question.id not in folder.done]
+                if todo:
+                    yield from E.ready_questions(lm, attached, plan, todo, cache_settings(cfg),
+                                                 bool(cfg.get("query_aware")))
+
+        for rows in E.in_batches(ready(), batch):
+            yield from E.answer_rows(lm, rows, eos, tuple(task.stop_strings))
 
     def new_records():
         for a in answered():
@@ -130,9 +128,7 @@ def evaluate_ppl(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item
     def scored():
         """(document, NLLs, seconds per step, cache, wall seconds) of every document not done, in the dataset's
         order, ``batch_size`` documents teacher-forced together as the rows of one batch."""
-        todo = [d for d in docs if d.id not in folder.done]
-        for at in range(0, len(todo), batch):
-            group = todo[at: at + batch]
+        for group in E.in_batches((d for d in docs if d.id not in folder.done), batch):
             t0 = time.perf_counter()
             D.reset_peak(lm.model.device)
             rows = E.teacher_forced_nll_rows(lm.model, attached, [d.meta["ids"] for d in group], **cache_settings(cfg))
