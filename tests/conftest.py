@@ -11,7 +11,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# the cores shared among pytest-xdist's workers (``-n 2`` on 2 cores: one thread each): a worker running two
+# threads on a core another worker also runs on waits at every parallel region for a descheduled thread
+# (the whole suite took 1.3x as long so; single tests up to 9x)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(autouse=True, scope="session")
