@@ -13,9 +13,11 @@ CONF = ROOT / "conf"
 
 # the cores shared among pytest-xdist's workers (``-n 2`` on 2 cores: one thread each): a worker running two
 # threads on a core another worker also runs on waits at every parallel region for a descheduled thread
-# (the whole suite took 1.3x as long so; single tests up to 9x)
+# (the whole suite took 2.8x as long so — 999 s against 360 s — single tests up to 9x)
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+if _WORKERS > 1:  # the same for the processes a test starts (the CLI, sweeps, SLURM jobs)
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -106,6 +106,54 @@ def test_two_steady_steps_dispatch_the_same_ops_on_the_same_shapes_without_a_syn
 
 
 @torch.no_grad()
+def _row_steps(model, method, tokenizer, lengths=(PROMPT, PROMPT - 37)):
+    """``_steps`` for rows of different lengths decoded together (``hf.RowBatch``: each row prefilled alone in its
+    own cache, then one forward per step over all rows); per step the events and held tokens summed over the rows."""
+    from luka_bench.methods import cpu_kernel, hf
+
+    host = torch.randint(0, 200, (len(lengths), PROMPT + STEPS), generator=torch.Generator().manual_seed(0))
+    out = []
+    with hf.attach(model, method, tokenizer) as att, method_scope(), cpu_kernel.kernels_off():
+        caches = []
+        for b, n in enumerate(lengths):
+            c = att.new_cache(reference_length=n)
+            c.add_tokens(host[b, :n].tolist())
+            model(input_ids=host[b: b + 1, :n].to(model.device), past_key_values=c, use_cache=True, logits_to_keep=1)
+            caches.append(c)
+        for i in range(STEPS):
+            tok = [int(host[b, n + i]) for b, n in enumerate(lengths)]
+            for c, t in zip(caches, tok):
+                c.add_tokens([t])
+            x = torch.as_tensor(tok, device=model.device).view(-1, 1)
+            held = [h for c in caches for h in c.held_tokens()]
+            before = [e for c in caches for e in event_count(c)]
+            with SyncCounter() as syncs, LaunchCounter(trace=True, method_only=True) as counter:
+                model(input_ids=x, past_key_values=hf.RowBatch(caches), use_cache=True, logits_to_keep=1)
+            events = sum(a > b for a, b in zip([e for c in caches for e in event_count(c)], before))
+            out.append((counter.trace, syncs.total, held, [h for c in caches for h in c.held_tokens()], events))
+    return out
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_rows_of_different_lengths_keep_the_steady_state(name, llama):
+    """Issue 60: the graph-ready steady state holds with a batch — rows of 300 and 263 prompt tokens, each in its
+    own cache, decoded together: two consecutive steady steps dispatch the same ops on the same shapes (both rows'
+    work), with no host sync."""
+    name, overrides = name if isinstance(name, tuple) else (name, {})
+    rows = _row_steps(llama.model, instantiate(sync_method_config(name, overrides), _convert_="all"),
+                      llama.tokenizer)
+    steady = [i for i, r in enumerate(rows) if i and not r[4]]
+    grew = [[a - b for a, b in zip(r[3], r[2])] for r in rows]
+    pairs = [(i, i + 1) for i in steady if i + 1 in steady and grew[i] == grew[i + 1]]
+    assert len(pairs) >= 2, f"{name}: too few consecutive steady steps: {[(r[2], r[3], r[4]) for r in rows]}"
+    for i, j in pairs:
+        a, b = rows[i][0], rows[j][0]
+        assert a, f"{name}: nothing traced inside luka_bench's code at step {i}"
+        assert a == b, f"{name}: steps {i} and {j} differ: {_first_difference(a, b)}"
+    assert all(rows[i][1] == 0 for i in steady), f"{name}: host syncs on steady steps: {[r[1] for r in rows]}"
+
+
+@torch.no_grad()
 def test_the_position_counter_is_advanced_in_place_and_refilled_after_a_jump(llama):
     """The decode step's position comes from one device tensor per cache, advanced by one in place between
     consecutive steps (no Python number in the op) and refilled after any other jump; clones own theirs."""
