@@ -16,7 +16,7 @@ them runs unchanged on both and the tests can reach them with mocks of ``torch.c
 - ``memory_mark(device)`` / ``peak_growth(device, mark)``: the peak growth of memory over a span — the device
   allocator's (CUDA) or the process's resident set (CPU) — over what was in use at the mark.
 
-This module imports no other module of the package (the engine's ``warm_up`` uses it).
+This module imports no other module of the package but ``errors`` (the engine's ``warm_up`` uses it).
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ import resource
 from pathlib import Path
 
 import torch
+
+from .errors import RunConfigError
 
 
 _HOST_SIDE = [0]  # depth of host_side() blocks: the sync counter (luka_bench.host_sync) counts nothing inside
@@ -131,34 +133,43 @@ def release_memory() -> None:
         pass
 
 
-MMAP_THRESHOLD = 65536  # bytes: an allocation at least this large is its own mapping, returned to the OS when freed
+MMAP_THRESHOLD = 4 << 20  # bytes: an allocation at least this large is its own mapping, returned to the OS when freed
 _STEADY = [False]
+ALLOCATORS = ("steady", "system")
 
 
 def steady_allocator() -> bool:
-    """With ``LUKA_BENCH_ALLOCATOR=steady``: make the process's CPU memory peak follow what is alive, once per process
-    (the harness calls it when a method is attached to a model on the CPU; unset or ``default``: the process is left as
-    it is — the setting costs speed, ``docs/speed.md``): glibc's mmap threshold fixed at ``MMAP_THRESHOLD`` or
-    ``LUKA_BENCH_MMAP_THRESHOLD`` bytes (``mallopt``: glibc otherwise raises it to the size of each large block freed, up to 32 MB, so
-    that later blocks of that size come from the heap, whose freed pages stay resident — how much depends on the
-    order of frees, and identical processes peaked apart) and MKL's buffer cache off (``mkl_serv_disable_fast_mm``,
-    exported by torch's CPU library: each thread otherwise keeps its GEMM packing buffers; ``LUKA_BENCH_MKL_CACHE=keep``
-    leaves it on). Returns whether anything was set (False: not asked for, already set, not glibc and no MKL symbol)."""
+    """Make the process's CPU memory peak follow what is alive, once per process (the harness calls it when a method is
+    attached to a model on the CPU): glibc's mmap threshold fixed at ``MMAP_THRESHOLD`` (4 MiB; the variable
+    ``LUKA_BENCH_MMAP_THRESHOLD`` changes it) with ``mallopt``. glibc otherwise raises its threshold to the size of
+    each large block freed, up to 32 MB, so that later blocks of that size come from the heap, whose freed pages stay
+    resident in an order-dependent way: identical processes peaked 6-43 % apart; with the threshold fixed, within 3 %.
+    Its price: a CPU prefill's large temporaries are fresh mappings, ~1.15x its seconds at 2K tokens (decode unchanged;
+    ``docs/speed.md``). Left alone where the process set glibc's own ``MALLOC_MMAP_THRESHOLD_`` (the memory
+    benchmark's 64 KiB) and with ``LUKA_BENCH_ALLOCATOR=system``. ``LUKA_BENCH_MKL_CACHE=off`` also turns MKL's
+    buffer cache off (``mkl_serv_disable_fast_mm``, exported by torch's CPU library: each thread keeps its GEMM
+    packing buffers, a few MB). Returns whether anything was set (False: already set, ``system``, the process's own
+    setting, not glibc and no MKL symbol)."""
     import os
 
-    if _STEADY[0] or os.environ.get("LUKA_BENCH_ALLOCATOR", "default") != "steady":
+    mode = os.environ.get("LUKA_BENCH_ALLOCATOR", "steady")
+    if mode not in ALLOCATORS:
+        raise RunConfigError(f"LUKA_BENCH_ALLOCATOR={mode!r} is unknown; allowed: steady (the default: a CPU "
+                                    f"peak that repeats), system (glibc's and MKL's own behaviour)")
+    if _STEADY[0] or mode != "steady":
         return False
     _STEADY[0] = True
     done = False
-    try:
-        import ctypes
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        try:
+            import ctypes
 
-        libc = ctypes.CDLL("libc.so.6")
-        threshold = int(os.environ.get("LUKA_BENCH_MMAP_THRESHOLD", MMAP_THRESHOLD))
-        done = bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc
-        pass
-    if os.environ.get("LUKA_BENCH_MKL_CACHE", "off") == "keep":  # a sensitivity setting: MKL's buffers kept
+            libc = ctypes.CDLL("libc.so.6")
+            threshold = int(os.environ.get("LUKA_BENCH_MMAP_THRESHOLD", MMAP_THRESHOLD))
+            done = bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
+        except (OSError, AttributeError):  # not glibc
+            pass
+    if os.environ.get("LUKA_BENCH_MKL_CACHE", "keep") != "off":
         return done
     try:
         import ctypes

@@ -4,9 +4,11 @@ allocator settings. Each measurement is a fresh process that does what a new use
 (token ids) and 2 new tokens — with the RSS high-water mark reset right before ``generate`` (after ``gc`` and
 ``malloc_trim``: ``device.release_memory``, ``device.reset_peak_rss``); the peak's growth over the RSS then is the
 measure. ``--repeats`` processes per method, interleaved (method A, B, C, A, B, C, ...), each on ``--threads``
-threads; the environment is the caller's less ``MALLOC_*`` and ``MKL_*`` variables (``--keep-env`` keeps them), and
-``--allocator`` sets ``LUKA_BENCH_ALLOCATOR`` for the children: ``steady`` (``device.steady_allocator``) or
-``default`` (glibc's and MKL's own behaviour, what a user's process has unless it sets the variable).
+threads; the environment is the caller's less ``MALLOC_*``, ``MKL_*``, ``LUKA_BENCH_MMAP_THRESHOLD`` and
+``LUKA_BENCH_MKL_CACHE`` (``--keep-env`` keeps them), and
+``--allocator`` sets ``LUKA_BENCH_ALLOCATOR`` for the children: ``unset`` (the default: no variable, what a user's
+process has — the harness's own setting, ``device.steady_allocator``), ``steady`` (the same, named) or ``system``
+(glibc's and MKL's own behaviour).
 Prints each process's growth, then per method the median, the range and the spread ((max - min) / median).
 
     .venv/bin/python scripts/peak_default.py --methods full streaming_llm snapkv --length 8192 --repeats 5
@@ -57,10 +59,11 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--keep-env", action="store_true", help="keep MALLOC_* / MKL_* variables of the caller")
-    ap.add_argument("--allocator", choices=["steady", "default"], default="default",
-                    help="LUKA_BENCH_ALLOCATOR for the children: steady (device.steady_allocator) or default "
-                         "(glibc's and MKL's own behaviour)")
+    ap.add_argument("--keep-env", action="store_true",
+                    help="keep the caller's MALLOC_* / MKL_* / LUKA_BENCH_MMAP_THRESHOLD / LUKA_BENCH_MKL_CACHE")
+    ap.add_argument("--allocator", choices=["unset", "steady", "system"], default="unset",
+                    help="LUKA_BENCH_ALLOCATOR for the children: unset (what a user's process has: the harness's "
+                         "default, device.steady_allocator), steady, or system (glibc's and MKL's own behaviour)")
     ap.add_argument("--json", type=Path, help="write every measurement here")
     ap.add_argument("--child", nargs=3, metavar=("METHOD", "LENGTH", "THREADS"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -69,8 +72,10 @@ def main(argv=None) -> int:
         return 0
     env = dict(os.environ)
     if not a.keep_env:
-        env = {k: v for k, v in env.items() if not k.startswith(("MALLOC_", "MKL_"))}
-    env["LUKA_BENCH_ALLOCATOR"] = a.allocator
+        env = {k: v for k, v in env.items() if not k.startswith(("MALLOC_", "MKL_", "LUKA_BENCH_MMAP", "LUKA_BENCH_MKL"))}
+    env.pop("LUKA_BENCH_ALLOCATOR", None)
+    if a.allocator != "unset":
+        env["LUKA_BENCH_ALLOCATOR"] = a.allocator
     rows = []
     for r in range(a.repeats):
         for m in a.methods:

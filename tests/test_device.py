@@ -354,12 +354,15 @@ def test_a_stale_kernel_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
     assert not clear_stale_lock(tmp_path)  # none there: nothing to do
 
 
-def test_the_steady_allocator_is_set_once_per_process_and_can_be_turned_off(monkeypatch):
-    """``steady_allocator``: with ``LUKA_BENCH_ALLOCATOR=steady``, glibc's mmap threshold fixed and MKL's buffer cache
-    off, once per process (attaching a method calls it); unset or ``default`` leaves the process as it is."""
+def test_the_steady_allocator_is_the_default_set_once_per_process_and_can_be_turned_off(monkeypatch):
+    """``steady_allocator`` (issue 61): by default glibc's mmap threshold fixed at 4 MiB (MKL's buffer cache kept),
+    once per process (attaching a method calls it); ``LUKA_BENCH_ALLOCATOR=system`` and a process's own
+    ``MALLOC_MMAP_THRESHOLD_`` leave glibc alone; ``LUKA_BENCH_MKL_CACHE=off`` turns MKL's cache off; an unknown
+    setting is one line naming the allowed ones."""
     import ctypes
 
-    monkeypatch.setattr(devices, "_STEADY", [False])
+    from luka_bench.errors import OneLineError
+
     calls = []
     real = ctypes.CDLL
 
@@ -373,13 +376,27 @@ def test_the_steady_allocator_is_set_once_per_process_and_can_be_turned_off(monk
             return lambda *a: calls.append((fn, a)) or 1
 
     monkeypatch.setattr(ctypes, "CDLL", Lib)
-    monkeypatch.delenv("LUKA_BENCH_ALLOCATOR", raising=False)
-    assert devices.steady_allocator() is False and not calls
-    monkeypatch.setenv("LUKA_BENCH_ALLOCATOR", "default")
-    assert devices.steady_allocator() is False and not calls
-    monkeypatch.setenv("LUKA_BENCH_ALLOCATOR", "steady")
-    assert devices.steady_allocator() is True
-    assert ("mallopt", (-3, devices.MMAP_THRESHOLD)) in calls
-    assert [c for c in calls if c[0] == "mkl_serv_disable_fast_mm"] or not torch.backends.mkl.is_available()
+    for var in ("LUKA_BENCH_ALLOCATOR", "LUKA_BENCH_MKL_CACHE", "LUKA_BENCH_MMAP_THRESHOLD", "MALLOC_MMAP_THRESHOLD_"):
+        monkeypatch.delenv(var, raising=False)
+
+    def fresh():
+        monkeypatch.setattr(devices, "_STEADY", [False])
+        calls.clear()
+        return devices.steady_allocator()
+
+    assert fresh() is True and calls == [("mallopt", (-3, 4 << 20))]  # the default: threshold only, MKL's cache kept
     n = len(calls)
     assert devices.steady_allocator() is False and len(calls) == n  # once per process
+    monkeypatch.setenv("LUKA_BENCH_ALLOCATOR", "system")
+    assert fresh() is False and not calls
+    monkeypatch.setenv("LUKA_BENCH_ALLOCATOR", "steady")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the process's own glibc setting wins (bench_memory.py)
+    assert fresh() is False and not calls
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setenv("LUKA_BENCH_MMAP_THRESHOLD", "65536")
+    monkeypatch.setenv("LUKA_BENCH_MKL_CACHE", "off")
+    assert fresh() is True and ("mallopt", (-3, 65536)) in calls
+    assert [c for c in calls if c[0] == "mkl_serv_disable_fast_mm"] or not torch.backends.mkl.is_available()
+    monkeypatch.setenv("LUKA_BENCH_ALLOCATOR", "default")
+    with pytest.raises(OneLineError, match=r"LUKA_BENCH_ALLOCATOR='default' is unknown; allowed: steady .*system"):
+        fresh()

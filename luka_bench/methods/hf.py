@@ -419,7 +419,7 @@ def attach(model: PreTrainedModel, method: KVMethod, tokenizer=None):
     through one of its caches (``Attached.new_cache``) runs the method, ``model.generate`` included.
     ``tokenizer`` reaches the method through ``KVMethod.bind`` (methods that chunk by token strings need it)."""
     register()
-    if model.device.type == "cpu":  # LUKA_BENCH_ALLOCATOR=steady: a peak that follows what is alive (once per process)
+    if model.device.type == "cpu":  # a CPU peak that follows what is alive (once per process; LUKA_BENCH_ALLOCATOR)
         steady_allocator()
     if tokenizer is not None or method.tokenizer is None:
         method.bind(tokenizer)
