@@ -87,6 +87,20 @@ def _steps(model, method, tokenizer):
     return out
 
 
+def _assert_steady(name: str, rows: list, least: int) -> None:
+    """At least ``least`` pairs of consecutive steady steps (no event, the same growth of the tokens held) traced
+    alike, and no host sync on a steady step."""
+    steady = [i for i, r in enumerate(rows) if i and not r[4]]
+    grew = [[a - b for a, b in zip(r[3], r[2])] for r in rows]
+    pairs = [(i, i + 1) for i in steady if i + 1 in steady and grew[i] == grew[i + 1]]
+    assert len(pairs) >= least, f"{name}: too few consecutive steady steps: {[(r[2], r[3], r[4]) for r in rows]}"
+    for i, j in pairs:
+        a, b = rows[i][0], rows[j][0]
+        assert a, f"{name}: nothing traced inside luka_bench's code at step {i}"
+        assert a == b, f"{name}: steps {i} and {j} differ: {_first_difference(a, b)}"
+    assert all(rows[i][1] == 0 for i in steady), f"{name}: host syncs on steady steps: {[r[1] for r in rows]}"
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_two_steady_steps_dispatch_the_same_ops_on_the_same_shapes_without_a_sync(name, llama):
     """Steady: a step with no event (compression, flush, chunk closing); two are compared when they change the
@@ -94,15 +108,7 @@ def test_two_steady_steps_dispatch_the_same_ops_on_the_same_shapes_without_a_syn
     method's capacity by one: that step is compared with none)."""
     name, overrides = name if isinstance(name, tuple) else (name, {})
     rows = _steps(llama.model, instantiate(sync_method_config(name, overrides), _convert_="all"), llama.tokenizer)
-    steady = [i for i, r in enumerate(rows) if i and not r[4]]
-    grew = [[a - b for a, b in zip(r[3], r[2])] for r in rows]
-    pairs = [(i, i + 1) for i in steady if i + 1 in steady and grew[i] == grew[i + 1]]
-    assert len(pairs) >= 3, f"{name}: too few consecutive steady steps: {[(r[2], r[3], r[4]) for r in rows]}"
-    for i, j in pairs:
-        a, b = rows[i][0], rows[j][0]
-        assert a, f"{name}: nothing traced inside luka_bench's code at step {i}"
-        assert a == b, f"{name}: steps {i} and {j} differ: {_first_difference(a, b)}"
-    assert all(rows[i][1] == 0 for i in steady), f"{name}: host syncs on steady steps: {[r[1] for r in rows]}"
+    _assert_steady(name, rows, 3)
 
 
 @torch.no_grad()
@@ -142,15 +148,7 @@ def test_rows_of_different_lengths_keep_the_steady_state(name, llama):
     name, overrides = name if isinstance(name, tuple) else (name, {})
     rows = _row_steps(llama.model, instantiate(sync_method_config(name, overrides), _convert_="all"),
                       llama.tokenizer)
-    steady = [i for i, r in enumerate(rows) if i and not r[4]]
-    grew = [[a - b for a, b in zip(r[3], r[2])] for r in rows]
-    pairs = [(i, i + 1) for i in steady if i + 1 in steady and grew[i] == grew[i + 1]]
-    assert len(pairs) >= 2, f"{name}: too few consecutive steady steps: {[(r[2], r[3], r[4]) for r in rows]}"
-    for i, j in pairs:
-        a, b = rows[i][0], rows[j][0]
-        assert a, f"{name}: nothing traced inside luka_bench's code at step {i}"
-        assert a == b, f"{name}: steps {i} and {j} differ: {_first_difference(a, b)}"
-    assert all(rows[i][1] == 0 for i in steady), f"{name}: host syncs on steady steps: {[r[1] for r in rows]}"
+    _assert_steady(name, rows, 2)
 
 
 @torch.no_grad()
