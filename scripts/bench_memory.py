@@ -294,13 +294,16 @@ def run_child(method: str, n: int, args) -> dict:
     # large blocks always mmapped, so a freed tensor leaves the RSS at once: glibc otherwise raises its mmap threshold
     # after a free and serves later tensors from a heap it does not shrink, and the peak RSS then measures the
     # allocator's history (streaming_llm at 8K: 0.61 GB without, 0.29 GB with) — the same for every row, kvpress's too
-    env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}),
+    # (0: glibc's own behaviour — the harness's default threshold, ``device.steady_allocator``, turned off too)
+    env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else
+                            {"LUKA_BENCH_ALLOCATOR": "system"}),
            **({} if args.mkl_fast_mm else {"MKL_DISABLE_FAST_MM": "1"})}
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{method} at N={n} failed:\n{out.stderr[-2000:]}")
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    row["allocator"] = {k: env[k] for k in ("MALLOC_MMAP_THRESHOLD_", "MKL_DISABLE_FAST_MM") if k in env}
+    row["allocator"] = {k: env[k] for k in ("MALLOC_MMAP_THRESHOLD_", "MKL_DISABLE_FAST_MM", "LUKA_BENCH_ALLOCATOR")
+                        if k in env}
     return row
 
 
