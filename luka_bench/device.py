@@ -150,20 +150,19 @@ def steady_allocator() -> bool:
     buffer cache off (``mkl_serv_disable_fast_mm``, exported by torch's CPU library: each thread keeps its GEMM
     packing buffers, a few MB). Returns whether anything was set (False: already set, ``system``, the process's own
     setting, not glibc and no MKL symbol)."""
+    import ctypes
     import os
 
     mode = os.environ.get("LUKA_BENCH_ALLOCATOR", "steady")
     if mode not in ALLOCATORS:
         raise RunConfigError(f"LUKA_BENCH_ALLOCATOR={mode!r} is unknown; allowed: steady (the default: a CPU "
-                                    f"peak that repeats), system (glibc's and MKL's own behaviour)")
+                             f"peak that repeats), system (glibc's and MKL's own behaviour)")
     if _STEADY[0] or mode != "steady":
         return False
     _STEADY[0] = True
     done = False
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         try:
-            import ctypes
-
             libc = ctypes.CDLL("libc.so.6")
             threshold = int(os.environ.get("LUKA_BENCH_MMAP_THRESHOLD", MMAP_THRESHOLD))
             done = bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
@@ -172,8 +171,6 @@ def steady_allocator() -> bool:
     if os.environ.get("LUKA_BENCH_MKL_CACHE", "keep") != "off":
         return done
     try:
-        import ctypes
-
         lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
         lib.mkl_serv_disable_fast_mm()
         done = True

@@ -72,7 +72,8 @@ def main(argv=None) -> int:
         return 0
     env = dict(os.environ)
     if not a.keep_env:
-        env = {k: v for k, v in env.items() if not k.startswith(("MALLOC_", "MKL_", "LUKA_BENCH_MMAP", "LUKA_BENCH_MKL"))}
+        env = {k: v for k, v in env.items()
+               if not k.startswith(("MALLOC_", "MKL_", "LUKA_BENCH_MMAP", "LUKA_BENCH_MKL"))}
     env.pop("LUKA_BENCH_ALLOCATOR", None)
     if a.allocator != "unset":
         env["LUKA_BENCH_ALLOCATOR"] = a.allocator

@@ -81,9 +81,8 @@ def test_bench_batch_measures_every_batch_size_for_stock_and_our_methods(tmp_pat
 
 def test_smollm2_prompts_of_different_lengths_decoded_together_give_the_tokens_alone():
     """The real small model (fp32), H2O at a quarter: four essay passages of ~80 to ~260 tokens with a question each,
-    decoded as the
-    rows of one batch — every answer's tokens identical to the passage's answer alone (a batched matrix product
-    rounds otherwise than one row's; no near-tie flipped a token in these prompts)."""
+    decoded as the rows of one batch — every answer's tokens identical to the passage's answer alone (a batched
+    matrix product rounds otherwise than one row's; no near-tie flipped a token in these prompts)."""
     import luka_bench as lb
     from luka_bench.data.pg19 import essays_text
 

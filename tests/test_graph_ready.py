@@ -112,25 +112,19 @@ def test_two_steady_steps_dispatch_the_same_ops_on_the_same_shapes_without_a_syn
 
 
 @torch.no_grad()
-def _row_steps(model, method, tokenizer, lengths=(PROMPT, PROMPT - 37)):
-    """``_steps`` for rows of different lengths decoded together (``hf.RowBatch``: each row prefilled alone in its
-    own cache, then one forward per step over all rows); per step the events and held tokens summed over the rows."""
+def _row_steps(model, method, tokenizer, rows=2):
+    """``_steps`` for rows of different lengths decoded together (``host_sync.ragged_rows``: rows of 300, 293, ...
+    tokens, each prefilled alone in its own cache; then one forward per step over all rows, ``hf.RowBatch``); per
+    step the events and held tokens over the rows."""
+    from luka_bench.host_sync import ragged_rows
     from luka_bench.methods import cpu_kernel, hf
 
-    host = torch.randint(0, 200, (len(lengths), PROMPT + STEPS), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 200, (rows, PROMPT + STEPS), generator=torch.Generator().manual_seed(0)).to(model.device)
     out = []
     with hf.attach(model, method, tokenizer) as att, method_scope(), cpu_kernel.kernels_off():
-        caches = []
-        for b, n in enumerate(lengths):
-            c = att.new_cache(reference_length=n)
-            c.add_tokens(host[b, :n].tolist())
-            model(input_ids=host[b: b + 1, :n].to(model.device), past_key_values=c, use_cache=True, logits_to_keep=1)
-            caches.append(c)
+        caches, step = ragged_rows(att, model, method, ids, PROMPT)
         for i in range(STEPS):
-            tok = [int(host[b, n + i]) for b, n in enumerate(lengths)]
-            for c, t in zip(caches, tok):
-                c.add_tokens([t])
-            x = torch.as_tensor(tok, device=model.device).view(-1, 1)
+            x = step(i)
             held = [h for c in caches for h in c.held_tokens()]
             before = [e for c in caches for e in event_count(c)]
             with SyncCounter() as syncs, LaunchCounter(trace=True, method_only=True) as counter:
@@ -142,7 +136,7 @@ def _row_steps(model, method, tokenizer, lengths=(PROMPT, PROMPT - 37)):
 
 @pytest.mark.parametrize("name", CASES)
 def test_rows_of_different_lengths_keep_the_steady_state(name, llama):
-    """Issue 60: the graph-ready steady state holds with a batch — rows of 300 and 263 prompt tokens, each in its
+    """Issue 60: the graph-ready steady state holds with a batch — rows of 300 and 293 prompt tokens, each in its
     own cache, decoded together: two consecutive steady steps dispatch the same ops on the same shapes (both rows'
     work), with no host sync."""
     name, overrides = name if isinstance(name, tuple) else (name, {})
