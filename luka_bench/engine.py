@@ -42,6 +42,7 @@ import torch
 
 from luka_bench import device as D
 from luka_bench.methods.hf import MethodCache, RowBatch
+from luka_bench.methods.stacked import release_rows
 from luka_bench.prompting import ExamplePlan, QuestionPlan, with_tail
 
 
@@ -251,6 +252,7 @@ def greedy_decode_rows(model, tokenizer, caches: list[MethodCache], logits: torc
         dt = time.perf_counter() - t
         for b in active:
             steps[b].append(dt)
+    release_rows(caches)  # rows decoded stacked get storage of their own again (``methods/stacked.py``)
     gens = []
     for b, c in enumerate(caches):
         after = {k: v - before[b].get(k, 0.0) for k, v in c.timings.items()}
@@ -336,6 +338,7 @@ def teacher_force_rows(model, caches: list[MethodCache], logits: torch.Tensor, t
             for b in active:
                 steps[b].append(dt)
         j += 1
+    release_rows(caches)  # rows decoded stacked get storage of their own again (``methods/stacked.py``)
     return [Forced(torch.stack(lps[b]), torch.stack(greedy[b]), steps[b]) if lps[b] else
             Forced(torch.zeros(0), torch.zeros(0, dtype=torch.bool), steps[b]) for b in range(B)]
 

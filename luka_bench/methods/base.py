@@ -290,6 +290,11 @@ class LayerPolicy:
     # the layer's full keys and values are freed before the next layer runs — one layer's full cache alive at a
     # time, not all of them (the scorer base's methods)
     layer_local_prefill: bool = False
+    # True where a decode step is exact attention over every token the store holds and nothing runs after it (the
+    # default hooks; a prefill-only method's policy declares it again on the class that overrides ``attend``): rows
+    # of a batch then decode the layer as one attention over their stacked storage (``stacked.py``). A subclass that
+    # overrides a decode hook below the declaring class is not stacked (``stacked.exact_decode``)
+    exact_decode: bool = True
 
     def __init__(self, method: "KVMethod", info: LayerInfo):
         self.method = method

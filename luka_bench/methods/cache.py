@@ -399,6 +399,9 @@ class MethodCache:
         import copy
 
         self.timings  # resolve pending CUDA events (events cannot be copied)
+        stack = getattr(self, "_row_stack", None)
+        if stack is not None:  # rows decoded stacked (``stacked.py``): each row's storage its own before a copy
+            stack.dissolve()
         # deepcopy copies tensors and policy state; the method config is shared (it is immutable).
         memo = {id(self.method): self.method}
         if self.model is not None:
@@ -460,6 +463,13 @@ def run_policy(store: KVStore, query: torch.Tensor, scaling: float) -> torch.Ten
     else:
         with cache.span("attention", query.device):
             out = policy_attention(store, query, scaling)
+    return finish_policy(store, query, out, scaling)
+
+
+def finish_policy(store: KVStore, query: torch.Tensor, out: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``run_policy`` after the attention ``out`` of ``query`` (also for a row of stacked rows, whose attention ran
+    for all rows at once: ``stacked.py``). Returns ``out``."""
+    policy, cache = store.policy, store.cache
     if cache.observer is not None:
         cache.observer(store, query, out, scaling)
     if cache.phase == "prefill" and cache.in_forward and policy.layer_local_prefill and not cache.splitting:

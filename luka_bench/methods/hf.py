@@ -50,7 +50,8 @@ from luka_bench.device import steady_allocator
 
 from .attention import sdpa
 from .base import KVMethod, LayerInfo
-from .cache import _CHUNK_THREAD, MethodCache, replay_forward, run_policy  # noqa: F401  (importable from the glue)
+from .cache import _CHUNK_THREAD, MethodCache, finish_policy, replay_forward, run_policy  # noqa: F401
+from .stacked import RowStack, StackedLayer
 from .store import KVStore
 
 ATTN_NAME = "luka_bench"
@@ -85,9 +86,10 @@ class _RowsLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, stores: list[KVStore]):
+    def __init__(self, stores: list[KVStore], stacked: StackedLayer | None = None):
         super().__init__()
         self.stores = stores
+        self.stacked = stacked  # the rows' storage stacked (``stacked.py``): one write and one attention for all
         self.is_sliding = stores[0].is_sliding
         self.is_initialized = True
 
@@ -95,6 +97,9 @@ class _RowsLayer(CacheLayerMixin):
         return None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.stacked is not None and key_states.shape[2] == 1:
+            self.stacked.write(key_states, value_states)
+            return key_states, value_states
         for b, store in enumerate(self.stores):
             store.update(key_states[b: b + 1], value_states[b: b + 1])
         return key_states, value_states  # unused: our attention function reads each row's store
@@ -127,11 +132,22 @@ class RowBatch(Cache):
                 raise ValueError(f"RowBatch row {i}: got {got}; allowed: a MethodCache past its prefill (phase "
                                  f"'decode'): prefill each row alone first")
         self.rows = list(caches)
-        Cache.__init__(self, layers=[_RowsLayer([c.stores[i] for c in caches]) for i in range(len(caches[0].stores))])
+        # layers every row decodes exactly are stacked (one attention for all rows), kept across steps
+        self.stack = RowStack.for_rows(self.rows) if len(caches) > 1 and self.stackable() else None
+        layers = self.stack.layers if self.stack is not None else {}
+        Cache.__init__(self, layers=[_RowsLayer([c.stores[i] for c in caches], layers.get(i))
+                                     for i in range(len(caches[0].stores))])
+
+    def stackable(self) -> bool:
+        """Rows whose layers may be stacked: one model's caches, no observer (the probe reads a row's own call)."""
+        n = len(self.rows[0].stores)
+        return all(c.observer is None and len(c.stores) == n for c in self.rows)
 
     def row_positions(self, length: int, device: torch.device) -> torch.Tensor:
         """[B, length] int64: each row's positions for the next ``length`` tokens (its logical length less its
-        position shift; a decode step's from the row cache's device counter, as a row alone)."""
+        position shift); a decode step's are the rows' stack's, one tensor advanced in place (``stacked.py``)."""
+        if self.stack is not None and length == 1:
+            return self.stack.positions(self.rows, device)  # one in-place add per step
         out = []
         for c in self.rows:
             first = c.stores[0]
@@ -204,12 +220,30 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
         out = sdpa(query, key, value, scaling, mask)
         return out.transpose(1, 2).contiguous(), None
-    if isinstance(cache, RowBatch):  # each row on its own store and policy
-        out = torch.cat([run_policy(c.stores[module.layer_idx], query[b: b + 1], scaling)
-                         for b, c in enumerate(cache.rows)])
+    if isinstance(cache, RowBatch):  # each row on its own store and policy, or all rows at once where stacked
+        stacked = cache.layers[module.layer_idx].stacked
+        if stacked is not None and query.shape[2] == 1:
+            out = _stacked_attention(cache, stacked, module.layer_idx, query, scaling)
+        else:
+            out = torch.cat([run_policy(c.stores[module.layer_idx], query[b: b + 1], scaling)
+                             for b, c in enumerate(cache.rows)])
     else:
         out = run_policy(cache.stores[module.layer_idx], query, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _stacked_attention(cache: RowBatch, stacked: StackedLayer, layer: int, query: torch.Tensor,
+                       scaling: float) -> torch.Tensor:
+    """A stacked layer's decode step: one attention for all rows (timed once, the time each row's), then each row's
+    own bookkeeping (``cache.finish_policy``)."""
+    first = cache.rows[0]
+    start = first.mark(query.device)
+    out = stacked.attend(query, scaling)
+    end = first.mark(query.device)
+    for b, c in enumerate(cache.rows):
+        c.add_span("attention", start, end)
+        finish_policy(c.stores[layer], query[b: b + 1], out[b: b + 1], scaling)
+    return out
 
 
 def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,

@@ -83,6 +83,8 @@ def collision_counts(q_codes: torch.Tensor, k_codes: torch.Tensor, bits: int) ->
 
 
 class LaserKVPolicy(LayerPolicy):
+    exact_decode = True  # ``attend`` scores in the prefill and the question's scratch forward; decodes exactly
+
     def attend(self, store, query, scaling):
         out = exact_attention(store, query, scaling)
         m = self.method

@@ -27,6 +27,7 @@ class StaticExactPolicy(LayerPolicy):
     the masked storage took 1.3x SDPA over the held tokens at 8K) take ``exact_attention``."""
 
     static_decode = True
+    exact_decode = True  # its ``step`` is exact over the held slots (the free ones masked)
 
     def step(self, store: "Store", query: torch.Tensor, scaling: float, step: DecodeStep) -> torch.Tensor:
         slot = step.slot(store)

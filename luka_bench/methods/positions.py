@@ -139,6 +139,11 @@ class LazyPositions:
         if count == 1:
             self.due = (cache.position_tensor(seen, like.device), seen)
             return
+        self.append_run(n, count, seen, like)
+
+    def append_run(self, n: int, count: int, seen: int, like: torch.Tensor) -> None:
+        """``count`` tokens appended at slot ``n`` with the positions from ``seen`` on, pending as a run (a decode step
+        of stacked rows too: ``stacked.py``, no counter of the cache's)."""
         need, run = n + count, self.run
         if run is not None and run[2] == n and run[1] + n - run[0] == seen:
             self.run = (run[0], run[1], need)

@@ -55,6 +55,7 @@ class ScorerPolicy(LayerPolicy):
     in the forward that ends the prefill each layer compresses right after its attention."""
 
     layer_local_prefill = True
+    exact_decode = True  # ``attend`` observes in the prefill and the question's scratch forward; decodes exactly
 
     def __init__(self, method, info):
         super().__init__(method, info)
@@ -169,6 +170,8 @@ class ScorerPolicy(LayerPolicy):
 class WrappedScorerPolicy(ScorerPolicy):
     """The policy of a ``ScorerWrapper``: the inner scorer's policy observes, protects and scores; this one allocates
     the budget (its subclass overrides ``capacity`` or ``head_capacities``) and compresses."""
+
+    exact_decode = True  # its ``attend`` is the inner scorer's (``stacked.exact_decode`` asks the inner policy too)
 
     def __init__(self, method: "ScorerWrapper", info: LayerInfo):
         super().__init__(method, info)

@@ -1,0 +1,173 @@
+"""Rows of different lengths decoding a layer as one (methods/stacked.py, issue 60): which layers are stacked, that
+the rows' storage is one tensor with each row's store a view of its row, that a stacked row stays the row alone when
+it is fed alone in between, cloned, grown past its room or released, and that the launches per layer at a ragged
+batch are batch 1's for every config whose every layer is stacked. (That every config's rows equal the rows alone is
+``tests/test_batch_rows.py``, which runs these layers stacked.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from luka_bench.engine import forward, forward_rows, stand_in_question
+from luka_bench.host_sync import sync_method_config
+from luka_bench.launches import decode_launch_counts, stock_launch_counts, summary
+from luka_bench.methods.base import LayerInfo, LayerPolicy
+from luka_bench.methods.hf import RowBatch, attach
+from luka_bench.methods.policies import layer_policy
+from luka_bench.methods.stacked import exact_decode, release_rows, stackable
+
+from conftest import CONF, tiny
+
+pytestmark = pytest.mark.device  # LUKA_TEST_DEVICE=cuda runs them on the GPU (docs/gpu.md)
+
+METHOD_CONFIGS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
+# the configs whose decode step is exact attention over what they hold, on every layer (prefill-only methods)
+EXACT = {"full", "snapkv", "pyramidkv", "knorm", "expected_attention", "finch", "adakv", "laser_kv", "laser_kv_exact",
+         "laser_kv_magicpig", "laser_kv_mp25", "laser_kv_mp50"}
+# of those, the ones whose layers are stacked in a batch (AdaKV's heads mostly hold different counts: packed, per row)
+STACKED = EXACT - {"adakv"}
+
+
+@pytest.fixture(scope="module")
+def lm64():
+    lm = tiny("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+    lm.model = lm.model.double()
+    return lm
+
+
+def method_of(name):
+    return instantiate(sync_method_config(name), _convert_="all")
+
+
+@pytest.mark.parametrize("name", METHOD_CONFIGS)
+def test_exact_decode_is_what_each_policy_declares(name):
+    """Every layer of the prefill-only configs; a method's exact ``full_layers`` and a composition's full layers
+    (h2o_outer: H2O on the first and last layer, full attention between); no layer of a method deciding per step."""
+    method = method_of(name)
+    got = [exact_decode(layer_policy(method, LayerInfo(layer_idx=i, num_layers=4, num_heads=6, num_kv_heads=2,
+                                                       head_dim=16, sliding_window=None,
+                                                       layer_type="full_attention")))
+           for i in range(4)]
+    if name in EXACT:
+        want = [True] * 4
+    elif name == "h2o_outer":
+        want = [False, True, True, False]
+    else:
+        want = [i < method.full_layers for i in range(4)]
+    assert got == want, name
+
+
+def test_a_subclass_that_decides_per_step_is_never_stacked():
+    class Peeks(LayerPolicy):
+        def after_step(self, store):
+            pass
+
+    class Declares(Peeks):
+        exact_decode = True
+
+    class Overrides(Declares):
+        def step(self, store, query, scaling, step):
+            return self.attend(store, query, scaling)
+
+    info = LayerInfo(layer_idx=0, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, sliding_window=None,
+                     layer_type="full_attention")
+    method = method_of("full")
+    assert exact_decode(LayerPolicy(method, info))
+    assert not exact_decode(Peeks(method, info))  # a hook overridden below LayerPolicy's declaration
+    assert exact_decode(Declares(method, info))  # declared again where it was overridden
+    assert not exact_decode(Overrides(method, info))
+
+
+def prefilled(a, model, prompts):
+    caches = []
+    for p in prompts:
+        c = a.new_cache(reference_length=len(p), **stand_in_question(a.method, len(p)))
+        c.add_tokens(p)
+        model(torch.tensor([p]), past_key_values=c)
+        caches.append(c)
+    return caches
+
+
+@pytest.mark.parametrize("name", sorted(STACKED | {"adakv", "h2o", "quest", "streaming_llm", "lychee"}))
+def test_a_ragged_batch_stacks_exactly_the_layers_every_row_decodes_exactly(name, lm64):
+    model64 = lm64.model
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (230, 181, 140)]
+    method = method_of(name)
+    with attach(model64, method, lm64.tokenizer) as a, torch.no_grad():
+        caches = prefilled(a, model64, prompts)
+        for step in range(3):
+            rows = RowBatch(caches)
+            forward_rows(model64, [7 + step] * 3, caches)
+        stack = caches[0]._row_stack
+        want = [i for i in range(len(caches[0].stores)) if all(stackable(c.stores[i]) for c in caches)]
+        assert sorted(stack.layers) == want
+        layers = len(caches[0].stores)
+        if name != "adakv":  # AdaKV: stacked where its heads happen to hold equal counts, packed per row otherwise
+            # every layer of a prefill-only method; a per-step method's exact ``full_layers`` (lychee's first)
+            assert want == list(range(layers if name in STACKED else min(method.full_layers, layers)))
+        for i, layer in stack.layers.items():
+            base = layer.kv.untyped_storage().data_ptr()
+            assert all(c.stores[i]._kv.untyped_storage().data_ptr() == base for c in caches)  # one storage
+            assert layer.kv.shape[1] == 3 and layer.kv.shape[3] >= max(c.stores[i].n for c in caches)
+        assert rows.stack is stack
+        release_rows(caches)
+        assert caches[0]._row_stack is None
+        ptrs = {c.stores[i]._kv.untyped_storage().data_ptr() for c in caches for i in want}
+        assert len(ptrs) == len(caches) * len(want)  # each row's storage its own again
+        for c in caches:
+            for i in want:
+                s = c.stores[i]
+                assert s._kv.shape[3] <= s.n + s.declared_room()  # its held tokens and its decode room, as alone
+
+
+@pytest.mark.parametrize("name", ["full", "snapkv"])
+def test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone(name, lm64):
+    """Rows decoded together; between batched steps row 0 takes a step alone (the stack dissolves and is made again),
+    row 1 is cloned mid-decode and its clone goes on alone; many steps (the widest row's room runs out: the stack
+    grows). Every row's logits equal the same tokens through its cache alone (fp64, 1e-9)."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (200, 163, 97)]
+    toks = torch.randint(0, 256, (3, 40), generator=g).tolist()
+    method = method_of(name)
+    model64 = lm64.model
+    with attach(model64, method) as a, torch.no_grad():
+        solo = []
+        for p, t in zip(prompts, toks):
+            c = prefilled(a, model64, [p])[0]
+            solo.append(torch.stack([forward(model64, [x], c) for x in t]))
+        caches = prefilled(a, model64, prompts)
+        held = [c.stores[0].n for c in caches]
+        got = [[] for _ in range(3)]
+        clone = clone_out = None
+        for j in range(40):
+            if j == 12:  # row 0 alone for one step
+                got[0].append(forward(model64, [toks[0][j]], caches[0]))
+                rows = [1, 2]
+            else:
+                rows = [0, 1, 2]
+            if j == 20:
+                clone = caches[1].clone()
+                clone_out = [forward(model64, [x], clone) for x in toks[1][j: j + 5]]
+            out = forward_rows(model64, [toks[r][j] for r in rows], [caches[r] for r in rows])
+            for i, r in enumerate(rows):
+                got[r].append(out[i])
+        release_rows(caches)
+        for r in range(3):
+            torch.testing.assert_close(torch.stack(got[r]).view(40, -1), solo[r].view(40, -1), rtol=0, atol=1e-9)
+        torch.testing.assert_close(torch.stack(clone_out).view(5, -1), solo[1].view(40, -1)[20:25], rtol=0,
+                                   atol=1e-9)
+        assert [c.stores[0].seen for c in caches] == [240, 203, 137]
+        assert [c.stores[0].n - n0 for c, n0 in zip(caches, held)] == [40, 40, 40]
+
+
+@pytest.mark.parametrize("name", sorted(STACKED))
+def test_a_ragged_batch_launches_what_one_row_does_where_every_layer_is_stacked(name):
+    lm = tiny("llama", num_hidden_layers=4)
+    method = method_of(name)
+    stock = stock_launch_counts(lm.model, 400, 24)
+    one = summary(decode_launch_counts(lm.model, method, 400, 24, tokenizer=lm.tokenizer), stock, 4)
+    rows = decode_launch_counts(lm.model, method, 400, 24, tokenizer=lm.tokenizer, batch=8, ragged=True)
+    many = summary(rows, stock_launch_counts(lm.model, 400, 24, batch=8), 4)
+    assert many["extra"] <= one["extra"], (one, many)  # FINCH's batch is lower: its positions one add per step
