@@ -114,8 +114,8 @@ _IN_METHOD = [0]  # > 0 while luka_bench's own per-forward code runs (``method_s
 @contextlib.contextmanager
 def method_scope():
     """While active, the code luka_bench runs in a forward — a layer's cache update (``KVStore.update``), its
-    attention and per-step policy work (``hf.run_policy``), the end of the forward (``MethodCache.after_forward``)
-    — is marked, so that ``LaunchCounter(method_only=True)`` traces it alone. The model's own code (embeddings,
+    attention and per-step policy work (``hf.run_policy``), the end of the forward (``MethodCache.after_forward``),
+    stacked rows' write, attention and positions (``methods/stacked.py``) — is marked, so that ``LaunchCounter(method_only=True)`` traces it alone. The model's own code (embeddings,
     projections, RoPE, the positions transformers derives from the cache's length) is left out: it is
     transformers' business whether that part can be captured, and stock decode has the same."""
     from luka_bench.methods import hf
@@ -130,14 +130,21 @@ def method_scope():
                 _IN_METHOD[0] -= 1
         return wrapper
 
-    saved = (hf.run_policy, hf.KVStore.update, hf.MethodCache.after_forward)
+    from luka_bench.methods import stacked
+
+    saved = (hf.run_policy, hf.KVStore.update, hf.MethodCache.after_forward, hf._stacked_attention,
+             stacked.StackedLayer.write, stacked.RowStack.positions)
     hf.run_policy = scoped(saved[0])
     hf.KVStore.update = scoped(saved[1])
     hf.MethodCache.after_forward = scoped(saved[2])
+    hf._stacked_attention = scoped(saved[3])  # rows of a batch decoding a layer as one (``methods/stacked.py``)
+    stacked.StackedLayer.write = scoped(saved[4])
+    stacked.RowStack.positions = scoped(saved[5])
     try:
         yield
     finally:
-        hf.run_policy, hf.KVStore.update, hf.MethodCache.after_forward = saved
+        (hf.run_policy, hf.KVStore.update, hf.MethodCache.after_forward, hf._stacked_attention,
+         stacked.StackedLayer.write, stacked.RowStack.positions) = saved
 
 
 def event_count(cache) -> list[int]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -203,7 +204,13 @@ def main(argv=None) -> None:
     p.add_argument("--sweep", action="store_true", help="the runner's RULER sweep at batch_size 1 and 8 instead")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", action="store_true", help="a plot beside --json (same name, .png)")
+    p.add_argument("--allocator", choices=("system", "steady"), default="system",
+                   help="the CPU allocator (LUKA_BENCH_ALLOCATOR) of the process: system (default: glibc's own, as a "
+                        "user runs stock transformers; under the harness's steady 4 MiB mmap threshold stock's "
+                        "batched generate, whose DynamicCache concatenates multi-MiB tensors every step, ran at half "
+                        "its speed) or steady (the harness's default)")
     args = p.parse_args(argv)
+    os.environ["LUKA_BENCH_ALLOCATOR"] = args.allocator  # read when a method is first attached
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.sweep:
@@ -230,7 +237,8 @@ def main(argv=None) -> None:
             runs[name].append(got)
             print(f"round {r} {name}: " + "  ".join(f"B={b} {v:.1f} tok/s" for b, v in got.items()), flush=True)
     res = {"model": args.model, "device": str(lm.model.device), "dtype": str(lm.model.dtype),
-           "threads": torch.get_num_threads(), "length": args.length, "steps": args.steps, "rounds": args.rounds,
+           "threads": torch.get_num_threads(), "allocator": args.allocator, "length": args.length,
+           "steps": args.steps, "rounds": args.rounds,
            "batches": batches, "prompt_tokens": [len(c) + len(q) for c, q, _ in prompts],
            "tokens_per_s": {n: {str(b): statistics.median(x[b] for x in runs[n]) for b in batches} for n in names},
            "raw": {n: [{str(b): v for b, v in x.items()} for x in runs[n]] for n in names}}

@@ -145,6 +145,15 @@ def test_rows_of_different_lengths_keep_the_steady_state(name, llama):
     _assert_steady(name, rows, 2)
 
 
+@pytest.mark.parametrize("name", ["full", "snapkv"])
+def test_stacked_rows_keep_the_steady_state(name, llama):
+    """The stacked layers (``methods/stacked.py``) of rows of different lengths: after the step that made the stack
+    (and grew it: a fresh prefill's storage has no room), consecutive steps dispatch the same ops on the same shapes
+    — the rows' slots and the positions advanced in place, no Python number in the ops — with no host sync."""
+    rows = _row_steps(llama.model, instantiate(sync_method_config(name), _convert_="all"), llama.tokenizer, rows=3)
+    _assert_steady(name, rows, 3)
+
+
 @torch.no_grad()
 def test_the_position_counter_is_advanced_in_place_and_refilled_after_a_jump(llama):
     """The decode step's position comes from one device tensor per cache, advanced by one in place between
