@@ -79,10 +79,13 @@ def test_bench_batch_measures_every_batch_size_for_stock_and_our_methods(tmp_pat
     assert "| h2o |" in bench.table(res)
 
 
-def test_smollm2_prompts_of_different_lengths_decoded_together_give_the_tokens_alone():
-    """The real small model (fp32), H2O at a quarter: four essay passages of ~80 to ~260 tokens with a question each,
-    decoded as the rows of one batch — every answer's tokens identical to the passage's answer alone (a batched
-    matrix product rounds otherwise than one row's; no near-tie flipped a token in these prompts)."""
+@pytest.mark.parametrize("name", ["h2o", "snapkv"])
+def test_smollm2_prompts_of_different_lengths_decoded_together_give_the_tokens_alone(name):
+    """The real small model (fp32), H2O (each row's policy on its own store) and SnapKV (its layers stacked:
+    ``methods/stacked.py``, one masked SDPA over the rows) at a quarter: four essay passages of ~80 to ~260 tokens
+    with a question each, decoded as the rows of one batch — every answer's tokens identical to the passage's answer
+    alone (a batched matrix product rounds otherwise than one row's; no near-tie flipped a token in these
+    prompts)."""
     import luka_bench as lb
     from luka_bench.data.pg19 import essays_text
 
@@ -90,7 +93,7 @@ def test_smollm2_prompts_of_different_lengths_decoded_together_give_the_tokens_a
     text = essays_text()
     contexts = [text[at: at + size] for at, size in ((0, 1100), (5000, 350), (9000, 750), (14000, 550))]
     question = "What is this passage about? Answer in one sentence."
-    with lb.attach(lm, lb.method("h2o", budget=0.25)) as kv:
+    with lb.attach(lm, lb.method(name, budget=0.25)) as kv:
         alone = [kv.generate(c, question, max_new_tokens=8) for c in contexts]
         together = kv.generate_many(contexts, [question] * 4, max_new_tokens=8, batch_size=4)
     assert len({a.context_tokens for a in alone}) == 4
