@@ -115,9 +115,10 @@ _IN_METHOD = [0]  # > 0 while luka_bench's own per-forward code runs (``method_s
 def method_scope():
     """While active, the code luka_bench runs in a forward — a layer's cache update (``KVStore.update``), its
     attention and per-step policy work (``hf.run_policy``), the end of the forward (``MethodCache.after_forward``),
-    stacked rows' write, attention and positions (``methods/stacked.py``) — is marked, so that ``LaunchCounter(method_only=True)`` traces it alone. The model's own code (embeddings,
-    projections, RoPE, the positions transformers derives from the cache's length) is left out: it is
-    transformers' business whether that part can be captured, and stock decode has the same."""
+    stacked rows' write, attention and positions (``methods/stacked.py``) — is marked, so that
+    ``LaunchCounter(method_only=True)`` traces it alone. The model's own code (embeddings, projections, RoPE, the
+    positions transformers derives from the cache's length) is left out: it is transformers' business whether that
+    part can be captured, and stock decode has the same."""
     from luka_bench.methods import hf
 
     def scoped(fn):

@@ -50,7 +50,7 @@ from luka_bench.device import steady_allocator
 
 from .attention import sdpa
 from .base import KVMethod, LayerInfo
-from .cache import _CHUNK_THREAD, MethodCache, finish_policy, replay_forward, run_policy  # noqa: F401
+from .cache import _CHUNK_THREAD, MethodCache, finish_policy, replay_forward, run_policy  # noqa: F401  (the glue)
 from .stacked import RowStack, StackedLayer
 from .store import KVStore
 
@@ -119,10 +119,10 @@ class RowBatch(Cache):
     tail alone, so its compression is exactly the solo one — and one forward of the model runs every row: the
     projections and the MLP over the batch, each layer's attention row by row on the row's own store and policy
     (``_attention``) — or, where every row decodes the layer exactly, once for all rows over their stacked storage
-    (``stacked.py``, kept across steps) — each row at its own positions (the pre-hook). A row is therefore exactly what it would be
-    alone whatever its length, its partners or its method (per-row token ids, question spans and positions are its
-    cache's); a finished row leaves the batch (the next forward is made over the rows still running: no pad ever
-    enters a cache). Every row must be past its prefill (phase "decode")."""
+    (``stacked.py``, kept across steps) — each row at its own positions (the pre-hook). A row is therefore exactly
+    what it would be alone whatever its length, its partners or its method (per-row token ids, question spans and
+    positions are its cache's); a finished row leaves the batch (the next forward is made over the rows still
+    running: no pad ever enters a cache). Every row must be past its prefill (phase "decode")."""
 
     def __init__(self, caches: list[MethodCache]):
         if not caches:
