@@ -295,6 +295,24 @@ class LayerPolicy:
     # of a batch then decode the layer as one attention over their stacked storage (``stacked.py``). A subclass that
     # overrides a decode hook below the declaring class is not stacked (``stacked.exact_decode``)
     exact_decode: bool = True
+    # True where a decode step is attention over what the store holds followed by at most one token dropped per row
+    # (the newest moved into the victim's slot): the class then implements ``stacked_plan`` and ``stacked_victims``
+    # (and ``stacked_attend`` where its scores come from the step's own weights), and rows of a batch decode the
+    # layer stacked (``stacked.py``). Voided, as ``exact_decode``, by a hook overridden below the declaring class
+    stacked_evict: bool = False
+    stacked_attend = None  # (layer: stacked.StackedLayer, query, scaling) -> [B, Hq, 1, Dv]; None: exact attention
+
+    def stacked_plan(self, store: "Store") -> bool | None:
+        """A stacked step's plan for one row, after its token was appended (host numbers, as ``after_step`` would
+        decide alone): False keeps the token, True drops one token (``stacked_victims``), None cannot be stacked."""
+        return None
+
+    def stacked_victims(self, layer) -> torch.Tensor:
+        """The slot each stacked row drops this step, [B, Hkv] int64 (rows that keep their token are ignored)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no stacked eviction")
+
+    def stacked_note(self, store: "Store", evicted: bool) -> None:
+        """A row's host state after a stacked step (``evicted``: it dropped a token)."""
 
     def __init__(self, method: "KVMethod", info: LayerInfo):
         self.method = method

@@ -466,9 +466,11 @@ def run_policy(store: KVStore, query: torch.Tensor, scaling: float) -> torch.Ten
     return finish_policy(store, query, out, scaling)
 
 
-def finish_policy(store: KVStore, query: torch.Tensor, out: torch.Tensor, scaling: float) -> torch.Tensor:
+def finish_policy(store: KVStore, query: torch.Tensor, out: torch.Tensor, scaling: float,
+                  after_step: bool = True) -> torch.Tensor:
     """``run_policy`` after the attention ``out`` of ``query`` (also for a row of stacked rows, whose attention ran
-    for all rows at once: ``stacked.py``). Returns ``out``."""
+    for all rows at once: ``stacked.py``; ``after_step`` False where the stacked step evicted for it). Returns
+    ``out``."""
     policy, cache = store.policy, store.cache
     if cache.observer is not None:
         cache.observer(store, query, out, scaling)
@@ -478,7 +480,9 @@ def finish_policy(store: KVStore, query: torch.Tensor, out: torch.Tensor, scalin
         policy.after_prefill(store)
         store.compressed_in_forward = True
     if cache.phase == "decode":
-        if policy.times_itself or type(policy).after_step is LayerPolicy.after_step:
+        if not after_step:
+            pass
+        elif policy.times_itself or type(policy).after_step is LayerPolicy.after_step:
             policy.after_step(store)
         else:
             with cache.span("eviction", query.device):

@@ -119,6 +119,34 @@ class H2OPolicy(ScorerPolicy):
             index = tail
         store.keep(index)
 
+    # -- stacked rows of a batch (``stacked.py``): the decode step for every row at once --------------------------
+    stacked_evict = True
+
+    def stacked_plan(self, store):
+        if store.n <= self.capacity(store):
+            return False
+        return True if self._slot_step(store) else None
+
+    def stacked_attend(self, layer, query, scaling):
+        """The rows' attention and masses (free slots get none), added to each row's accumulated mass: the new
+        token's entry zeroed first, so that it is the step's mass (as ``attend``'s copy)."""
+        w, out = layer.weights(query, scaling)
+        acc, lay = layer.aux[MASS], layer.layout
+        acc[lay.rows, :, lay.slot] = 0.0
+        if self.method.decay is not None:
+            acc.mul_(self.method.decay)
+        acc.add_(w.sum(dim=(2, 3)))
+        return out
+
+    def stacked_victims(self, layer):
+        """``evict``'s victim for every row: its recent window (each row's own) and free slots read as +inf mass."""
+        recent = [self.split(ScorerPolicy.capacity(self, s))[1] - 1 for s in layer.stores]
+        stack, lay = layer.stack, layer.layout
+        first = (stack.pos - stack.constant(recent, torch.long, stack.pos.device)[:, None])[:, :, None]
+        mass = layer.aux[MASS].masked_fill(layer.pos >= first, float("inf"))
+        mass.sub_(lay.mask.view(lay.mask.shape[0], 1, -1))  # free slots: +inf
+        return torch.sub(layer.pos, mass.view(torch.int32), alpha=1 << 32).argmax(-1)
+
     def protected(self, store, cap: int) -> tuple[int, int]:
         return 0, self.split(super().capacity(store))[1]
 

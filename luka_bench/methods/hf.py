@@ -138,6 +138,17 @@ class RowBatch(Cache):
         layers = self.stack.layers if self.stack is not None else {}
         Cache.__init__(self, layers=[_RowsLayer([c.stores[i] for c in caches], layers.get(i))
                                      for i in range(len(caches[0].stores))])
+        self._fresh = True  # no forward yet: the stack made above is this step's
+
+    def next_forward(self) -> None:
+        """Each forward of the rows (the pre-hook): a ``RowBatch`` used again for a later step takes its rows' stack
+        one step on (or a new one: ``RowStack.for_rows``), as a new ``RowBatch`` of the same rows would."""
+        if self._fresh:
+            self._fresh = False
+        elif self.stack is not None:
+            self.stack = RowStack.for_rows(self.rows)
+            for i, layer in enumerate(self.layers):
+                layer.stacked = self.stack.layers.get(i)
 
     def stackable(self) -> bool:
         """Rows whose layers may be stacked: one model's caches, no observer (the probe reads a row's own call)."""
@@ -170,6 +181,7 @@ def _rows_forward(cache: RowBatch, ids: torch.Tensor | None, x: torch.Tensor, kw
         raise NotImplementedError("a RowBatch forward takes no padding: feed each row its own tokens (rows of "
                                   "different lengths: one token per row per forward, or the row alone)")
     n = x.shape[1]
+    cache.next_forward()
     for b, c in enumerate(cache.rows):
         c.before_forward(None if ids is None else ids[b: b + 1], n)
     kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "cache_position", "attention_mask")}
@@ -243,7 +255,7 @@ def _stacked_attention(cache: RowBatch, stacked: StackedLayer, layer: int, query
     end = first.mark(query.device)
     for b, c in enumerate(cache.rows):
         c.add_span("attention", start, end)
-        finish_policy(c.stores[layer], query[b: b + 1], out[b: b + 1], scaling)
+        finish_policy(c.stores[layer], query[b: b + 1], out[b: b + 1], scaling, stacked.mode != "evict")
     return out
 
 

@@ -16,6 +16,16 @@ exact ``full_layers`` of any method) needs no per-row decision, so its rows are 
   the same layout). The launches per layer are batch 1's, whatever the rows' lengths;
 - **bookkeeping** per row is host arithmetic (lengths, the positions' pending run, the peak and attended notes).
 
+A layer whose policy evicts **at most one token per row per step** (``stacked_evict``: H2O, TOVA, StreamingLLM) is
+stacked too: its positions and per-token state (``aux``) are stacked beside the keys and values, a step writes the new
+token's position at its slot, the policy's ``stacked_attend`` runs once for all rows (its scores from the same
+weights), and each row whose policy says this step puts it one token over (``stacked_plan``, host numbers, as alone)
+drops the victim ``stacked_victims`` chose among its held slots: the new token is written into the victim's slot (its
+keys, values, position and state; a row that keeps its new token gets it written onto itself), the row's length goes
+back by one and its next step writes at the same slot. A row whose step would need more (several tokens over)
+leaves the layer unstacked for that step (``serves``). ``DECODE_HOOKS`` and the ``stacked_*`` hooks overridden below
+the declaring class void the declaration as for ``exact_decode``.
+
 The stack lives across steps (``for_rows``: the rows' caches point at it; a ``RowBatch`` of the same rows, each
 exactly one step on, reuses it). Anything else — another set of rows (a row finished), a row fed alone, an eviction
 that re-homed a store, ``MethodCache.clone`` — dissolves it first: each row gets private storage again (its held
@@ -30,11 +40,13 @@ import torch.nn.functional as F
 
 from luka_bench.device import host_to_device
 
+from .attention import group_apply, group_logits
 from .base import LayerPolicy
 
 # the policy hooks a decode step reaches: overriding any of them below the class that declared ``exact_decode`` voids
 # the declaration (a subclass that decides per step is never stacked by mistake)
 DECODE_HOOKS = ("attend", "step", "after_step", "attended", "attended_count", "attended_extra", "extra_entries")
+EVICT_HOOKS = DECODE_HOOKS + ("stacked_plan", "stacked_attend", "stacked_victims", "stacked_note")
 
 
 def exact_decode(policy: LayerPolicy) -> bool:
@@ -48,56 +60,109 @@ def exact_decode(policy: LayerPolicy) -> bool:
             and (not isinstance(inner, LayerPolicy) or exact_decode(inner)))
 
 
+def evicts_one(policy: LayerPolicy) -> bool:
+    """Whether ``policy`` declares a stacked step that evicts at most one token per row (``stacked_evict``; voided by
+    a decode or stacked hook overridden below the declaring class)."""
+    cls = type(policy)
+    owner = next((k for k in cls.__mro__ if "stacked_evict" in vars(k)), None)
+    return (owner is not None and bool(vars(owner)["stacked_evict"])
+            and all(getattr(cls, h) is getattr(owner, h) for h in EVICT_HOOKS))
+
+
+def plan_ahead(store):
+    """The policy's ``stacked_plan`` for the store's next decode step (its length and logical length one on: host
+    numbers only): False keeps the new token, True drops one, None cannot be stacked."""
+    store.n += 1
+    store.seen += 1
+    try:
+        return store.policy.stacked_plan(store)
+    finally:
+        store.n -= 1
+        store.seen -= 1
+
+
+def stack_mode(store) -> str | None:
+    """How a store's layer may be decoded stacked: "exact" (exact decode, no per-token policy state), "evict" (a
+    one-victim step whose next step can be stacked) or None. Either needs one row, classic storage with keys and
+    values in one tensor, every head holding every slot, no sliding window and no pending step."""
+    if not (store.n > 0 and store._kv is not None and store._k.shape[0] == 1 and store.packed is None
+            and not store._unheld and store.policy.info.sliding_window is None and store._positions.due is None):
+        return None
+    if not store._aux and exact_decode(store.policy):
+        return "exact"
+    if store.pos_shift == 0 and evicts_one(store.policy) and plan_ahead(store) is not None:
+        return "evict"
+    return None
+
+
 def stackable(store) -> bool:
-    """A store whose layer may be decoded stacked: exact decode, one row, classic storage with keys and values in
-    one tensor, every head holding every slot, no per-token policy state, no sliding window, no pending step."""
-    return (store.n > 0 and store._kv is not None and store._k.shape[0] == 1 and store.packed is None
-            and not store._unheld and not store._aux and store.policy.info.sliding_window is None
-            and store._positions.due is None and exact_decode(store.policy))
+    """A store whose layer may be decoded stacked (``stack_mode``)."""
+    return stack_mode(store) is not None
 
 
 class _Layout:
-    """The rows' slots and mask shared by every stacked layer whose rows have the same lengths and width."""
+    """The rows' slots and mask shared by every stacked layer whose rows have the same lengths and width at a step."""
 
     def __init__(self, ns: list[int], cap: int, dtype: torch.dtype, device: torch.device):
         B = len(ns)
-        self.slot = host_to_device(ns, device)  # [B]: each row's next slot
+        self.ns, self.cap = list(ns), cap  # the rows' lengths before the step's write
+        self.slot = host_to_device(ns, device)  # [B]: each row's slot of the step
         self.rows = torch.arange(B, device=device)
         self.mask = torch.where(torch.arange(cap, device=device)[None, :] < self.slot[:, None], 0.0,
                                 float("-inf")).to(dtype).view(B, 1, 1, cap)
         self.open = torch.zeros((), dtype=dtype, device=device)
-        self.at: int | None = None  # the step whose slots it holds (None: fresh, at the rows' lengths)
+        self.at: int | None = None  # the step whose slots it holds (None: fresh)
 
-    def step(self, at: int) -> None:
-        """Move to step ``at``'s slots (once per step for all its layers) and open them in the mask."""
-        if self.at == at:
-            return
+    def advance(self, ns: list[int], at: int, delta) -> None:
+        """Move to step ``at`` (rows at lengths ``ns``, each the last step's or one more: ``delta`` [B] of 0/1 as a
+        device tensor, or 1 for all) and open the step's slots in the mask: once per step for all its layers."""
         if self.at is not None:
-            self.slot.add_(1)
+            self.slot.add_(delta)
         self.mask.view(self.mask.shape[0], -1).index_put_((self.rows, self.slot), self.open)
-        self.at = at
+        self.ns, self.at = list(ns), at
 
 
 class StackedLayer:
-    """One layer's rows in one storage (module docstring)."""
+    """One layer's rows in one storage (module docstring): ``mode`` "exact" or "evict"."""
 
-    def __init__(self, stack: "RowStack", stores: list):
+    def __init__(self, stack: "RowStack", stores: list, mode: str = "exact"):
         self.stack = stack
         self.stores = stores
+        self.mode = mode
+        self.policy = stores[0].policy  # an evicting layer's stacked hooks run on row 0's policy for every row
+        self.plans: list = [False] * len(stores)
         self.ns = [s.n for s in stores]
+        self.layout: _Layout | None = None
+        self.pos: torch.Tensor | None = None  # "evict": the rows' positions [B, Hkv, cap] (int64)
+        self.aux: dict[str, torch.Tensor] = {}  # "evict": the rows' per-token state, each [B, Hkv, cap]
         self._home(max(s._k.shape[2] for s in stores))
 
     def _home(self, cap: int) -> None:
-        """Storage ``cap`` wide holding every row's tokens; each store's storage becomes a view of its row."""
+        """Storage ``cap`` wide holding every row's tokens; each store's storage becomes a view of its row (an
+        evicting layer's positions and per-token state too)."""
         first = self.stores[0]._kv
         _, _, h, _, d = first.shape
-        kv = first.new_zeros(2, len(self.stores), h, cap, d)
+        B = len(self.stores)
+        kv = first.new_zeros(2, B, h, cap, d)
+        evict = self.mode == "evict"
+        if evict:
+            for s in self.stores:
+                s.settle_positions()
+                s._positions.materialize(s._k)
+            pos = torch.zeros(B, h, cap, dtype=torch.long, device=first.device)
+            aux = {name: a.new_zeros(B, h, cap) for name, a in self.stores[0]._aux.items()}
         self.views = []
         for b, s in enumerate(self.stores):
             kv[:, b:b + 1, :, : s.n] = s._kv[:, :, :, : s.n]
             view = kv[:, b:b + 1]
             table = s._positions.table
-            if table is not None and table.shape[2] != cap:
+            if evict:
+                pos[b:b + 1, :, : s.n] = table[:, :, : s.n]
+                s._positions.table = pos[b:b + 1]
+                for name, a in aux.items():
+                    a[b:b + 1, :, : s.n] = s._aux[name][:, :, : s.n]
+                    s._aux[name] = a[b:b + 1]
+            elif table is not None and table.shape[2] != cap:
                 wide = table.new_empty(1, h, cap)
                 wide[:, :, : s.n] = table[:, :, : s.n]
                 s._positions.table = wide
@@ -105,39 +170,92 @@ class StackedLayer:
             s.static_slot = s.static_kv = None
             self.views.append(view)
         self.kv, self.cap = kv, cap
-        self.layout = self.stack.layout(self.ns, cap, kv.dtype, kv.device)
+        self.heads = torch.arange(h, device=kv.device)[None, :]
+        if evict:
+            self.pos, self.aux = pos, aux
+        self.layout = None  # a new width: a fresh layout at the next write
 
     def holds(self) -> bool:
-        """Every row's store still views this storage at the length the stack left it."""
-        return all(s._kv is v and s.n == n for s, v, n in zip(self.stores, self.views, self.ns))
+        """Every row's store still views this storage at the length the stack left it, and (an evicting layer) its
+        next step can be stacked."""
+        return (all(s._kv is v and s.n == n for s, v, n in zip(self.stores, self.views, self.ns))
+                and (self.mode == "exact" or all(plan_ahead(s) is not None for s in self.stores)))
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """A decode step's keys and values [B, Hkv, 1, D]: each row's at its own slot; the rows' lengths move on."""
+        """A decode step's keys and values [B, Hkv, 1, D]: each row's at its own slot (an evicting layer's position
+        too); the rows' lengths move on; an evicting layer's plans for the step (``stacked_plan``, per row)."""
         if max(self.ns) + 1 > self.cap:  # the widest row's room ran out: grown as a store grows (amortised)
             grow = max(s.policy.storage_multiple for s in self.stores)
             cap = int(self.cap * self.stores[0].GROWTH) + 16
             self._home(-(-cap // grow) * grow)
-        lay = self.layout
-        lay.step(self.stack.at)
-        self.kv[0][lay.rows, :, lay.slot] = k[:, :, 0]
-        self.kv[1][lay.rows, :, lay.slot] = v[:, :, 0]
+        lay = self.layout = self.stack.layout(self, self.ns, self.cap, self.kv.dtype, self.kv.device)
+        evict = self.mode == "evict"
+        if evict:  # keys and values as one [B, Hkv, 2, D]: written here and again at the victims (``evict``)
+            self.new = torch.stack((k[:, :, 0], v[:, :, 0]), dim=2)
+            self.kv.movedim(0, 3)[lay.rows, :, lay.slot] = self.new
+            self.pos[lay.rows, :, lay.slot] = self.stack.pos
+        else:
+            self.kv[0][lay.rows, :, lay.slot] = k[:, :, 0]
+            self.kv[1][lay.rows, :, lay.slot] = v[:, :, 0]
         for b, s in enumerate(self.stores):
-            s._positions.append_run(s.n, 1, s.seen, s._k)
+            if not evict:
+                s._positions.append_run(s.n, 1, s.seen, s._k)
             s.n += 1
             s.seen += 1
             s._aux_zero_from = max(s._aux_zero_from, s.n)
             self.ns[b] = s.n
+        if evict:
+            self.plans = [s.policy.stacked_plan(s) for s in self.stores]
+            assert None not in self.plans, "a stacked row's step that cannot be stacked (``RowStack.serves``)"
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """One SDPA over the rows, each query over its own row's held slots: [B, Hq, 1, D]."""
+        """The rows' decode step: an exact layer's (or an evicting layer's whose policy keeps no scores) one SDPA over
+        the rows, each query over its own row's held slots; an evicting policy's ``stacked_attend`` otherwise; then
+        the evictions (``evict``). [B, Hq, 1, D]."""
+        if self.mode == "evict" and getattr(self.policy, "stacked_attend", None) is not None:
+            out = self.policy.stacked_attend(self, query, scaling)
+        else:
+            out = masked_attention(query, self.kv[0], self.kv[1], self.layout.mask, scaling)
+        if self.mode == "evict":
+            self.evict()
+        return out
+
+    def weights(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' step as explicit weights (a policy that scores from them): (fp32 softmax weights [B, Hkv, g, 1,
+        cap], each row's free slots 0; the output [B, Hq, 1, Dv]) — ``attention_with_mass``'s decode pass, masked."""
         b, hq, _, d = query.shape
         hkv = self.kv.shape[2]
-        out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), self.kv[0], self.kv[1],
-                                             attn_mask=self.layout.mask, scale=scaling)
-        return out.view(b, hq, 1, out.shape[-1])
+        logits = group_logits(query.view(b, hkv, hq // hkv, 1, d), self.kv[0], scaling)
+        w = torch.softmax(logits.add_(self.layout.mask.view(b, 1, 1, 1, -1)), dim=-1)
+        return w, group_apply(w, self.kv[1]).view(b, hq, 1, -1)
+
+    def evict(self) -> None:
+        """Each row whose plan drops a token this step: the new token written into the victim's slot (keys, values,
+        position, state), its length back by one. Rows that keep it get it written onto its own slot."""
+        plans = self.plans
+        if not any(plans):
+            return
+        lay = self.layout
+        B, h = self.kv.shape[1], self.kv.shape[2]
+        victims = self.policy.stacked_victims(self)  # [B, Hkv]
+        here = lay.slot[:, None].expand(B, h)
+        if not all(plans):
+            victims = torch.where(self.stack.constant(plans, torch.bool, self.kv.device)[:, None], victims, here)
+        bi, hi = lay.rows[:, None], self.heads
+        index = (bi, hi, victims)
+        self.kv.movedim(0, 3).index_put_(index, self.new)  # [B, Hkv, cap, 2, D]
+        self.pos.index_put_(index, self.stack.pos.expand(B, h))
+        for t in self.aux.values():
+            t.index_put_(index, t[bi, hi, here])
+        for b, s in enumerate(self.stores):
+            if plans[b]:
+                s.n -= 1
+                self.ns[b] = s.n
+            s.policy.stacked_note(s, plans[b])
 
     def release(self) -> None:
-        """Each row that still views this storage gets its own again: its held tokens and its decode room."""
+        """Each row that still views this storage gets its own again: its held tokens and its decode room (an
+        evicting layer's positions and state too; the slots from its length on zeroed in the state)."""
         for s, view in zip(self.stores, self.views):
             if s._kv is view:
                 width = min(self.cap, s.n + s.declared_room())
@@ -146,7 +264,23 @@ class StackedLayer:
                 table = s._positions.table
                 if table is not None:
                     s._positions.table = table[:, :, :width].clone()
+                for name, a in list(s._aux.items()):
+                    mine = a[:, :, :width].clone()
+                    mine[:, :, s.n:] = 0
+                    s._aux[name] = mine
+                    s._aux_zero_from = min(s._aux_zero_from, s.n)
         self.stores, self.views = [], []
+
+
+def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     scaling: float) -> torch.Tensor:
+    """One SDPA over stacked rows, the group's query heads folded into the query axis: query [B, Hq, 1, D] over
+    keys / values [B, Hkv, cap, D] with the additive ``mask`` [B, 1, 1, cap]. [B, Hq, 1, Dv]."""
+    b, hq, _, d = query.shape
+    hkv = keys.shape[1]
+    out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), keys, values, attn_mask=mask,
+                                         scale=scaling)
+    return out.view(b, hq, 1, out.shape[-1])
 
 
 class RowStack:
@@ -161,9 +295,16 @@ class RowStack:
         self.pos_seen: list[int] = []
         for i in range(len(caches[0].stores)):
             stores = [c.stores[i] for c in caches]
-            if all(stackable(s) for s in stores) and \
-                    len({(s._kv.shape[2], s._kv.shape[4], s._kv.dtype, s._kv.device) for s in stores}) == 1:
-                self.layers[i] = StackedLayer(self, stores)
+            modes = {stack_mode(s) for s in stores}
+            if len(modes) != 1 or None in modes or \
+                    len({(s._kv.shape[2], s._kv.shape[4], s._kv.dtype, s._kv.device) for s in stores}) != 1:
+                continue
+            mode = modes.pop()
+            first = stores[0].policy
+            if mode == "evict" and not all(type(s.policy) is type(first) and s.policy.method == first.method
+                                           and set(s._aux) == set(stores[0]._aux) for s in stores):
+                continue  # an evicting layer's hooks run on row 0's policy: every row's must be the same
+            self.layers[i] = StackedLayer(self, stores, mode)
 
     @classmethod
     def for_rows(cls, caches: list) -> "RowStack":
@@ -186,12 +327,33 @@ class RowStack:
         return (len(caches) == len(self.rows) and all(r() is c for r, c in zip(self.rows, caches))
                 and all(layer.holds() for layer in self.layers.values()))
 
-    def layout(self, ns: list[int], cap: int, dtype: torch.dtype, device: torch.device) -> _Layout:
-        key = (tuple(ns), cap, dtype, device, self.at)
-        if key not in self._layouts:
-            self._layouts = {k: v for k, v in self._layouts.items() if k[4] == self.at}  # earlier steps' are stale
-            self._layouts[key] = _Layout(ns, cap, dtype, device)
-        return self._layouts[key]
+    def layout(self, layer: StackedLayer, ns: list[int], cap: int, dtype: torch.dtype,
+               device: torch.device) -> _Layout:
+        """The layout of a layer's step whose rows are at lengths ``ns``: shared by every layer at the same lengths and
+        width this step; else the layer's own from the last step moved on (each row the same or one slot further),
+        else a fresh one."""
+        key = (tuple(ns), cap, dtype, device)
+        got = self._layouts.get(key)
+        if got is not None and got.at == self.at:
+            return got
+        old = layer.layout
+        lay = None
+        if old is not None and old.at is not None and old.at != self.at and old.cap == cap:
+            delta = [a - b for a, b in zip(ns, old.ns)]
+            if set(delta) <= {0, 1}:
+                old.advance(ns, self.at, 1 if set(delta) == {1} else self.constant(delta, torch.long, device))
+                lay = old
+        if lay is None:
+            lay = _Layout(ns, cap, dtype, device)
+            lay.advance(ns, self.at, None)
+        self._layouts = {k: v for k, v in self._layouts.items() if v.at == self.at}  # earlier steps' are stale
+        self._layouts[key] = lay
+        return lay
+
+    def constant(self, values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A small host list (per-row plans, slot moves) as a device tensor, made anew at every step that asks (the
+        same ops every step; on the CPU no kernel, on CUDA one small copy)."""
+        return host_to_device([int(x) for x in values], device, dtype)
 
     def positions(self, caches: list, device: torch.device) -> torch.Tensor:
         """[B, 1] int64: each row's position for a step of one token (its length less its position shift): advanced in

@@ -64,6 +64,38 @@ class StreamingPolicy(ScorerPolicy):
         if self.method.positions == "cache":
             self._shift_positions(store, before)
 
+    # -- stacked rows of a batch (``stacked.py``): exact attention, then each row's oldest of the window --------------
+    stacked_evict = True
+
+    def stacked_plan(self, store):
+        if self.method.positions != "original":
+            return None
+        cap = self.capacity(store)
+        if store.n <= cap:
+            return False
+        return True if store.n == cap + 1 and cap > min(self.method.sink, cap) else None
+
+    def stacked_victims(self, layer):
+        """``_evict``'s victim for every row: the oldest held token after the sinks (free slots never)."""
+        lay = layer.layout
+        b = lay.mask.shape[0]
+        sinks = {min(self.method.sink, self.capacity(s)) for s in layer.stores}
+        pos = layer.pos[:, 0].masked_fill(lay.mask.view(b, -1) < 0, torch.iinfo(torch.long).max)
+        if len(sinks) == 1:
+            sink = sinks.pop()
+            oldest = pos[:, sink:].argmin(-1) + sink
+        else:  # rows whose capacity is below the sinks (tiny budgets) keep fewer
+            rows = [min(self.method.sink, self.capacity(s)) for s in layer.stores]
+            lo = layer.stack.constant(rows, torch.long, pos.device)[:, None]
+            pos = pos.masked_fill(torch.arange(pos.shape[1], device=pos.device)[None, :] < lo,
+                                  torch.iinfo(torch.long).max)
+            oldest = pos.argmin(-1)
+        return oldest[:, None].expand(b, layer.kv.shape[2])
+
+    def stacked_note(self, store, evicted: bool) -> None:
+        if evicted:
+            self.in_order = False
+
     def _shift_positions(self, store, before: int) -> None:
         """positions=cache: the window moves down by the tokens evicted (re-rotated keys, the store's shift)."""
         store.rotate_keys(min(self.method.sink, store.n), store.n, store.n - before)

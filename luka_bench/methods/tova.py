@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from luka_bench.methods.attention import exact_attention, group_apply, group_logits, top_indices
 from luka_bench.methods.base import KVMethod, LayerPolicy, setting
 from luka_bench.methods.scorer import ScorerPolicy
+from luka_bench.methods.stacked import masked_attention
 
 
 def last_query_scores(q_last: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -105,6 +106,39 @@ class TOVAPolicy(ScorerPolicy):
             if scores is None:
                 scores = last_query_scores(q, store.keys, self.scaling)
             self._keep_top(store, scores)
+
+    # -- stacked rows of a batch (``stacked.py``) ---------------------------------------------------------------------
+    stacked_evict = True
+
+    def stacked_plan(self, store):
+        if not self.method.decode or self.method.budget >= 1.0 or store.n <= self.capacity(store):
+            return False
+        return True if store.n == self.capacity(store) + 1 else None
+
+    def stacked_attend(self, layer, query, scaling):
+        """As ``step`` for each row: the weights where a row drops a token this step (their sum over every query head
+        of the layer scores its held tokens; the output from them), exact attention where it keeps it."""
+        plans = layer.plans
+        if not any(plans):
+            return masked_attention(query, layer.kv[0], layer.kv[1], layer.layout.mask, scaling)
+        w, out = layer.weights(query, scaling)
+        self._step_scores = w.sum(dim=(1, 2, 3))  # [B, cap]
+        if not all(plans):
+            exact = masked_attention(query, layer.kv[0], layer.kv[1], layer.layout.mask, scaling)
+            out = torch.where(layer.stack.constant(plans, torch.bool, out.device).view(-1, 1, 1, 1), out, exact)
+        return out
+
+    def stacked_victims(self, layer):
+        """``_drop_one``'s victim for every row (the newest token a candidate, unless ``protect_last``); free slots
+        read as +inf score."""
+        scores, self._step_scores = self._step_scores, None
+        lay = layer.layout
+        b = lay.mask.shape[0]
+        scores.sub_(lay.mask.view(b, -1))  # free slots: +inf (in place: float32 whatever the mask's dtype)
+        if self.method.protect_last:
+            scores[lay.rows, lay.slot] = float("inf")
+        key = torch.sub(layer.pos[:, 0], scores.view(torch.int32), alpha=1 << 32)
+        return key.argmax(-1)[:, None].expand(b, layer.kv.shape[2])
 
     def _drop_one(self, store, scores: torch.Tensor) -> None:
         """One token over capacity (a decode step): the token of least score goes — among equal ones the latest,
