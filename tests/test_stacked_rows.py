@@ -29,6 +29,8 @@ EXACT = {"full", "snapkv", "pyramidkv", "knorm", "expected_attention", "finch", 
 STACKED = EXACT - {"adakv"}
 # the configs whose every layer drops at most one token per row per step (``stacked_evict``), stacked too
 EVICTS = {"h2o", "luka_lined", "tova", "streaming_llm", "h2o_outer"}
+# and the one whose every layer reads a selection and drops nothing (``stacked_select``; its full_layers exact)
+SELECTS = {"quest"}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +93,7 @@ def prefilled(a, model, prompts):
     return caches
 
 
-@pytest.mark.parametrize("name", sorted(STACKED | EVICTS | {"adakv", "quest", "lychee"}))
+@pytest.mark.parametrize("name", sorted(STACKED | EVICTS | SELECTS | {"adakv", "lychee"}))
 def test_a_ragged_batch_stacks_exactly_the_layers_every_row_decodes_exactly(name, lm64):
     model64 = lm64.model
     g = torch.Generator().manual_seed(1)
@@ -108,7 +110,8 @@ def test_a_ragged_batch_stacks_exactly_the_layers_every_row_decodes_exactly(name
         layers = len(caches[0].stores)
         if name != "adakv":  # AdaKV: stacked where its heads happen to hold equal counts, packed per row otherwise
             # every layer of a prefill-only method; a per-step method's exact ``full_layers`` (lychee's first)
-            assert want == list(range(layers if name in STACKED | EVICTS else min(method.full_layers, layers)))
+            assert want == list(range(layers if name in STACKED | EVICTS | SELECTS else min(method.full_layers,
+                                                                                             layers)))
         for i, layer in stack.layers.items():
             base = layer.kv.untyped_storage().data_ptr()
             assert all(c.stores[i]._kv.untyped_storage().data_ptr() == base for c in caches)  # one storage
@@ -121,7 +124,8 @@ def test_a_ragged_batch_stacks_exactly_the_layers_every_row_decodes_exactly(name
         for c in caches:
             for i in want:
                 s = c.stores[i]
-                assert s._kv.shape[3] <= s.n + s.declared_room()  # its held tokens and its decode room, as alone
+                mult = s.policy.storage_multiple  # its held tokens and its decode room, as alone (whole pages)
+                assert s._kv.shape[3] <= -(-(s.n + s.declared_room()) // mult) * mult
 
 
 def kept(cache):
@@ -134,7 +138,13 @@ EVICTING = [("h2o", {}), ("h2o", {"decay": 0.9}), ("luka_lined", {}), ("tova", {
             ("tova", {"decode": False}), ("streaming_llm", {}), ("streaming_llm", {"sink": 0})]
 
 
-@pytest.mark.parametrize("case", [("full", {}), ("snapkv", {})] + EVICTING, ids=str)
+# Quest reading a selection of pages (``stacked_select``): a budget below the rows' lengths, pages closing in each row
+# at its own steps
+SELECTING = [("quest", {"token_budget": 48, "page_size": 8, "full_layers": 0}),
+             ("quest", {"token_budget": 64, "page_size": 16, "full_layers": 1})]
+
+
+@pytest.mark.parametrize("case", [("full", {}), ("snapkv", {})] + EVICTING + SELECTING, ids=str)
 def test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone(case, lm64):
     """Rows decoded together; between batched steps row 0 takes a step alone (the stack dissolves and is made again),
     row 1 is cloned mid-decode and its clone goes on alone; many steps (the widest row's room runs out: the stack
@@ -174,7 +184,8 @@ def test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone(case, l
                 got[r].append(out[i])
             if j == 30:
                 modes = {layer.mode for layer in caches[0]._row_stack.layers.values()}
-                assert modes == {"evict" if evicting else "exact"}, modes  # every layer stacked
+                want = {"evict"} if evicting else {"select"} if case in SELECTING else {"exact"}
+                assert modes - {"exact"} == want - {"exact"} and len(caches[0]._row_stack.layers) == 3, modes
         release_rows(caches)
         for r in range(3):
             torch.testing.assert_close(torch.stack(got[r]).view(40, -1), solo[r].view(40, -1), rtol=0, atol=1e-9)
@@ -182,11 +193,11 @@ def test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone(case, l
                                    atol=1e-9)
         assert [c.stores[0].seen for c in caches] == [240, 203, 180]
         assert [kept(c) for c in caches] == solo_kept
-        if not evicting:
+        if not evicting:  # nothing dropped
             assert [c.stores[0].n - n0 for c, n0 in zip(caches, held)] == [40, 40, 40]
 
 
-@pytest.mark.parametrize("name", sorted(STACKED | EVICTS))
+@pytest.mark.parametrize("name", sorted(STACKED | EVICTS | SELECTS))
 def test_a_ragged_batch_launches_what_one_row_does_where_every_layer_is_stacked(name):
     """Per step, 8 rows of different lengths launch what one row does plus the rows' slots moved and their mask
     opened (two launches per step for the whole model, not per layer or row) where every layer decodes exactly; an

@@ -300,6 +300,10 @@ class LayerPolicy:
     # (and ``stacked_attend`` where its scores come from the step's own weights), and rows of a batch decode the
     # layer stacked (``stacked.py``). Voided, as ``exact_decode``, by a hook overridden below the declaring class
     stacked_evict: bool = False
+    # True where a decode step reads a selection of what the store holds and drops nothing (Quest): the class
+    # implements ``stacked_plan`` (the same plan for every row, or the layer is not stacked that step) and
+    # ``stacked_attend``
+    stacked_select: bool = False
     stacked_attend = None  # (layer: stacked.StackedLayer, query, scaling) -> [B, Hq, 1, Dv]; None: exact attention
 
     def stacked_plan(self, store: "Store") -> bool | None:

@@ -47,6 +47,7 @@ import torch
 from luka_bench.methods.attention import add_retrieval_spans, sdpa, timed_exact
 from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.pages import PagedKeys, gather_pages, page_bound  # noqa: F401 (page_bound: re-exported)
+from luka_bench.methods.stacked import masked_attention
 
 
 SELECT = ("kernel", "evaluation")  # which pages a step reads: Quest.select
@@ -74,11 +75,12 @@ class QuestPolicy(LayerPolicy):
         self._zero: torch.Tensor | None = None  # 0-d zero in the query's dtype (evaluation)
         self._held: torch.Tensor | None = None  # [pages of the step, page_size] 0 held, -inf free (evaluation)
         self.pid: torch.Tensor | None = None  # the last sparse step's pages read [B * Hkv, g, K] (None: all read)
+        self._union_total: torch.Tensor | None = None  # a stacked step's count of the pages its KV heads read
         self.n_read = 0  # tokens held at that step
 
     # -- the decode step -------------------------------------------------------------------------------------
     def attend(self, store, query, scaling):  # the prefill, its chunks, a scratch forward: exact
-        self.pid = None
+        self.pid = self._union_total = None
         return timed_exact(store, query, scaling)
 
     def step(self, store, query, scaling, step):
@@ -96,6 +98,7 @@ class QuestPolicy(LayerPolicy):
         if k > c:  # every page read
             return self.attend(store, query, scaling)
         t0 = store.cache.mark(query.device)
+        self._union_total = None
         self._fit(store, query, c, k)
         b, hq, _, d = query.shape
         hkv = store.storage()[0].shape[1]  # not store.keys: a view sliced at n, a number that changes every step
@@ -151,6 +154,90 @@ class QuestPolicy(LayerPolicy):
             self._zero = torch.zeros((), dtype=query.dtype, device=query.device)
         self._layout = (c, cap, k)
 
+    # -- stacked rows of a batch (``stacked.py``): every row's pages scored, chosen and read at once ---------------
+    stacked_select = True
+
+    def stacked_plan(self, store):
+        """"sparse" where ``step`` reads a selection of pages (the default rule only), "dense" where it reads all."""
+        m = self.method
+        if m.select != "kernel":
+            return None
+        n = store.n
+        if n <= m.token_budget or quest_pages(n, m.page_size, m.token_budget) > (n - 1) // m.page_size:
+            return "dense"
+        return "sparse"
+
+    def stacked_attend(self, layer, query, scaling):
+        """``step`` for every row: the page boxes of the rows stacked ([B * Hkv, pages, D], a row's pages from its
+        last on scored -inf), the top K - 1 closed pages and each row's last page gathered from the stacked storage
+        in one ``index_select``, each row's free slots of its last page masked."""
+        stores = layer.stores
+        if layer.plans[0] == "dense":
+            for s in stores:
+                s.policy.pid, s.policy._union_total = None, None
+            return masked_attention(query, layer.kv[0], layer.kv[1], layer.layout.mask, scaling)
+        ps = self.method.page_size
+        b, hq, _, d = query.shape
+        hkv = layer.kv.shape[2]
+        g, bh = hq // hkv, b * hkv
+        ns = [s.n for s in stores]
+        cs = [(n - 1) // ps for n in ns]
+        k = quest_pages(ns[0], ps, self.method.token_budget)
+        st = self._stacked_fit(layer, cs, k, g)
+        score = page_bound(query.reshape(bh, g, d), st["max"], st["min"]).add_(st["closed"])  # [B * Hkv, g, P]
+        top = torch.topk(score, k - 1, dim=-1).indices
+        pid = torch.cat([top, st["last"]], dim=-1)  # + each row's last page: [B * Hkv, g, K]
+        w = k * ps
+        pages = layer.kv.view(2, bh * (layer.cap // ps), ps * d)
+        kv = pages.index_select(1, (pid + st["off"]).view(-1)).view(2, b, hq, w, d)
+        held = [(k - 1) * ps + n - c * ps for n, c in zip(ns, cs)]  # the slots read that hold a token, per row
+
+        def mask():
+            lim = layer.stack.constant(held, torch.long, query.device).view(b, 1, 1, 1)
+            return torch.where(torch.arange(w, device=query.device) < lim, 0.0, float("-inf")).to(query.dtype)
+
+        out = sdpa(query, kv[0], kv[1], scaling, layer.stack.memo(("quest", tuple(held), w, query.dtype), mask))
+        total = None
+        if g > 1:  # the distinct pages each row's KV heads read (``attended_count``), for all rows at once
+            union = torch.zeros(bh, st["max"].shape[1] + 1, dtype=torch.bool, device=query.device)
+            total = union.scatter_(1, pid.view(bh, g * k), True).view(b, -1).sum(1)
+        for i, s in enumerate(stores):
+            p = s.policy
+            p.pid, p.n_read = pid[i * hkv: (i + 1) * hkv], ns[i]
+            p._union_total = None if total is None else total[i]
+        return out
+
+    def _stacked_fit(self, layer, cs: list[int], k: int, g: int) -> dict:
+        """The rows' stacked page boxes, the -inf over each row's pages from its last on, each row's last page and
+        page offset: made with the storage, moved on for the rows whose pages closed (each row's own ``paged``
+        summarises its closed pages first: an event, as ``_fit``)."""
+        st, stores = layer.state, layer.stores
+        ps = self.method.page_size
+        hkv, d = layer.kv.shape[2], layer.kv.shape[4]
+        bh, dev = len(stores) * hkv, layer.kv.device
+        if st.get("key") != (layer.cap, k):
+            pages = layer.cap // ps
+            st.update(key=(layer.cap, k), cs=[0] * len(stores), max=layer.kv.new_zeros(bh, pages, d),
+                      min=layer.kv.new_zeros(bh, pages, d),
+                      closed=torch.full((bh, 1, pages), float("-inf"), device=dev),
+                      off=(torch.arange(bh, device=dev) * pages).view(bh, 1, 1))
+        if st["cs"] != cs:
+            for i, (c0, c1) in enumerate(zip(st["cs"], cs)):
+                if c0 == c1:
+                    continue
+                p = stores[i].policy
+                p.paged.update(stores[i])
+                p.layout_events += 1
+                rows = slice(i * hkv, (i + 1) * hkv)
+                st["max"][rows, c0:c1] = p.paged.max[0, :, c0:c1]
+                st["min"][rows, c0:c1] = p.paged.min[0, :, c0:c1]
+                st["closed"][rows, :, c0:c1] = 0.0
+                p._layout = None  # alone again, its own step remakes its layout
+            last = [c for c in cs for _ in range(hkv)]
+            st["last"] = layer.stack.constant(last, torch.long, dev).view(bh, 1, 1).expand(bh, g, 1)
+            st["cs"] = list(cs)
+        return st
+
     # -- what the last step read -------------------------------------------------------------------------------
     def _page_union(self) -> torch.Tensor:
         """[B * Hkv, pages of the step] bool: the pages any query head of the group read."""
@@ -178,7 +265,8 @@ class QuestPolicy(LayerPolicy):
         free = ((n - 1) // ps + 1) * ps - n  # the last page's free slots (always read)
         if g == 1:  # one query head per KV head: K pages, known on the host
             return float(k * ps - free)
-        return DeviceCount(self._page_union().sum(), ps / bh, -float(free))
+        total = self._union_total if self._union_total is not None else self._page_union().sum()
+        return DeviceCount(total, ps / bh, -float(free))
 
     def extra_bytes(self) -> int:
         return self.paged.nbytes()

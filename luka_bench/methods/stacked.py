@@ -60,13 +60,18 @@ def exact_decode(policy: LayerPolicy) -> bool:
             and (not isinstance(inner, LayerPolicy) or exact_decode(inner)))
 
 
-def evicts_one(policy: LayerPolicy) -> bool:
-    """Whether ``policy`` declares a stacked step that evicts at most one token per row (``stacked_evict``; voided by
-    a decode or stacked hook overridden below the declaring class)."""
+def declares(policy: LayerPolicy, flag: str) -> bool:
+    """Whether ``policy`` declares a stacked step (``flag``: ``stacked_evict`` or ``stacked_select``), voided by a
+    decode or stacked hook overridden below the declaring class."""
     cls = type(policy)
-    owner = next((k for k in cls.__mro__ if "stacked_evict" in vars(k)), None)
-    return (owner is not None and bool(vars(owner)["stacked_evict"])
+    owner = next((k for k in cls.__mro__ if flag in vars(k)), None)
+    return (owner is not None and bool(vars(owner)[flag])
             and all(getattr(cls, h) is getattr(owner, h) for h in EVICT_HOOKS))
+
+
+def evicts_one(policy: LayerPolicy) -> bool:
+    """Whether ``policy`` declares a stacked step that evicts at most one token per row (``stacked_evict``)."""
+    return declares(policy, "stacked_evict")
 
 
 def plan_ahead(store):
@@ -83,7 +88,8 @@ def plan_ahead(store):
 
 def stack_mode(store) -> str | None:
     """How a store's layer may be decoded stacked: "exact" (exact decode, no per-token policy state), "evict" (a
-    one-victim step whose next step can be stacked) or None. Either needs one row, classic storage with keys and
+    one-victim step whose next step can be stacked), "select" (a step that reads a selection of what it holds and
+    drops nothing: ``stacked_select``, Quest) or None. Either needs one row, classic storage with keys and
     values in one tensor, every head holding every slot, no sliding window and no pending step."""
     if not (store.n > 0 and store._kv is not None and store._k.shape[0] == 1 and store.packed is None
             and not store._unheld and store.policy.info.sliding_window is None and store._positions.due is None):
@@ -92,7 +98,16 @@ def stack_mode(store) -> str | None:
         return "exact"
     if store.pos_shift == 0 and evicts_one(store.policy) and plan_ahead(store) is not None:
         return "evict"
+    if not store._aux and declares(store.policy, "stacked_select") and plan_ahead(store) is not None:
+        return "select"
     return None
+
+
+def plans_agree(stores: list, mode: str) -> bool:
+    """The rows' next steps can be stacked: every row's plan known (an evicting layer), the same for every row (a
+    selecting one: all read a selection, or all read everything)."""
+    plans = [plan_ahead(s) for s in stores]
+    return None not in plans and (mode == "evict" or len(set(plans)) == 1)
 
 
 def stackable(store) -> bool:
@@ -135,7 +150,9 @@ class StackedLayer:
         self.layout: _Layout | None = None
         self.pos: torch.Tensor | None = None  # "evict": the rows' positions [B, Hkv, cap] (int64)
         self.aux: dict[str, torch.Tensor] = {}  # "evict": the rows' per-token state, each [B, Hkv, cap]
-        self._home(max(s._k.shape[2] for s in stores))
+        self.state: dict = {}  # what the policy's stacked step keeps for these rows (remade with the storage)
+        grow = max(s.policy.storage_multiple for s in stores)
+        self._home(-(-max(s._k.shape[2] for s in stores) // grow) * grow)
 
     def _home(self, cap: int) -> None:
         """Storage ``cap`` wide holding every row's tokens; each store's storage becomes a view of its row (an
@@ -174,12 +191,13 @@ class StackedLayer:
         if evict:
             self.pos, self.aux = pos, aux
         self.layout = None  # a new width: a fresh layout at the next write
+        self.state = {}
 
     def holds(self) -> bool:
         """Every row's store still views this storage at the length the stack left it, and (an evicting layer) its
         next step can be stacked."""
         return (all(s._kv is v and s.n == n for s, v, n in zip(self.stores, self.views, self.ns))
-                and (self.mode == "exact" or all(plan_ahead(s) is not None for s in self.stores)))
+                and (self.mode == "exact" or plans_agree(self.stores, self.mode)))
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """A decode step's keys and values [B, Hkv, 1, D]: each row's at its own slot (an evicting layer's position
@@ -204,7 +222,7 @@ class StackedLayer:
             s.seen += 1
             s._aux_zero_from = max(s._aux_zero_from, s.n)
             self.ns[b] = s.n
-        if evict:
+        if self.mode != "exact":
             self.plans = [s.policy.stacked_plan(s) for s in self.stores]
             assert None not in self.plans, "a stacked row's step that cannot be stacked (``RowStack.serves``)"
 
@@ -212,7 +230,7 @@ class StackedLayer:
         """The rows' decode step: an exact layer's (or an evicting layer's whose policy keeps no scores) one SDPA over
         the rows, each query over its own row's held slots; an evicting policy's ``stacked_attend`` otherwise; then
         the evictions (``evict``). [B, Hq, 1, D]."""
-        if self.mode == "evict" and getattr(self.policy, "stacked_attend", None) is not None:
+        if self.mode != "exact" and getattr(self.policy, "stacked_attend", None) is not None:
             out = self.policy.stacked_attend(self, query, scaling)
         else:
             out = masked_attention(query, self.kv[0], self.kv[1], self.layout.mask, scaling)
@@ -258,7 +276,8 @@ class StackedLayer:
         evicting layer's positions and state too; the slots from its length on zeroed in the state)."""
         for s, view in zip(self.stores, self.views):
             if s._kv is view:
-                width = min(self.cap, s.n + s.declared_room())
+                mult = s.policy.storage_multiple  # a paged policy's storage stays whole pages
+                width = min(self.cap, -(-(s.n + s.declared_room()) // mult) * mult)
                 own = view[:, :, :, :width].clone()
                 s._kv, s._k, s._v = own, own[0], own[1]
                 table = s._positions.table
@@ -290,6 +309,8 @@ class RowStack:
         self.rows = [weakref.ref(c) for c in caches]
         self.at = 0
         self._layouts: dict = {}
+        self._memo: dict = {}
+        self._memo_at = -1
         self.layers: dict[int, StackedLayer] = {}
         self.pos: torch.Tensor | None = None
         self.pos_seen: list[int] = []
@@ -301,9 +322,10 @@ class RowStack:
                 continue
             mode = modes.pop()
             first = stores[0].policy
-            if mode == "evict" and not all(type(s.policy) is type(first) and s.policy.method == first.method
-                                           and set(s._aux) == set(stores[0]._aux) for s in stores):
-                continue  # an evicting layer's hooks run on row 0's policy: every row's must be the same
+            if mode != "exact" and not (all(type(s.policy) is type(first) and s.policy.method == first.method
+                                            and set(s._aux) == set(stores[0]._aux) for s in stores)
+                                        and plans_agree(stores, mode)):
+                continue  # an evicting or selecting layer's hooks run on row 0's policy: every row's the same
             self.layers[i] = StackedLayer(self, stores, mode)
 
     @classmethod
@@ -349,6 +371,14 @@ class RowStack:
         self._layouts = {k: v for k, v in self._layouts.items() if v.at == self.at}  # earlier steps' are stale
         self._layouts[key] = lay
         return lay
+
+    def memo(self, key, make):
+        """``make()``, made once per step for every layer asking with the same hashable ``key``."""
+        if self._memo_at != self.at:
+            self._memo, self._memo_at = {}, self.at
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def constant(self, values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A small host list (per-row plans, slot moves) as a device tensor, made anew at every step that asks (the
