@@ -30,7 +30,7 @@ STACKED = EXACT - {"adakv"}
 # the configs whose every layer drops at most one token per row per step (``stacked_evict``), stacked too
 EVICTS = {"h2o", "luka_lined", "tova", "streaming_llm", "h2o_outer"}
 # and the one whose every layer reads a selection and drops nothing (``stacked_select``; its full_layers exact)
-SELECTS = {"quest"}
+SELECTS = {"quest", "oracle_topk"}
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,8 @@ EVICTING = [("h2o", {}), ("h2o", {"decay": 0.9}), ("luka_lined", {}), ("tova", {
 # Quest reading a selection of pages (``stacked_select``): a budget below the rows' lengths, pages closing in each row
 # at its own steps
 SELECTING = [("quest", {"token_budget": 48, "page_size": 8, "full_layers": 0}),
-             ("quest", {"token_budget": 64, "page_size": 16, "full_layers": 1})]
+             ("quest", {"token_budget": 64, "page_size": 16, "full_layers": 1}),
+             ("oracle_topk", {"token_budget": 40})]
 
 
 @pytest.mark.parametrize("case", [("full", {}), ("snapkv", {})] + EVICTING + SELECTING, ids=str)

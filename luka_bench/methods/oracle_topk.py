@@ -27,6 +27,7 @@ import torch
 
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.attention import exact_attention, group_logits, sdpa
+from luka_bench.methods.stacked import masked_attention
 
 
 def oracle_topk_select(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, k: int,
@@ -101,7 +102,7 @@ class OracleTopKPolicy(LayerPolicy):
         self.n_read = store.n
         return out
 
-    def _static_select(self, store, query, scaling, bias: torch.Tensor):
+    def _static_select(self, store, query, scaling, bias: torch.Tensor, storage: tuple | None = None):
         """``oracle_topk_select`` over the store's whole capacity (``KVStore.storage``): the free slots masked by
         an additive bias that the logits GEMM adds itself (``baddbmm`` with beta 1) and that one op per step opens
         at the new token's slot for all layers (``bias``: ``DecodeStep.held_mask``), and again on the scores so
@@ -109,7 +110,7 @@ class OracleTopKPolicy(LayerPolicy):
         (tested), on shapes that stay fixed from step to step until the storage grows: the graph-ready steady
         state, for 1.25 kernels more per layer on the launch counter's 4-layer model."""
         m = self.method
-        K, V = store.storage()
+        K, V = store.storage() if storage is None else storage  # a row's, or stacked rows' (``stacked_attend``)
         b, hq, _, d = query.shape
         hkv, cap = K.shape[1], K.shape[2]
         g, bh = hq // hkv, b * hkv
@@ -120,6 +121,32 @@ class OracleTopKPolicy(LayerPolicy):
         ksel = K.gather(2, top[..., None].expand(b, hkv, m.token_budget, d))
         vsel = V.gather(2, top[..., None].expand(b, hkv, m.token_budget, V.shape[-1]))
         return sdpa(query, ksel, vsel, scaling), top
+
+    # -- stacked rows of a batch (``stacked.py``): ``_static_select`` for every row at once ------------------------
+    stacked_select = True
+
+    def stacked_plan(self, store):
+        """"sparse" where ``step`` reads the top ``token_budget`` (no sinks or recent window forced in: their path
+        is per row), "dense" where it reads everything."""
+        m = self.method
+        if store.n <= m.token_budget:
+            return "dense"
+        return None if m.sink or m.recent else "sparse"
+
+    def stacked_attend(self, layer, query, scaling):
+        b, hq = query.shape[:2]
+        hkv, cap = layer.kv.shape[2], layer.kv.shape[3]
+        if layer.plans[0] == "dense":
+            for s in layer.stores:
+                s.policy.top = None
+            return masked_attention(query, layer.kv[0], layer.kv[1], layer.layout.mask, scaling)
+        lay = layer.layout  # each row's free slots: -inf, the rows' mask per KV head (made once per step)
+        bias = layer.stack.memo(("oracle_topk", id(lay)),
+                                lambda: lay.mask.view(b, 1, 1, cap).expand(b, hkv, 1, cap).reshape(b * hkv, 1, cap))
+        out, top = self._static_select(None, query, scaling, bias, (layer.kv[0], layer.kv[1]))
+        for i, s in enumerate(layer.stores):
+            s.policy.top, s.policy.n_read = top[i: i + 1], s.n
+        return out
 
     @property
     def read(self) -> torch.Tensor | None:
