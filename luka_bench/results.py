@@ -294,6 +294,14 @@ class RunFolder:
             os.fsync(f.fileno())
         self.done[record["item_id"]] = record
 
+    def put_in_order(self, item_ids: list[str]) -> None:
+        """Rewrite ``predictions.jsonl`` with its records in the order of ``item_ids`` (records of other items after
+        them, as they were), atomically: an interrupt leaves the old file or the new one, never a part."""
+        where = {i: k for k, i in enumerate(item_ids)}
+        recs = sorted(self.done.values(), key=lambda r: where.get(r["item_id"], len(where)))
+        text = "".join(json.dumps(r, ensure_ascii=False, default=_json_default) + "\n" for r in recs)
+        self._write_atomic(self.pred_path, text)
+
     # -- metrics / env -------------------------------------------------------------------------------------
     def write_metrics(self, metrics: dict) -> None:
         self._write_atomic(self.metrics_path, json.dumps(metrics, indent=2, default=_json_default) + "\n")

@@ -60,7 +60,18 @@ def _record(folder: RunFolder, cfg: DictConfig, item_ids: list[str], new_records
         if on_item is not None:
             on_item(records)
     bar.close()
+    where = {i: k for k, i in enumerate(item_ids)}
+    if [r["item_id"] for r in records] != sorted((r["item_id"] for r in records), key=where.__getitem__):
+        folder.put_in_order(item_ids)  # batches ran longest first: the file as the dataset orders its items
+        records.sort(key=lambda r: where[r["item_id"]])
     return records
+
+
+def longest_first(items: list, length, batch: int) -> list:
+    """``items`` in the order their batches run: with ``batch`` > 1 the longest first (``length(item)``; equal ones in
+    the dataset's order), as lm-eval's collator orders requests — rows of a batch of similar lengths hold less
+    padding in their stacked storage (rectangular at the widest row) and the longest (most memory) comes first."""
+    return sorted(items, key=lambda x: -length(x)) if batch > 1 else list(items)
 
 
 def cache_settings(cfg: DictConfig) -> dict:
@@ -77,12 +88,13 @@ def evaluate_qa(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item=
     by_id = {q.question.id: p for p in plans for q in p.questions}
 
     def answered():
-        """Every question not done, answered in the dataset's order, ``batch_size`` questions (of any examples)
-        decoded together as the rows of one batch; a batch's records are written as soon as it ends, so an
-        interrupted run loses at most the batch under way (its questions run again on resume)."""
+        """Every question not done, ``batch_size`` questions (of any examples) decoded together as the rows of one
+        batch, the examples longest first (``longest_first``; one at a time: the dataset's order); a batch's records
+        are written as soon as it ends, so an interrupted run loses at most the batch under way (its questions run
+        again on resume), and the finished run's file is put in the dataset's order (``_record``)."""
 
         def ready():
-            for plan in plans:
+            for plan in longest_first(plans, lambda p: len(p.context_ids), batch):
                 todo = [q for q in plan.questions if q.question.id not in folder.done]
                 if todo:
                     yield from E.ready_questions(lm, attached, plan, todo, cache_settings(cfg),
@@ -126,9 +138,10 @@ def evaluate_ppl(lm, attached, task, folder: RunFolder, cfg: DictConfig, on_item
     batch = int(cfg.get("batch_size") or 1)
 
     def scored():
-        """(document, NLLs, seconds per step, cache, wall seconds) of every document not done, in the dataset's
-        order, ``batch_size`` documents teacher-forced together as the rows of one batch."""
-        for group in E.in_batches((d for d in docs if d.id not in folder.done), batch):
+        """(document, NLLs, seconds per step, cache, wall seconds) of every document not done, ``batch_size``
+        documents teacher-forced together as the rows of one batch, the longest first (``longest_first``)."""
+        todo = longest_first([d for d in docs if d.id not in folder.done], lambda d: len(d.meta["ids"]), batch)
+        for group in E.in_batches(todo, batch):
             t0 = time.perf_counter()
             D.reset_peak(lm.model.device)
             rows = E.teacher_forced_nll_rows(lm.model, attached, [d.meta["ids"] for d in group], **cache_settings(cfg))

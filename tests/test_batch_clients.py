@@ -41,7 +41,12 @@ def test_a_qa_run_in_batches_gives_each_item_its_record_alone_and_resumes_an_int
     monkeypatch.setattr(E, "answer_rows", stop_on_second)
     with pytest.raises(KeyboardInterrupt):
         R.run(compose(*base, "batch_size=4"), tmp_path / "four")
-    assert calls == [4, 4] and len(records(tmp_path / "four")) == 4  # the first batch written, whole
+    first = records(tmp_path / "four")
+    assert calls == [4, 4] and len(first) == 4  # the first batch written, whole
+    # batches run longest first (the examples by context length): the first batch's questions are the longest
+    lengths = sorted((r["context_tokens"] for r in alone), reverse=True)
+    assert sorted((r["context_tokens"] for r in first), reverse=True) == lengths[:4]
+    assert [r["item_id"] for r in first] != [r["item_id"] for r in alone[:4]]  # not the dataset's order
     monkeypatch.setattr(E, "answer_rows", real)
     four = R.run(compose(*base, "batch_size=4"), tmp_path / "four")
     together = records(tmp_path / "four")
