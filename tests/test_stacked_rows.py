@@ -30,7 +30,7 @@ STACKED = EXACT - {"adakv"}
 # the configs whose every layer drops at most one token per row per step (``stacked_evict``), stacked too
 EVICTS = {"h2o", "luka_lined", "tova", "streaming_llm", "h2o_outer"}
 # and the one whose every layer reads a selection and drops nothing (``stacked_select``; its full_layers exact)
-SELECTS = {"quest", "oracle_topk"}
+SELECTS = {"quest", "oracle_topk", "luka_clustered"}
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,11 @@ EVICTING = [("h2o", {}), ("h2o", {"decay": 0.9}), ("luka_lined", {}), ("tova", {
 # at its own steps
 SELECTING = [("quest", {"token_budget": 48, "page_size": 8, "full_layers": 0}),
              ("quest", {"token_budget": 64, "page_size": 16, "full_layers": 1}),
-             ("oracle_topk", {"token_budget": 40})]
+             ("oracle_topk", {"token_budget": 40}),
+             ("luka_clustered", {"tail": 24, "compress_every": 4}),
+             ("luka_clustered", {"tail": 24, "compress_every": 4, "compressor": "mean", "sink": 2,
+                                 "summary_bias": "log_size"}),
+             ("luka_clustered", {"tail": 24, "compress_every": 8, "refine": {"rule": "top_k", "k": 2, "mass": "parent"}})]
 
 
 @pytest.mark.parametrize("case", [("full", {}), ("snapkv", {})] + EVICTING + SELECTING, ids=str)

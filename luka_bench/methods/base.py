@@ -305,6 +305,7 @@ class LayerPolicy:
     # ``stacked_attend``
     stacked_select: bool = False
     stacked_attend = None  # (layer: stacked.StackedLayer, query, scaling) -> [B, Hq, 1, Dv]; None: exact attention
+    stacked_after = None  # (layer, query) -> None: after every row's after_step (what an event remade, remade now)
 
     def stacked_plan(self, store: "Store") -> bool | None:
         """A stacked step's plan for one row, after its token was appended (host numbers, as ``after_step`` would

@@ -256,6 +256,7 @@ def _stacked_attention(cache: RowBatch, stacked: StackedLayer, layer: int, query
     for b, c in enumerate(cache.rows):
         c.add_span("attention", start, end)
         finish_policy(c.stores[layer], query[b: b + 1], out[b: b + 1], scaling, stacked.mode != "evict")
+    stacked.after(query)
     return out
 
 

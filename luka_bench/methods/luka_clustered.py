@@ -391,6 +391,161 @@ class LuKAPolicy(LayerPolicy):
         cache.add_span("refinement", t1, t2)
         return out.view(b, hq, 1, -1).to(query.dtype)
 
+    # -- stacked rows of a batch (``stacked.py``): ``decode_step`` for every row at once ----------------------------
+    stacked_select = True
+
+    def stacked_plan(self, store):
+        """The pages a decode step refines (its K) where ``decode_step`` serves it with a fixed K (one summary level,
+        the top-k or top-fraction rule or none: rows stack when their K agree); None otherwise (before the first
+        page, the threshold rule, several levels)."""
+        m = self.method
+        if not (self.P[1] > 0 and m.levels == 1 and self.use_fast_path and m.refine.rule != "threshold"):
+            return None
+        return self._nodes_refined(self.P[1]) if m.refine.rule != "none" else 0
+
+    def stacked_attend(self, layer, query, scaling):
+        """``decode_step`` for every row: the rows' covers stacked ([2, B, Hkv, W + K * S, D], each row's valid
+        entries first, its free slots masked; made again when a row's pages change), the step's token written at
+        each row's cover slot, one logits GEMM, each row's top-K pages (its pages only) refined from the stacked
+        storage into the common scratch at W, one softmax and one output GEMM; the raw tail's importance added to
+        each row's accumulated mass. The softmax runs over each row's entries laid out as alone (its cover, then its
+        children, then -inf: ``arrange``), so its float32 sums are the row's alone. Each row's own cover catches up
+        from its store when it next syncs."""
+        m = self.method
+        S, s0 = m.page_size, m.sink
+        b, hq, _, d = query.shape
+        hkv = layer.kv.shape[2]
+        g, bh = hq // hkv, b * hkv
+        K = layer.plans[0]
+        KS = K * S
+        st = self._stacked_cover(layer, K, query)
+        cov, W, lb = st["kv"], st["W"], st["lb"]
+        q = query.reshape(bh, g, d)
+        ck, cv = cov[0].view(bh, -1, d), cov[1].view(bh, -1, cov.shape[-1])
+        f32 = query.dtype == torch.float32
+        logit = torch.baddbmm(st["mask"].view(bh, 1, W), q, ck[:, :W].transpose(1, 2), alpha=scaling,
+                              **({"out": lb[:, :, :W]} if f32 else {}))
+        logit = logit if f32 else lb[:, :, :W].copy_(logit)
+        if m.summary_bias != "none":
+            logit[..., s0: s0 + st["P"]] += st["bias"]
+        if K:
+            mass = torch.softmax(logit, -1)[..., s0: s0 + st["P"]].sum(1) + st["pages"]  # a row's pages only
+            idx = torch.sort(mass, dim=-1, descending=True, stable=True).indices[..., :K]  # [B * Hkv, K]
+            rows = (st["page0"] + idx.unsqueeze(-1) * S).view(-1)  # the pages' tokens in the stacked storage
+            cov.view(2, bh, -1, d)[:, :, W: W + KS] = layer.kv.view(2, -1, d).index_select(1, rows).view(2, bh, KS, d)
+            cl = torch.baddbmm(self.cover.zero(query), q, ck[:, W: W + KS].transpose(1, 2), beta=0.0, alpha=scaling,
+                               **({"out": lb[:, :, W: W + KS]} if f32 else {}))
+            pidx = (idx + s0 if s0 else idx).unsqueeze(1).expand(-1, g, -1)
+            if m.refine.mass == "parent":
+                parent = logit.gather(-1, pidx)
+                cl4 = cl.float().view(bh, g, K, S)
+                cl = (cl4 + (parent - torch.logsumexp(cl4, -1)).unsqueeze(-1)).view(bh, g, KS)
+            if not f32 or m.refine.mass == "parent":
+                lb[:, :, W: W + KS] = cl
+            logit.scatter_(-1, pidx, NEG)
+            mine = torch.softmax(lb.gather(2, st["arrange"]), -1)  # each row's entries as alone
+            p = mine.gather(2, st["unarrange"])
+        else:
+            idx = None
+            p = torch.softmax(logit, -1)
+        out = torch.bmm(p.to(cv.dtype), cv[:, : W + KS])
+        if self._needs_mass():  # each row's raw tail region (its cover slots from its pages on) into its mass
+            acc = layer.aux[MASS].view(bh, 1, -1)
+            tail = p.gather(2, st["tail_cover"]).mul_(st["tail_valid"])  # past a row's own region: 0
+            got = acc.gather(2, st["tail_slot"])
+            acc.scatter_(2, st["tail_slot"], got.baddbmm_(self.cover.ones(bh, g, p), tail))
+        for i, s in enumerate(layer.stores):
+            pol, fr, n = s.policy, s.policy.frontier, s.n
+            pol._last_total = None
+            pages = None if idx is None else idx[i * hkv: (i + 1) * hkv].view(1, hkv, K)
+            pol._att = (fr, n, (pages, None) if K else [], pol.P[1] - K)
+            pol._att_count = float(s0 + n - fr + KS)
+            pol.cover.n = s0 + pol.P[1] + n - fr  # its entries as alone (its own copy catches up when it syncs)
+        return out.view(b, hq, 1, -1).to(query.dtype)
+
+    def stacked_after(self, layer, query):
+        """A row compressed in this step (its event): the stacked covers made again now, not in the next step."""
+        st = layer.state
+        if "key" not in st or tuple(s.policy.P[1] for s in layer.stores) == st["key"][0]:
+            return
+        plans = {s.policy.stacked_plan(s) for s in layer.stores}
+        if len(plans) == 1 and None not in plans:
+            self._stacked_cover(layer, plans.pop(), query, now=True)
+
+    def _stacked_cover(self, layer, K: int, query: torch.Tensor, now: bool = False) -> dict:
+        """The rows' covers stacked (``stacked_attend``), with the step's token: made from each row's own cover (in
+        sync with its store) when a row's pages, frontier or width changed, else the token written at each row's
+        cover slot (one indexed write of keys and of values, the mask opened there: per layer)."""
+        st, stores = layer.state, layer.stores
+        pols = [s.policy for s in stores]
+        ns = [s.n for s in stores]
+        key = (tuple(p.P[1] for p in pols), layer.cap, K)
+        fresh = now or st.get("key") != key or st["raw"] != [n - 1 for n in ns] or \
+            any(n + base > w for n, base, w in zip(ns, st["bases"], st["wb"]))  # a row's tail region is full
+        if not fresh:
+            lay = layer.layout
+            k, v = layer.step_kv
+            slot = layer.stack.memo(("luka_slot", tuple(st["bases"]), id(lay)),
+                                    lambda: lay.slot + layer.stack.constant(st["bases"], torch.long, k.device))
+            cov = st["kv"]
+            cov[0][lay.rows, :, slot] = k[:, :, 0]
+            cov[1][lay.rows, :, slot] = v[:, :, 0]
+            st["mask"][lay.rows, :, slot] = 0.0
+            st["raw"] = ns
+            return st
+        S, s0 = self.method.page_size, self.method.sink
+        B, hkv, d = len(stores), layer.kv.shape[2], layer.kv.shape[4]
+        for s, p in zip(stores, pols):
+            p._cover(s)  # each row's own cover in sync with its store (its tokens up to this step's)
+        W = max(p.cover.w for p in pols)
+        P = max(p.P[1] for p in pols)
+        KS = K * S
+        kv = layer.kv.new_zeros(2, B, hkv, W + KS, d)
+        lens = [p.cover.n for p in pols]
+        for i, p in enumerate(pols):
+            kv[0, i, :, : lens[i]] = p.cover.k[0, :, : lens[i]]
+            kv[1, i, :, : lens[i]] = p.cover.v[0, :, : lens[i]]
+        dev = kv.device
+        const = layer.stack.constant
+        ar = torch.arange(W, device=dev)
+        mask = torch.where(ar < const(lens, torch.long, dev)[:, None], 0.0, NEG).to(query.dtype)
+        npages = layer.stack.constant([p.P[1] for p in pols], torch.long, dev).repeat_interleave(hkv)[:, None]
+        st.update(key=key, kv=kv, W=W, P=P, raw=list(ns), mask=mask[:, None, :].expand(B, hkv, W).contiguous(),
+                  bases=[s0 + p.P[1] - p.frontier for p in pols])
+        g = query.shape[1] // hkv
+        # the softmax's layout per row: its cover (W_b entries), its children (taken from W on), then -inf (the
+        # buffer's last column); and back: a row's entries past its cover (not its own) read a -inf entry (0)
+        j = torch.arange(W + KS, device=dev)[None, :]
+        wb = const([p.cover.w for p in pols], torch.long, dev).repeat_interleave(hkv)[:, None]  # [B * Hkv, 1]
+        arrange = torch.where(j < wb, j, torch.where(j < wb + KS, W + j - wb, W + KS))
+        unarrange = torch.where(j < wb, j, torch.where(j < W, j + KS, wb + j - W))
+        st["arrange"] = arrange[:, None, :].expand(B * hkv, g, W + KS).contiguous()
+        st["unarrange"] = unarrange[:, None, :].expand(B * hkv, g, W + KS).contiguous()
+        st["wb"] = [p.cover.w for p in pols]
+        st["pages"] = torch.where(torch.arange(P, device=dev)[None, :] < npages, 0.0, NEG)  # [B * Hkv, P]
+        if self.method.summary_bias != "none":
+            st["bias"] = torch.where(torch.arange(P, device=dev)[None, None, :] < npages[:, :, None],
+                                     self.method.bias(1), 0.0)
+        # page 0's first token of each (row, KV head) in the stacked storage seen as [B * Hkv * cap] rows
+        first = torch.arange(B * hkv, device=dev) * layer.cap + s0
+        st["page0"] = (first[:, None, None] + torch.arange(S, device=dev)[None, None, :])  # [B * Hkv, 1, S]
+        if self._needs_mass():
+            # cover slot s0 + P_b + j of row b <-> its store slot frontier_b + j, for j below its tail region's width
+            # (as ``decode_step``); past it (the widest row's region is longer) clamped into range and weighted 0
+            T = W - s0 - min(p.P[1] for p in pols)
+            j = torch.arange(T, device=dev)
+            const = layer.stack.constant
+            at = (const([s0 + p.P[1] for p in pols], torch.long, dev)[:, None] + j).clamp(max=W - 1)
+            fr = (const([p.frontier for p in pols], torch.long, dev)[:, None] + j).clamp(max=layer.cap - 1)
+            width = [min(p.cover.w - s0 - p.P[1], layer.cap - p.frontier) for p in pols]
+            ok = (j < const(width, torch.long, dev)[:, None]).float()
+            st["tail_cover"] = at.repeat_interleave(hkv, 0)[:, None, :].expand(B * hkv, query.shape[1] // hkv,
+                                                                               T).contiguous()
+            st["tail_slot"] = fr.repeat_interleave(hkv, 0)[:, None, :]
+            st["tail_valid"] = ok.repeat_interleave(hkv, 0)[:, None, :]
+        st["lb"] = torch.full((B * hkv, g, W + KS + 1), NEG, dtype=torch.float32, device=dev)  # last column -inf
+        return st
+
     @staticmethod
     def _decode_raw(idx: torch.Tensor, valid: torch.Tensor | None, S: int, s0: int) -> list:
         """The decode path's refined raw tokens for ``attended``: [(raw ids [B, Hkv, K*S], valid or None)]."""

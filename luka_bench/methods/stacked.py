@@ -46,7 +46,7 @@ from .base import LayerPolicy
 # the policy hooks a decode step reaches: overriding any of them below the class that declared ``exact_decode`` voids
 # the declaration (a subclass that decides per step is never stacked by mistake)
 DECODE_HOOKS = ("attend", "step", "after_step", "attended", "attended_count", "attended_extra", "extra_entries")
-EVICT_HOOKS = DECODE_HOOKS + ("stacked_plan", "stacked_attend", "stacked_victims", "stacked_note")
+EVICT_HOOKS = DECODE_HOOKS + ("stacked_plan", "stacked_attend", "stacked_victims", "stacked_note", "stacked_after")
 
 
 def exact_decode(policy: LayerPolicy) -> bool:
@@ -98,7 +98,7 @@ def stack_mode(store) -> str | None:
         return "exact"
     if store.pos_shift == 0 and evicts_one(store.policy) and plan_ahead(store) is not None:
         return "evict"
-    if not store._aux and declares(store.policy, "stacked_select") and plan_ahead(store) is not None:
+    if declares(store.policy, "stacked_select") and plan_ahead(store) is not None:
         return "select"
     return None
 
@@ -149,7 +149,7 @@ class StackedLayer:
         self.ns = [s.n for s in stores]
         self.layout: _Layout | None = None
         self.pos: torch.Tensor | None = None  # "evict": the rows' positions [B, Hkv, cap] (int64)
-        self.aux: dict[str, torch.Tensor] = {}  # "evict": the rows' per-token state, each [B, Hkv, cap]
+        self.aux: dict[str, torch.Tensor] = {}  # "evict", "select": the rows' per-token state, each [B, Hkv, cap]
         self.state: dict = {}  # what the policy's stacked step keeps for these rows (remade with the storage)
         grow = max(s.policy.storage_multiple for s in stores)
         self._home(-(-max(s._k.shape[2] for s in stores) // grow) * grow)
@@ -167,18 +167,19 @@ class StackedLayer:
                 s.settle_positions()
                 s._positions.materialize(s._k)
             pos = torch.zeros(B, h, cap, dtype=torch.long, device=first.device)
-            aux = {name: a.new_zeros(B, h, cap) for name, a in self.stores[0]._aux.items()}
+        # per-token state (H2O's masses, LuKA's accumulated mass) stacked beside the keys and values
+        aux = {} if self.mode == "exact" else {name: a.new_zeros(B, h, cap) for name, a in self.stores[0]._aux.items()}
         self.views = []
         for b, s in enumerate(self.stores):
             kv[:, b:b + 1, :, : s.n] = s._kv[:, :, :, : s.n]
             view = kv[:, b:b + 1]
             table = s._positions.table
+            for name, a in aux.items():
+                a[b:b + 1, :, : s.n] = s._aux[name][:, :, : s.n]
+                s._aux[name] = a[b:b + 1]
             if evict:
                 pos[b:b + 1, :, : s.n] = table[:, :, : s.n]
                 s._positions.table = pos[b:b + 1]
-                for name, a in aux.items():
-                    a[b:b + 1, :, : s.n] = s._aux[name][:, :, : s.n]
-                    s._aux[name] = a[b:b + 1]
             elif table is not None and table.shape[2] != cap:
                 wide = table.new_empty(1, h, cap)
                 wide[:, :, : s.n] = table[:, :, : s.n]
@@ -188,8 +189,9 @@ class StackedLayer:
             self.views.append(view)
         self.kv, self.cap = kv, cap
         self.heads = torch.arange(h, device=kv.device)[None, :]
+        self.aux = aux
         if evict:
-            self.pos, self.aux = pos, aux
+            self.pos = pos
         self.layout = None  # a new width: a fresh layout at the next write
         self.state = {}
 
@@ -206,6 +208,7 @@ class StackedLayer:
             grow = max(s.policy.storage_multiple for s in self.stores)
             cap = int(self.cap * self.stores[0].GROWTH) + 16
             self._home(-(-cap // grow) * grow)
+        self.step_kv = (k, v)  # the step's keys and values, for a policy that mirrors them (LuKA's cover)
         lay = self.layout = self.stack.layout(self, self.ns, self.cap, self.kv.dtype, self.kv.device)
         evict = self.mode == "evict"
         if evict:  # keys and values as one [B, Hkv, 2, D]: written here and again at the victims (``evict``)
@@ -237,6 +240,11 @@ class StackedLayer:
         if self.mode == "evict":
             self.evict()
         return out
+
+    def after(self, query: torch.Tensor) -> None:
+        """After every row's ``after_step`` (``hf._stacked_attention``): the policy's ``stacked_after``, if any."""
+        if self.mode != "exact" and self.policy.stacked_after is not None:
+            self.policy.stacked_after(self, query)
 
     def weights(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' step as explicit weights (a policy that scores from them): (fp32 softmax weights [B, Hkv, g, 1,
