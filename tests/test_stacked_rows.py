@@ -146,7 +146,8 @@ SELECTING = [("quest", {"token_budget": 48, "page_size": 8, "full_layers": 0}),
              ("luka_clustered", {"tail": 24, "compress_every": 4}),
              ("luka_clustered", {"tail": 24, "compress_every": 4, "compressor": "mean", "sink": 2,
                                  "summary_bias": "log_size"}),
-             ("luka_clustered", {"tail": 24, "compress_every": 8, "refine": {"rule": "top_k", "k": 2, "mass": "parent"}})]
+             ("luka_clustered", {"tail": 24, "compress_every": 8,
+                                 "refine": {"rule": "top_k", "k": 2, "mass": "parent"}})]
 
 
 @pytest.mark.parametrize("case", [("full", {}), ("snapkv", {})] + EVICTING + SELECTING, ids=str)

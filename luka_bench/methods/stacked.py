@@ -168,7 +168,8 @@ class StackedLayer:
                 s._positions.materialize(s._k)
             pos = torch.zeros(B, h, cap, dtype=torch.long, device=first.device)
         # per-token state (H2O's masses, LuKA's accumulated mass) stacked beside the keys and values
-        aux = {} if self.mode == "exact" else {name: a.new_zeros(B, h, cap) for name, a in self.stores[0]._aux.items()}
+        aux = {} if self.mode == "exact" else {name: a.new_zeros(B, h, cap)
+                                               for name, a in self.stores[0]._aux.items()}
         self.views = []
         for b, s in enumerate(self.stores):
             kv[:, b:b + 1, :, : s.n] = s._kv[:, :, :, : s.n]
