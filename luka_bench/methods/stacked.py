@@ -296,7 +296,7 @@ class StackedLayer:
                     mine = a[:, :, :width].clone()
                     mine[:, :, s.n:] = 0
                     s._aux[name] = mine
-                    s._aux_zero_from = min(s._aux_zero_from, s.n)
+                    s._aux_zero_from = s.n  # zeroed from its length on (a dropping row left stale entries there)
         self.stores, self.views = [], []
 
 
