@@ -223,3 +223,15 @@ def test_a_ragged_batch_launches_what_one_row_does_where_every_layer_is_stacked(
         assert many * 4 <= one["extra"] * 4 + 2, (one, many)  # FINCH's batch is lower: its positions one add
     else:
         assert many - ragged(2) <= (3 if name == "tova" else 1), (name, many)
+
+
+def test_stacked_quest_never_reads_a_page_a_row_does_not_hold(monkeypatch, lm64):
+    """The stacked boxes are as wide as the widest row's storage: a row's pages from its last on are empty boxes,
+    scored 0 by the bound. With the bound reversed (``-bound - 1``: a real page now scores below an empty one) the
+    rows still equal the rows alone — the empty pages are never chosen (their -inf), as alone, where they do not
+    exist."""
+    import luka_bench.methods.quest as Q
+
+    bound = Q.page_bound
+    monkeypatch.setattr(Q, "page_bound", lambda q, hi, lo: -bound(q, hi, lo) - 1.0)
+    test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone(SELECTING[0], lm64)
