@@ -480,11 +480,9 @@ def finish_policy(store: KVStore, query: torch.Tensor, out: torch.Tensor, scalin
         policy.after_prefill(store)
         store.compressed_in_forward = True
     if cache.phase == "decode":
-        if not after_step:
-            pass
-        elif policy.times_itself or type(policy).after_step is LayerPolicy.after_step:
+        if after_step and (policy.times_itself or type(policy).after_step is LayerPolicy.after_step):
             policy.after_step(store)
-        else:
+        elif after_step:
             with cache.span("eviction", query.device):
                 policy.after_step(store)
         if policy.info.layer_idx == policy.info.num_layers - 1:

@@ -431,7 +431,7 @@ class LuKAPolicy(LayerPolicy):
         if K:
             mass = torch.softmax(logit, -1)[..., s0: s0 + st["P"]].sum(1) + st["pages"]  # a row's pages only
             idx = torch.sort(mass, dim=-1, descending=True, stable=True).indices[..., :K]  # [B * Hkv, K]
-            rows = (st["page0"] + idx.unsqueeze(-1) * S).view(-1)  # the pages' tokens in the stacked storage
+            rows = torch.add(st["page0"], idx.unsqueeze(-1), alpha=S).view(-1)  # the pages' tokens, stacked storage
             cov.view(2, bh, -1, d)[:, :, W: W + KS] = layer.kv.view(2, -1, d).index_select(1, rows).view(2, bh, KS, d)
             cl = torch.baddbmm(self.cover.zero(query), q, ck[:, W: W + KS].transpose(1, 2), beta=0.0, alpha=scaling,
                                **({"out": lb[:, :, W: W + KS]} if f32 else {}))
