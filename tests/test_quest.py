@@ -93,6 +93,15 @@ def test_the_page_bound_is_at_least_every_q_dot_k_of_its_page(ps):
         torch.testing.assert_close(ub, qk[..., 0], atol=1e-4, rtol=1e-5)
 
 
+def test_pages_are_read_in_place_where_the_gather_would_move_more():
+    from luka_bench.methods.quest import reads_in_place
+
+    assert reads_in_place(3, 9, 2048, 1024)  # SmolLM2 at 2K: 3 x 2,048 slots against 3 x 9 x 1,024 moved
+    assert reads_in_place(3, 9, 9216, 1024) and not reads_in_place(3, 9, 9232, 1024)
+    assert not reads_in_place(8, 32, 32768, 1024)  # Llama 3.1 8B at 32K: the gather
+    assert not reads_in_place(4, 4, 4096, 1024)  # no grouped query heads: in place only up to 3 x the budget
+
+
 def test_page_count_is_the_references():
     assert quest_pages(4000, 16, 1024) == 64
     assert quest_pages(4000, 16, 20) == 3  # never fewer than 3 pages
@@ -102,12 +111,17 @@ def test_page_count_is_the_references():
 
 # ------------------------------------------------------------------------------------------------ on a model
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "gathered"])
 @pytest.mark.parametrize("select,ps,budget", [("kernel", 16, 64), ("kernel", 4, 20), ("kernel", 5, 12),
                                                ("evaluation", 16, 64)])
-def test_every_step_and_layer_equals_the_slow_reference(tiny_gqa3, select, ps, budget):
+def test_every_step_and_layer_equals_the_slow_reference(tiny_gqa3, monkeypatch, select, ps, budget, in_place):
     """GQA 3:1, pages read per query head: output and read set (the union per KV head) of every sparse layer at
     every decode step equal the loop reference; the runner's attended count is that union's count. (5, 12): fewer
-    than 3 pages of budget, 3 read."""
+    than 3 pages of budget, 3 read. Both ways of reading the pages (``reads_in_place``'s choice forced): in place
+    (one SDPA, the pages not read masked) and gathered into a copy."""
+    import luka_bench.methods.quest as Q
+
+    monkeypatch.setattr(Q, "reads_in_place", lambda *a: in_place)
     checked = []
 
     def observer(store, query, out, scaling):

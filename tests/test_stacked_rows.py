@@ -235,3 +235,15 @@ def test_stacked_quest_never_reads_a_page_a_row_does_not_hold(monkeypatch, lm64)
     bound = Q.page_bound
     monkeypatch.setattr(Q, "page_bound", lambda q, hi, lo: -bound(q, hi, lo) - 1.0)
     test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone(SELECTING[0], lm64)
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "gathered"])
+def test_stacked_quest_reads_its_pages_in_place_or_gathered_as_alone(monkeypatch, lm64, in_place):
+    """Both ways of reading a stacked step's pages (``quest.reads_in_place`` forced, alone and stacked alike): one
+    SDPA over the stacked storage with the pages a query head does not read masked (and each row's free slots), or
+    the pages gathered into a copy; each row equals the row alone."""
+    import luka_bench.methods.quest as Q
+
+    monkeypatch.setattr(Q, "reads_in_place", lambda *a: in_place)
+    test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone(SELECTING[1 if in_place else 0], lm64)
+
