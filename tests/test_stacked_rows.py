@@ -108,29 +108,46 @@ def test_a_ragged_batch_stacks_exactly_the_layers_every_row_decodes_exactly(name
         want = [i for i in range(len(caches[0].stores)) if all(stackable(c.stores[i]) for c in caches)]
         assert sorted(stack.layers) == want
         layers = len(caches[0].stores)
-        if name != "adakv":  # AdaKV: stacked where its heads happen to hold equal counts, packed per row otherwise
-            # every layer of a prefill-only method; a per-step method's exact ``full_layers`` (lychee's first)
-            assert want == list(range(layers if name in STACKED | EVICTS | SELECTS else min(method.full_layers,
-                                                                                             layers)))
+        # every layer of a prefill-only method and AdaKV (its packed layers stacked as packings); a per-step
+        # method's exact ``full_layers`` (lychee's first)
+        assert want == list(range(layers if name in STACKED | EVICTS | SELECTS | {"adakv"}
+                                  else min(method.full_layers, layers)))
+
+        def kv(store):
+            return store.packed.kv if store.packed is not None else store._kv
+
+        packed = {i for i, layer in stack.layers.items() if layer.mode == "packed"}
+        assert not packed or name == "adakv"  # (here its heads hold the same counts: its window; the packed
+        # layers' own tests are ``test_packed_rows_fed_alone_cloned_and_released_stay_the_rows_alone``)
         for i, layer in stack.layers.items():
             base = layer.kv.untyped_storage().data_ptr()
-            assert all(c.stores[i]._kv.untyped_storage().data_ptr() == base for c in caches)  # one storage
+            assert all(kv(c.stores[i]).untyped_storage().data_ptr() == base for c in caches)  # one storage
             assert layer.kv.shape[1] == 3 and layer.kv.shape[3] >= max(c.stores[i].n for c in caches)
         assert rows.stack is stack
         release_rows(caches)
         assert caches[0]._row_stack is None
-        ptrs = {c.stores[i]._kv.untyped_storage().data_ptr() for c in caches for i in want}
+        ptrs = {kv(c.stores[i]).untyped_storage().data_ptr() for c in caches for i in want}
         assert len(ptrs) == len(caches) * len(want)  # each row's storage its own again
         for c in caches:
             for i in want:
                 s = c.stores[i]
+                if i in packed:  # its own packing's width again, as wide as its segments
+                    p = s.packed
+                    assert p.W == max(sum(p.cap[0][r * (p.H // p.R):(r + 1) * (p.H // p.R)]) for r in range(p.R))
+                    continue
                 mult = s.policy.storage_multiple  # its held tokens and its decode room, as alone (whole pages)
                 assert s._kv.shape[3] <= -(-(s.n + s.declared_room()) // mult) * mult
 
 
 def kept(cache):
-    """Per layer and KV head the held positions, sorted (slots leave time order after an eviction)."""
-    return [[sorted(s.positions[0, h].tolist()) for h in range(s.positions.shape[1])] for s in cache.stores]
+    """Per layer and KV head the held positions, sorted (slots leave time order after an eviction; a head-wise
+    budget's unheld slots left out)."""
+    out = []
+    for s in cache.stores:
+        pos, mask = s.positions, s.head_mask()
+        out.append([sorted((pos[0, h][mask[0, h]] if mask is not None else pos[0, h]).tolist())
+                    for h in range(pos.shape[1])])
+    return out
 
 
 # the configs stacked with evictions (``stacked_evict``), with the settings that change their step
@@ -158,13 +175,18 @@ def test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone(case, l
     others keep theirs). Every row's logits equal the same tokens through its cache alone (fp64, 1e-9), and so do
     the positions each row holds per layer and KV head."""
     name, overrides = case
+    method = instantiate(sync_method_config(name, overrides), _convert_="all")
+    want = {"evict"} if case in EVICTING else {"select"} if case in SELECTING else {"exact"}
+    rows_equal_alone(method, lm64, want)
+
+
+def rows_equal_alone(method, lm64, want: set[str]) -> None:
+    """The test above for ``method``, whose stacked layers at step 30 are of the kinds ``want`` (and "exact")."""
     g = torch.Generator().manual_seed(2)
     # every row holds at least 16 tokens: over fewer, torch's CPU softmax takes its scalar path, whose exp differs
     # from the vector path's in the last float32 bit (a row alone and the same row in a wider stack, ~1e-7)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (200, 163, 140)]
     toks = torch.randint(0, 256, (3, 40), generator=g).tolist()
-    method = instantiate(sync_method_config(name, overrides), _convert_="all")
-    evicting = case in EVICTING
     model64 = lm64.model
     with attach(model64, method) as a, torch.no_grad():
         solo, solo_kept = [], []
@@ -190,7 +212,6 @@ def test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone(case, l
                 got[r].append(out[i])
             if j == 30:
                 modes = {layer.mode for layer in caches[0]._row_stack.layers.values()}
-                want = {"evict"} if evicting else {"select"} if case in SELECTING else {"exact"}
                 assert modes - {"exact"} == want - {"exact"} and len(caches[0]._row_stack.layers) == 3, modes
         release_rows(caches)
         for r in range(3):
@@ -199,7 +220,7 @@ def test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone(case, l
                                    atol=1e-9)
         assert [c.stores[0].seen for c in caches] == [240, 203, 180]
         assert [kept(c) for c in caches] == solo_kept
-        if not evicting:  # nothing dropped
+        if not want & {"evict", "packed"}:  # nothing dropped
             assert [c.stores[0].n - n0 for c, n0 in zip(caches, held)] == [40, 40, 40]
 
 
@@ -246,4 +267,45 @@ def test_stacked_quest_reads_its_pages_in_place_or_gathered_as_alone(monkeypatch
 
     monkeypatch.setattr(Q, "reads_in_place", lambda *a: in_place)
     test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone(SELECTING[1 if in_place else 0], lm64)
+
+
+from luka_bench.methods.adakv import AdaKV  # noqa: E402
+
+
+def packed_methods(tmp_path, layers: int = 3, kv_heads: int = 2) -> dict:
+    """Every layer mixed (``test_packed_heads.methods``): one streaming / compressed head, the other a retrieval
+    head; AdaKV's per-head budgets."""
+    from test_packed_heads import methods
+
+    return methods(tmp_path, layers, kv_heads)
+
+
+@pytest.mark.parametrize("name", ["adakv", "duo_attention", "razor_attention"])
+def test_packed_rows_fed_alone_cloned_and_released_stay_the_rows_alone(name, lm64, tmp_path):
+    """Head-wise budgets packed per head (``packed.py``) and rows of different lengths decoded stacked
+    (``stacked_packed.py``): every layer stacked, each row's logits, held positions per layer and head equal the row
+    alone (fed alone between batched steps, cloned, its segments' room running out at its own step: packed again and
+    the rows stacked anew, released)."""
+    method = packed_methods(tmp_path)[name]
+    if name == "adakv":  # a budget at which every row's heads hold different counts in every layer (all packed)
+        method = AdaKV(budget=0.5, window=8)
+    rows_equal_alone(method, lm64, {"packed"})
+
+
+def test_head_wise_layers_of_every_kind_stack_and_stay_the_rows_alone(lm64, tmp_path):
+    """A layer of each kind DuoAttention and RazorAttention make: mixed (packed: ``stacked_packed.py``), every head
+    streaming (DuoAttention: StreamingLLM's eviction, *evict*) or none a retrieval head (RazorAttention: its tokens
+    dropped alike and the compensation token's bias, *select*), every head full or a retrieval head (*exact*, the
+    policy's ``decodes_exactly``). Every layer stacked, each row equal to the row alone."""
+    from test_packed_heads import razor_heads, write_pattern
+
+    from luka_bench.methods.duo_attention import DuoAttention
+    from luka_bench.methods.razor_attention import RazorAttention
+
+    duo = DuoAttention(pattern_path=str(write_pattern(tmp_path / "duo", [[0.1, 0.9], [0.1, 0.1], [0.9, 0.9]])),
+                       head_compression_ratio=0.5, sink=4, recent=16)
+    rows_equal_alone(duo, lm64, {"packed", "evict", "exact"})
+    razor = RazorAttention(heads_file=razor_heads(tmp_path / "razor.json", [(0, 1), (2, 0), (2, 1)]), sink=4,
+                           local=24, compression_ratio=0, heads_cache=None)
+    rows_equal_alone(razor, lm64, {"packed", "select", "exact"})
 

@@ -304,8 +304,19 @@ class LayerPolicy:
     # implements ``stacked_plan`` (the same plan for every row, or the layer is not stacked that step) and
     # ``stacked_attend``
     stacked_select: bool = False
+    # True where a decode step over a packed store (head-wise budgets, ``packed.py``) is exact attention over the
+    # packing followed at most by its windows' slide (``KVStore.slide_windows``): rows of a batch then decode the
+    # layer over their packings stacked (``stacked_packed.py``). An ``exact_decode`` policy needs no declaration
+    stacked_packed: bool = False
     stacked_attend = None  # (layer: stacked.StackedLayer, query, scaling) -> [B, Hq, 1, Dv]; None: exact attention
     stacked_after = None  # (layer, query) -> None: after every row's after_step (what an event remade, remade now)
+
+    def decodes_exactly(self, store: "Store") -> bool:
+        """For a class whose decode step depends on the layer (so it cannot declare ``exact_decode``): True where this
+        layer's step is exact attention over everything ``store`` holds and its ``after_step`` changes nothing, so
+        that rows of a batch decode it stacked (``stacked.py``, *exact*). Voided, as ``exact_decode``, by a decode
+        hook overridden below the class that defines it."""
+        return False
 
     def stacked_plan(self, store: "Store") -> bool | None:
         """A stacked step's plan for one row, after its token was appended (host numbers, as ``after_step`` would

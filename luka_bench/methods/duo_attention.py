@@ -72,6 +72,12 @@ class DuoPolicy(StreamingPolicy):
     capacity ``sink + recent``) or ``mixed`` (each streaming head stops holding what falls between its sinks and its
     recent window, after every forward; slots stay in time order, nothing moves)."""
 
+    # rows of a batch decode a layer stacked (``stacked.py``): a mixed one, packed, is exact attention over the
+    # packing, then its streaming heads' windows slide (``_unhold``); a streaming one evicts as StreamingLLM; a
+    # full one is exact attention (``decodes_exactly``)
+    stacked_packed = True
+    stacked_evict = True
+
     def __init__(self, method, info):
         super().__init__(method, info)
         row = method.streaming_row(info)
@@ -112,6 +118,12 @@ class DuoPolicy(StreamingPolicy):
             super().after_step(store)
         elif self.mode == "mixed":
             self._unhold(store)
+
+    def decodes_exactly(self, store) -> bool:
+        return self.mode == "full"
+
+    def stacked_plan(self, store):
+        return super().stacked_plan(store) if self.mode == "streaming" else None
 
 
 @dataclass

@@ -255,7 +255,7 @@ def _stacked_attention(cache: RowBatch, stacked: StackedLayer, layer: int, query
     end = first.mark(query.device)
     for b, c in enumerate(cache.rows):
         c.add_span("attention", start, end)
-        finish_policy(c.stores[layer], query[b: b + 1], out[b: b + 1], scaling, stacked.mode != "evict")
+        finish_policy(c.stores[layer], query[b: b + 1], out[b: b + 1], scaling, stacked.mode not in ("evict", "packed"))
     stacked.after(query)
     return out
 

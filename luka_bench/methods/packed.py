@@ -262,11 +262,9 @@ class PackedHeads:
         g, hr = hq // H, H // R
         k, v = self.kv[0], self.kv[1]
         dv = v.shape[-1]
-        bias = self.bias if self.bias.dtype == query.dtype else self.bias.to(query.dtype)
         if lq == 1:
-            mask = bias if g == 1 else bias[:, :, :, None, :].expand(b, R, hr, g, W).reshape(b, R, hr * g, W)
-            out = F.scaled_dot_product_attention(query.reshape(b, R, hr * g, d), k, v, attn_mask=mask, scale=scaling)
-            return out.view(b, hq, 1, dv)
+            return step_attention(query, self.kv, self.bias, H, scaling)
+        bias = self.bias if self.bias.dtype == query.dtype else self.bias.to(query.dtype)
         # the chunk's own slots: index in the chunk, -1 elsewhere (a query sees chunk slots up to its own)
         idx = torch.full((b * R * W,), -1, dtype=torch.long, device=query.device)
         step = torch.arange(lq, device=query.device)
@@ -285,6 +283,19 @@ class PackedHeads:
                                                attn_mask=mask, scale=scaling)
             out[:, :, :, :, s:e] = o.view(b, R, hr, g, e - s, dv)
         return out.view(b, hq, lq, dv)
+
+    def adopt(self, kv: torch.Tensor, bias: torch.Tensor, pos: torch.Tensor) -> None:
+        """Hold the same slots in ``kv`` [2, B, R, W', D], ``bias`` [B, R, H / R, W'] and ``pos`` [B, R, W'] (W' >= W,
+        the caller copied the slots over): views of rows stacked with other rows' (``stacked_packed.py``), or storage
+        of its own again. Only the flat row ids of a multi-token append depend on the width."""
+        W = kv.shape[3]
+        g = self.H // self.R
+        f_minus = [[self.off[b][h] + self.f0[b][h] - self.seen0 for h in range(self.H)] for b in range(self.B)]
+        dev = kv.device
+        self.kv, self.bias, self.pos, self.W = kv, bias, pos, W
+        self.base_kv = _dev([(b * self.R + h // g) * W + f_minus[b][h] for b in range(self.B) for h in range(self.H)],
+                            dev)
+        self.base_bias = _dev([(b * self.H + h) * W + f_minus[b][h] for b in range(self.B) for h in range(self.H)], dev)
 
     # -- the classic layout, on demand -------------------------------------------------------------------------
     def _positions(self, seen: int) -> torch.Tensor:
@@ -323,6 +334,19 @@ class PackedHeads:
         if self.bias_name is not None:
             out["bias"] = self.bias.view(-1)[brow.view(-1)].view(self.B, self.H, n)
         return out
+
+
+def step_attention(query: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, heads: int,
+                   scaling: float) -> torch.Tensor:
+    """A decode step over packed rows: query [B, Hq, 1, D] over ``kv`` [2, B, R, W, D] with the additive ``bias``
+    [B, R, H / R, W] (H = ``heads`` KV heads) expanded over each KV head's query heads: one SDPA. [B, Hq, 1, Dv]"""
+    b, hq, _, d = query.shape
+    R, W = kv.shape[2], kv.shape[3]
+    g, hr = hq // heads, heads // R
+    bias = bias if bias.dtype == query.dtype else bias.to(query.dtype)
+    mask = bias if g == 1 else bias[:, :, :, None, :].expand(b, R, hr, g, W).reshape(b, R, hr * g, W)
+    out = F.scaled_dot_product_attention(query.reshape(b, R, hr * g, d), kv[0], kv[1], attn_mask=mask, scale=scaling)
+    return out.view(b, hq, 1, kv.shape[-1])
 
 
 # -- a store's packing (``KVStore.pack`` / ``unpack`` / ``slide_windows`` and its packed append) ---------------------

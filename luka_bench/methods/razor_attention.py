@@ -165,6 +165,26 @@ class RazorPolicy(LayerPolicy):
     prefill: ``RazorAttention.compresses_in_forward``), so it runs right after the layer's attention in that forward."""
 
     layer_local_prefill = True
+    stacked_packed = True  # over a packed store its decode step is the packing's exact attention (``attend``)
+
+    def decodes_exactly(self, store) -> bool:
+        return not self.dropped  # every head a retrieval head (or nothing dropped): exact attention
+
+    # a layer without retrieval heads (every head's tokens dropped alike, the compensation token's log |D| in the
+    # bias): rows of a batch read it as one selection (``stacked.py``, *select*: the bias stacked with the rows)
+    stacked_select = True
+
+    def stacked_plan(self, store):
+        return "bias" if self.dropped and store.packed is None else None  # (its bias made at the compression)
+
+    def stacked_attend(self, layer, query, scaling):
+        """``attend``'s decode step for every row: one SDPA, each row's bias plus its free slots' -inf."""
+        b, hq, _, d = query.shape
+        hkv = layer.kv.shape[2]
+        mask = torch.add(layer.aux[BIAS].to(query.dtype)[:, :, None, :], layer.layout.mask)  # [B, Hkv, 1, cap]
+        out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), layer.kv[0], layer.kv[1],
+                                             attn_mask=mask, scale=scaling)
+        return out.view(b, hq, 1, out.shape[-1])
 
     def __init__(self, method: "RazorAttention", info: LayerInfo):
         super().__init__(method, info)

@@ -60,6 +60,17 @@ def exact_decode(policy: LayerPolicy) -> bool:
             and (not isinstance(inner, LayerPolicy) or exact_decode(inner)))
 
 
+def exact_here(policy: LayerPolicy, store) -> bool:
+    """``exact_decode``, or the policy's ``decodes_exactly(store)`` for this layer where no decode hook is overridden
+    below the class that defines it."""
+    if exact_decode(policy):
+        return True
+    cls = type(policy)
+    owner = next(k for k in cls.__mro__ if "decodes_exactly" in vars(k))
+    return (owner is not LayerPolicy and all(getattr(cls, h) is getattr(owner, h) for h in DECODE_HOOKS)
+            and policy.decodes_exactly(store))
+
+
 def declares(policy: LayerPolicy, flag: str) -> bool:
     """Whether ``policy`` declares a stacked step (``flag``: ``stacked_evict`` or ``stacked_select``), voided by a
     decode or stacked hook overridden below the declaring class."""
@@ -94,7 +105,7 @@ def stack_mode(store) -> str | None:
     if not (store.n > 0 and store._kv is not None and store._k.shape[0] == 1 and store.packed is None
             and not store._unheld and store.policy.info.sliding_window is None and store._positions.due is None):
         return None
-    if not store._aux and exact_decode(store.policy):
+    if not store._aux and exact_here(store.policy, store):
         return "exact"
     if store.pos_shift == 0 and evicts_one(store.policy) and plan_ahead(store) is not None:
         return "evict"
@@ -315,6 +326,8 @@ class RowStack:
     """The stacked layers of one set of rows, kept across their decode steps (module docstring)."""
 
     def __init__(self, caches: list):
+        from .stacked_packed import StackedPacked, packed_decode, packings_agree  # it builds on this module
+
         self.rows = [weakref.ref(c) for c in caches]
         self.at = 0
         self._layouts: dict = {}
@@ -325,6 +338,12 @@ class RowStack:
         self.pos_seen: list[int] = []
         for i in range(len(caches[0].stores)):
             stores = [c.stores[i] for c in caches]
+            if any(s.packed is not None for s in stores):  # head-wise budgets packed (``stacked_packed.py``)
+                first = stores[0].policy
+                if all(packed_decode(s) and type(s.policy) is type(first) and s.policy.method == first.method
+                       for s in stores) and packings_agree(stores):
+                    self.layers[i] = StackedPacked(self, stores)
+                continue
             modes = {stack_mode(s) for s in stores}
             if len(modes) != 1 or None in modes or \
                     len({(s._kv.shape[2], s._kv.shape[4], s._kv.dtype, s._kv.device) for s in stores}) != 1:
