@@ -24,7 +24,7 @@ METHODS = Path(__file__).resolve().parents[1] / "luka_bench" / "methods"
 # numerics; every other file of the package is a method file (or a method's own helper module) and is checked
 INFRA = {"__init__", "attention", "protocols", "base", "positions", "store", "cache", "hf", "policies", "pages", "layered",
          "kmeans", "cpu_kernel", "triton_kernel", "owned", "packed", "rope", "stacked",
-         "stacked_packed"}
+         "stacked_packed", "stack_rules"}
 
 STORE, CACHE, STEP, STORES = "Store", "PromptCache", "DecodeStep", "list[Store]"
 _ANNOTATED = {"Store": STORE, "KVStore": STORE, "PromptCache": CACHE, "MethodCache": CACHE, "DecodeStep": STEP,

@@ -280,15 +280,18 @@ def packed_methods(tmp_path, layers: int = 3, kv_heads: int = 2) -> dict:
     return methods(tmp_path, layers, kv_heads)
 
 
-@pytest.mark.parametrize("name", ["adakv", "duo_attention", "razor_attention"])
+@pytest.mark.parametrize("name", ["adakv", "adakv_classic_row", "duo_attention", "razor_attention"])
 def test_packed_rows_fed_alone_cloned_and_released_stay_the_rows_alone(name, lm64, tmp_path):
     """Head-wise budgets packed per head (``packed.py``) and rows of different lengths decoded stacked
     (``stacked_packed.py``): every layer stacked, each row's logits, held positions per layer and head equal the row
     alone (fed alone between batched steps, cloned, its segments' room running out at its own step: packed again and
-    the rows stacked anew, released)."""
-    method = packed_methods(tmp_path)[name]
-    if name == "adakv":  # a budget at which every row's heads hold different counts in every layer (all packed)
-        method = AdaKV(budget=0.5, window=8)
+    the rows stacked anew, released). AdaKV at a budget where every row's heads hold different counts in every
+    layer, and at one where a row's heads hold the same count in a layer (its store classic) whose other rows are
+    packed: it joins them as a packing of equal segments."""
+    if name.startswith("adakv"):
+        method = AdaKV(budget=0.5 if name == "adakv" else 0.4, window=8)
+    else:
+        method = packed_methods(tmp_path)[name]
     rows_equal_alone(method, lm64, {"packed"})
 
 

@@ -12,14 +12,17 @@ own width again, its slots where the stack left them.
 
 A layer is stacked this way where every row's packing has the same head groups, windows, bias and dtype, and its
 policy decodes exactly over the packing (``exact_decode``, or ``stacked_packed`` for a policy whose step is exact
-attention followed by the windows' slide: DuoAttention, RazorAttention).
+attention followed by the windows' slide: DuoAttention, RazorAttention). A row whose heads happen to hold the same
+count (AdaKV: its store classic, decoding exactly) joins as what its classic storage is, a packing of equal
+segments: its storage ``[2, 1, H, cap, D]`` becomes the view of its row seen as ``[2, 1, R, H / R * cap, D]`` (the
+stack as wide as H / R times its ``cap``), its free slots -inf in its bias, its store classic throughout.
 """
 from __future__ import annotations
 
 import torch
 
 from .packed import _recount, step_attention
-from .stacked import declares, exact_decode
+from .stack_rules import declares, exact_decode, stack_mode
 
 
 def packed_decode(store) -> bool:
@@ -37,12 +40,19 @@ def packed_decode(store) -> bool:
 
 
 def packings_agree(stores: list) -> bool:
-    """The rows' packings can share one storage: the same head groups, windows, bias, width of a key and dtype."""
-    first = stores[0].packed
+    """The rows' packings can share one storage: the same head groups, windows, bias, width of a key and dtype; a
+    classic row (``stack_mode`` "exact": every head holds every slot) joins packings without windows or bias."""
+    packed = [s for s in stores if s.packed is not None]
+    first = packed[0].packed
 
     def shape(p):
         return p.R, p.H, list(p.windows), p.bias_name, p.kv.shape[-1], p.kv.dtype, p.kv.device, p.bias.dtype
-    return all(shape(s.packed) == shape(first) for s in stores)
+    if not all(shape(s.packed) == shape(first) for s in packed):
+        return False
+    classic = [s for s in stores if s.packed is None]
+    return not classic or (first.bias_name is None and not any(w is not None for w in first.windows) and all(
+        stack_mode(s) == "exact" and (s._kv.shape[4], s._kv.dtype, s._kv.device) == shape(first)[4:7]
+        for s in classic))
 
 
 class StackedPacked:
@@ -56,62 +66,93 @@ class StackedPacked:
         self.policy = stores[0].policy
         self.seen = [s.seen for s in stores]
         self._own: dict[int, int] = {}  # id(packing) -> the width of its own storage (restored on release)
+        self.cap = 0  # a classic row's slots per head in the stack
         self._home()
 
     def _home(self) -> None:
-        """Storage as wide as the widest row's packing holding every row's slots; each packing a view of its row."""
-        ps = [s.packed for s in self.stores]
-        first = ps[0]
-        B, R, d = len(ps), first.R, first.kv.shape[-1]
-        W = max(p.W for p in ps)
+        """Storage as wide as the widest row's packing (and H / R times a classic row's slots) holding every row's
+        slots; each packing a view of its row, each classic row's storage too."""
+        first = next(s.packed for s in self.stores if s.packed is not None)
+        B, R, H, d = len(self.stores), first.R, first.H, first.kv.shape[-1]
+        hr = H // R
+        classic = [s for s in self.stores if s.packed is None]
+        if classic:  # room for a classic row's next tokens, as its own growth would leave
+            self.cap = max(self.cap, max(s.n + 1 + s.declared_room() for s in classic))
+        W = max([s.packed.W for s in self.stores if s.packed is not None] + [hr * self.cap])
+        self.cap = -(-W // hr)
+        W = hr * self.cap
         kv = first.kv.new_zeros(2, B, R, W, d)
-        bias = first.bias.new_full((B, R, first.H // R, W), float("-inf"))
+        bias = first.bias.new_full((B, R, hr, W), float("-inf"))
         pos = first.pos.new_zeros(B, R, W)
-        for b, p in enumerate(ps):
-            self._own.setdefault(id(p), p.W)
-            kv[:, b:b + 1, :, : p.W] = p.kv
-            bias[b:b + 1, ..., : p.W] = p.bias
-            pos[b:b + 1, :, : p.W] = p.pos
-        for b, p in enumerate(ps):
-            p.adopt(kv[:, b:b + 1], bias[b:b + 1], pos[b:b + 1])
-        self.packings = ps
+        bases, self.views = [], []
+        for b, s in enumerate(self.stores):
+            p = s.packed
+            if p is not None:
+                self._own.setdefault(id(p), p.W)
+                kv[:, b:b + 1, :, : p.W] = p.kv
+                bias[b:b + 1, ..., : p.W] = p.bias
+                pos[b:b + 1, :, : p.W] = p.pos
+                p.adopt(kv[:, b:b + 1], bias[b:b + 1], pos[b:b + 1])
+                bases.append(p.base)
+                self.views.append(p.kv)
+                continue
+            view = kv[:, b:b + 1].view(2, 1, H, self.cap, d)  # its heads' slots, hr heads to a row
+            view[:, :, :, : s.n] = s._kv[:, :, :, : s.n]
+            j = torch.arange(hr, device=kv.device)  # head (r, j) reads the j-th block of cap slots of row r
+            bias[b].view(R, hr, hr, self.cap)[:, j, j, : s.n] = 0.0
+            table = s._positions.table
+            if table is not None and table.shape[2] != self.cap:
+                wide = table.new_empty(1, H, self.cap)
+                wide[:, :, : s.n] = table[:, :, : s.n]
+                s._positions.table = wide
+            s._kv, s._k, s._v = view, view[0], view[1]
+            s.static_slot = s.static_kv = None
+            heads = torch.arange(H, device=kv.device) % hr * self.cap
+            bases.append((heads + (s.n - s.seen)).view(1, H))
+            self.views.append(view)
+        self.packings = [s.packed for s in self.stores]
         self.kv, self.bias, self.pos = kv, bias, pos
-        self.base = torch.cat([p.base for p in ps])  # [B, H]: each segment's slot of its token at position 0
+        self.base = torch.cat(bases)  # [B, H]: each segment's slot of its token at position 0
         self.at_b = torch.arange(B, device=kv.device).view(B, 1)
-        self.leave = torch.cat([p.base_leave for p in ps]) if first.base_leave is not None else None  # [B, Hw]
+        self.at_r, self.at_j, self.zero = first.at_r, first.at_j, first.zero
+        self.leave = torch.cat([p.base_leave for p in self.packings]) if first.base_leave is not None else None
 
     def holds(self) -> bool:
-        """Every row's store still has the packing the stack viewed, at the length the stack left it."""
-        return all(s.packed is p and p.kv.data_ptr() == self.kv[:, b:b + 1].data_ptr() and s.seen == n
-                   for b, (s, p, n) in enumerate(zip(self.stores, self.packings, self.seen)))
+        """Every row's store still has the storage the stack viewed, at the length the stack left it."""
+        return all(s.packed is p and (s._kv if p is None else p.kv) is v and s.seen == n
+                   for s, p, v, n in zip(self.stores, self.packings, self.views, self.seen))
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """A decode step's keys and values [B, Hkv, 1, D] after each segment's held tokens, each row at its own
         position (the rows' stacked positions)."""
-        full = [s for s in self.stores if s.packed.spare(s.seen) < 1]
+        full = [s for s in self.stores if s.packed is not None and s.packed.spare(s.seen) < 1]
         for s in full:  # its room ran out: packed again alone (``packed.append_store``), the rows stacked anew
             p = s.packed
             s.packed = p.relayout(s.seen, s.declared_room(p.longest(s.seen)) + 1)
             self._own.pop(id(p), None)
-        if full:
+        if full or any(s.packed is None and s.n + 1 > self.cap for s in self.stores):
             self._home()
-        first = self.packings[0]
         slot = self.base + self.stack.pos  # [B, H] + [B, 1]
-        self.kv[0].index_put_((self.at_b, first.at_r, slot), k[:, :, 0])
-        self.kv[1].index_put_((self.at_b, first.at_r, slot), v[:, :, 0])
-        self.bias.index_put_((self.at_b, first.at_r, first.at_j, slot), first.zero)
+        self.kv[0].index_put_((self.at_b, self.at_r, slot), k[:, :, 0])
+        self.kv[1].index_put_((self.at_b, self.at_r, slot), v[:, :, 0])
+        self.bias.index_put_((self.at_b, self.at_r, self.at_j, slot), self.zero)
         for b, s in enumerate(self.stores):
-            s.packed.top = s.seen + 1
-            s.seen += 1
+            if s.packed is not None:
+                s.packed.top = s.seen + 1
+                s.seen += 1
+                _recount(s)
+            else:
+                s._positions.append_run(s.n, 1, s.seen, s._k)
+                s.n += 1
+                s.seen += 1
             self.seen[b] = s.seen
-            _recount(s)
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """The rows' step: one SDPA over the stacked packings, then the slots leaving each window head's window
         (``PackedHeads.slide``'s device step, for all rows). [B, Hq, 1, Dv]"""
-        first = self.packings[0]
+        first = next(p for p in self.packings if p is not None)
         out = step_attention(query, self.kv, self.bias, first.H, scaling)
-        if self.leave is not None:
+        if self.leave is not None:  # (every row packed: a classic row joins packings without windows)
             self.bias.index_put_((self.at_b, first.win_r, first.win_j, self.leave + self.stack.pos), first.minus_inf)
             for s in self.stores:
                 s.packed.slid = s.seen
@@ -123,8 +164,17 @@ class StackedPacked:
 
     def release(self) -> None:
         """Each row that still views this storage gets storage of its own width again (its slots where they are)."""
-        for b, (s, p) in enumerate(zip(self.stores, self.packings)):
-            if s.packed is not p or p.kv.data_ptr() != self.kv[:, b:b + 1].data_ptr():
+        for s, p, view in zip(self.stores, self.packings, self.views):
+            if s.packed is not p or (s._kv if p is None else p.kv) is not view:
                 continue
-            w = self._own.get(id(p), p.W)
-            p.adopt(p.kv[..., :w, :].clone(), p.bias[..., :w].clone(), p.pos[..., :w].clone())
+            if p is not None:
+                w = self._own.get(id(p), p.W)
+                p.adopt(p.kv[..., :w, :].clone(), p.bias[..., :w].clone(), p.pos[..., :w].clone())
+                continue
+            mult = s.policy.storage_multiple  # its held tokens and its decode room, as alone
+            width = min(self.cap, -(-(s.n + s.declared_room()) // mult) * mult)
+            own = view[:, :, :, :width].clone()
+            s._kv, s._k, s._v = own, own[0], own[1]
+            table = s._positions.table
+            if table is not None:
+                s._positions.table = table[:, :, :width].clone()

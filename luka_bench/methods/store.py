@@ -247,6 +247,8 @@ class KVStore:
         unheld = ~held
         self.aux(UNHELD, dtype=torch.bool)[:, :, : self.n] = unheld
         self._unheld = int(unheld.sum())
+        if not self._unheld:  # every head holds the same tokens' count: classic storage, no flags to keep
+            self._aux.pop(UNHELD)
         self.pack()
 
     def unhold(self, start: int, stop: int, heads: torch.Tensor, count: int) -> None:
