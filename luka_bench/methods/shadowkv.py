@@ -156,12 +156,11 @@ class ShadowKVPolicy(LayerPolicy):
         ok, ov = store.gather(self.outlier_pos)
         self.outlier_kv = (ok.clone(), ov.clone())
         self._ar = ar
-        # a (batch row, KV head) index broadcast against positions [B, Hkv, m]: rows of U and V0 by one indexing
-        self._brow = torch.arange(b, device=K.device).view(b, 1, 1)
-        self._hrow = torch.arange(hkv, device=K.device).view(1, hkv, 1)
+        self._uoff = (torch.arange(b, device=K.device) * n0).view(b, 1, 1)  # each batch row's first row of U
         L0 = self.L0 = chunks * cs  # the local part: positions L0..n0-1, then the tail
         # the values of positions 0..L0-1 (offloaded in the reference), rows of V0 per (batch row, KV head)
         self.V0 = store.values[:, :, :L0].clone(memory_format=torch.contiguous_format)  # [B, Hkv, L0, Dv]
+        self._voff = (torch.arange(b * hkv, device=K.device) * L0).view(b, hkv, 1)
         # positions 0..L0-1 leave the store: it reallocates to the n0 - L0 kept slots when they are under half its
         # storage (whenever L0 exceeds the local part; at the defaults L0 >= 2432 against <= 39); otherwise it shifts
         # them down in place and the freed slots take the next tokens
@@ -202,12 +201,12 @@ class ShadowKVPolicy(LayerPolicy):
         self.n_read = store.n
         w = sets * cs
         # rebuilt keys: rows of U times [SV, rotate_half(SV)], then RoPE at their positions (reference L313-334)
-        u = self.U.view(b, -1, self.rank)[self._brow, pos].view(b * hkv, w, self.rank)  # [B, Hkv, w, r]: one index
+        u = self.U.index_select(0, (pos if b == 1 else pos + self._uoff).view(-1)).view(b * hkv, w, self.rank)
         kw = torch.bmm(u, self.W)  # [B * Hkv, w, 2D]: the pre-RoPE keys and their rotate-half
         cs_rows = self.rope_rows.index_select(0, pos.view(-1)).view(b * hkv, w, 2 * d)
         ksel = torch.addcmul(kw[..., :d] * cs_rows[..., :d], kw[..., d:], cs_rows[..., d:])
         dv = self.V0.shape[-1]
-        vsel = self.V0[self._brow, self._hrow, pos]  # rows of V0 [B, Hkv, w, Dv]: one index
+        vsel = self.V0.view(-1, dv).index_select(0, (pos + self._voff).view(-1))  # rows of V0 [B * Hkv * L0, Dv]
         t1 = store.cache.mark(query.device)  # retrieval: the landmark scores, the top chunks and their keys rebuilt
         ok, ov = self.outlier_kv
         f = ok.shape[2]
@@ -224,7 +223,7 @@ class ShadowKVPolicy(LayerPolicy):
         [B, Hkv, m, D]."""
         b, hkv, w = pos.shape
         d = self.W.shape[-1] // 2
-        u = self.U.view(b, -1, self.rank)[self._brow, pos]  # [B, Hkv, m, r]
+        u = self.U.index_select(0, (pos + self._uoff).reshape(-1)).view(b, hkv, w, self.rank)
         kw = torch.einsum("bhwr,bhrd->bhwd", u, self.W.view(b, hkv, self.rank, 2 * d))
         cs_rows = self.rope_rows.index_select(0, pos.reshape(-1)).view(b, hkv, w, 2 * d)
         return kw[..., :d] * cs_rows[..., :d] + kw[..., d:] * cs_rows[..., d:]
