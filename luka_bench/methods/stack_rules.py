@@ -1,6 +1,6 @@
 """Which layers of rows decoded together may be stacked, and how (``stacked.py``, ``stacked_packed.py``): the policy
 declarations (``exact_decode``, ``decodes_exactly``, ``stacked_evict``, ``stacked_select``, ``stacked_packed``) and
-the host-side checks of a store's next step. Torch-free bookkeeping shared by both stacking modules."""
+the host-side checks of a store's next step, and a classic row's own storage again: shared by both stacking modules."""
 from __future__ import annotations
 
 from .base import LayerPolicy
@@ -86,3 +86,18 @@ def plans_agree(stores: list, mode: str) -> bool:
 def stackable(store) -> bool:
     """A store whose layer may be decoded stacked (``stack_mode``)."""
     return stack_mode(store) is not None
+
+
+def own_storage(store, view, cap: int) -> int:
+    """A classic row leaving a stack: storage of its own again, its held tokens and its decode room as alone (whole
+    pages for a paged policy), copied from ``view`` (its row of the stack, ``cap`` slots wide), its positions table
+    too. Returns the width."""
+    mult = store.policy.storage_multiple
+    width = min(cap, -(-(store.n + store.declared_room()) // mult) * mult)
+    own = view[:, :, :, :width].clone()
+    store._kv, store._k, store._v = own, own[0], own[1]
+    table = store._positions.table
+    if table is not None:
+        store._positions.table = table[:, :, :width].clone()
+    return width
+

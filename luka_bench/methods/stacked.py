@@ -43,7 +43,7 @@ from luka_bench.device import host_to_device
 from .attention import group_apply, group_logits
 
 from .stack_rules import (DECODE_HOOKS, EVICT_HOOKS, declares, evicts_one, exact_decode,  # noqa: F401 (exported)
-                          exact_here, plan_ahead, plans_agree, stack_mode, stackable)
+                          exact_here, own_storage, plan_ahead, plans_agree, stack_mode, stackable)
 from .stacked_packed import StackedPacked, packed_decode, packings_agree
 
 
@@ -217,13 +217,7 @@ class StackedLayer:
         evicting layer's positions and state too; the slots from its length on zeroed in the state)."""
         for s, view in zip(self.stores, self.views):
             if s._kv is view:
-                mult = s.policy.storage_multiple  # a paged policy's storage stays whole pages
-                width = min(self.cap, -(-(s.n + s.declared_room()) // mult) * mult)
-                own = view[:, :, :, :width].clone()
-                s._kv, s._k, s._v = own, own[0], own[1]
-                table = s._positions.table
-                if table is not None:
-                    s._positions.table = table[:, :, :width].clone()
+                width = own_storage(s, view, self.cap)
                 for name, a in list(s._aux.items()):
                     mine = a[:, :, :width].clone()
                     mine[:, :, s.n:] = 0

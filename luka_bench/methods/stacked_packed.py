@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .packed import _recount, step_attention
-from .stack_rules import declares, exact_decode, stack_mode
+from .stack_rules import declares, exact_decode, own_storage, stack_mode
 
 
 def packed_decode(store) -> bool:
@@ -171,10 +171,4 @@ class StackedPacked:
                 w = self._own.get(id(p), p.W)
                 p.adopt(p.kv[..., :w, :].clone(), p.bias[..., :w].clone(), p.pos[..., :w].clone())
                 continue
-            mult = s.policy.storage_multiple  # its held tokens and its decode room, as alone
-            width = min(self.cap, -(-(s.n + s.declared_room()) // mult) * mult)
-            own = view[:, :, :, :width].clone()
-            s._kv, s._k, s._v = own, own[0], own[1]
-            table = s._positions.table
-            if table is not None:
-                s._positions.table = table[:, :, :width].clone()
+            own_storage(s, view, self.cap)
