@@ -52,7 +52,7 @@ def packings_agree(stores: list) -> bool:
     classic = [s for s in stores if s.packed is None]
     return not classic or (first.bias_name is None and not any(w is not None for w in first.windows) and all(
         stack_mode(s) == "exact" and (s._kv.shape[4], s._kv.dtype, s._kv.device) == shape(first)[4:7]
-        for s in classic))
+        and s.cache.stores[0].get_seq_length() == s.seen for s in classic))
 
 
 class StackedPacked:
