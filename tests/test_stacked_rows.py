@@ -25,8 +25,9 @@ METHOD_CONFIGS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
 # the configs whose decode step is exact attention over what they hold, on every layer (prefill-only methods)
 EXACT = {"full", "snapkv", "pyramidkv", "knorm", "expected_attention", "finch", "adakv", "laser_kv", "laser_kv_exact",
          "laser_kv_magicpig", "laser_kv_mp25", "laser_kv_mp50"}
-# of those, the ones whose layers are stacked in a batch (AdaKV's heads mostly hold different counts: packed, per row)
-STACKED = EXACT - {"adakv"}
+# of those, the ones whose layers are stacked in a batch: all (AdaKV's packed layers as the rows' packings,
+# ``stacked_packed.py``)
+STACKED = set(EXACT)
 # the configs whose every layer drops at most one token per row per step (``stacked_evict``), stacked too
 EVICTS = {"h2o", "luka_lined", "tova", "streaming_llm", "h2o_outer"}
 # and the one whose every layer reads a selection and drops nothing (``stacked_select``; its full_layers exact)
@@ -93,7 +94,7 @@ def prefilled(a, model, prompts):
     return caches
 
 
-@pytest.mark.parametrize("name", sorted(STACKED | EVICTS | SELECTS | {"adakv", "lychee"}))
+@pytest.mark.parametrize("name", sorted(STACKED | EVICTS | SELECTS | {"lychee"}))
 def test_a_ragged_batch_stacks_exactly_the_layers_every_row_decodes_exactly(name, lm64):
     model64 = lm64.model
     g = torch.Generator().manual_seed(1)
@@ -110,8 +111,7 @@ def test_a_ragged_batch_stacks_exactly_the_layers_every_row_decodes_exactly(name
         layers = len(caches[0].stores)
         # every layer of a prefill-only method and AdaKV (its packed layers stacked as packings); a per-step
         # method's exact ``full_layers`` (lychee's first)
-        assert want == list(range(layers if name in STACKED | EVICTS | SELECTS | {"adakv"}
-                                  else min(method.full_layers, layers)))
+        assert want == list(range(layers if name in STACKED | EVICTS | SELECTS else min(method.full_layers, layers)))
 
         def kv(store):
             return store.packed.kv if store.packed is not None else store._kv
