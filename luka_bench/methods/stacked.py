@@ -26,6 +26,10 @@ back by one and its next step writes at the same slot. A row whose step would ne
 leaves the layer unstacked for that step (``serves``). ``DECODE_HOOKS`` and the ``stacked_*`` hooks overridden below
 the declaring class void the declaration as for ``exact_decode``.
 
+A layer whose KV heads hold different counts (head-wise budgets packed per head: AdaKV, DuoAttention,
+RazorAttention) is stacked as its rows' packings in one storage (``stacked_packed.py``); the declarations and checks
+above are in ``stack_rules.py``.
+
 The stack lives across steps (``for_rows``: the rows' caches point at it; a ``RowBatch`` of the same rows, each
 exactly one step on, reuses it). Anything else — another set of rows (a row finished), a row fed alone, an eviction
 that re-homed a store, ``MethodCache.clone`` — dissolves it first: each row gets private storage again (its held
