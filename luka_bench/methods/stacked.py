@@ -102,7 +102,7 @@ class StackedLayer:
             for s in self.stores:
                 s.settle_positions()
                 s._positions.materialize(s._k)
-            pos = torch.zeros(B, h, cap, dtype=torch.long, device=first.device)
+            pos = torch.full((B, h, cap), self.policy.stacked_free_position, dtype=torch.long, device=first.device)
         # per-token state (H2O's masses, LuKA's accumulated mass) stacked beside the keys and values
         aux = {} if self.mode == "exact" else {name: a.new_zeros(B, h, cap)
                                                for name, a in self.stores[0]._aux.items()}

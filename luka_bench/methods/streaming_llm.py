@@ -66,6 +66,7 @@ class StreamingPolicy(ScorerPolicy):
 
     # -- stacked rows of a batch (``stacked.py``): exact attention, then each row's oldest of the window --------------
     stacked_evict = True
+    stacked_free_position = torch.iinfo(torch.long).max  # a free slot is never the oldest: no mask for the victims
 
     def stacked_plan(self, store):
         if self.method.positions != "original":
@@ -76,11 +77,11 @@ class StreamingPolicy(ScorerPolicy):
         return True if store.n == cap + 1 and cap > min(self.method.sink, cap) else None
 
     def stacked_victims(self, layer):
-        """``_evict``'s victim for every row: the oldest held token after the sinks (free slots never)."""
-        lay = layer.layout
-        b = lay.mask.shape[0]
+        """``_evict``'s victim for every row: the oldest held token after the sinks (free slots never: their position
+        in the stack is the largest int64, ``stacked_free_position``)."""
+        b = layer.layout.mask.shape[0]
         sinks = {min(self.method.sink, self.capacity(s)) for s in layer.stores}
-        pos = layer.pos[:, 0].masked_fill(lay.mask.view(b, -1) < 0, torch.iinfo(torch.long).max)
+        pos = layer.pos[:, 0]
         if len(sinks) == 1:
             sink = sinks.pop()
             oldest = pos[:, sink:].argmin(-1) + sink
