@@ -117,8 +117,7 @@ class PackedHeads:
         self.at_j = (torch.arange(H, device=dev) % g).view(1, H)
         self.zero = torch.zeros((), dtype=kv_rows.dtype, device=dev)
         self.minus_inf = torch.full((), float("-inf"), dtype=kv_rows.dtype, device=dev)
-        self.base_kv = _dev([(b * R + h // g) * W + f_minus[b][h] for b in range(B) for h in range(H)], dev)
-        self.base_bias = _dev([(b * H + h) * W + f_minus[b][h] for b in range(B) for h in range(H)], dev)
+        self.adopt(self.kv, self.bias, self.pos)  # the flat row ids of a multi-token append (``base_kv``, ...)
         win = [(b, h) for b in range(B) for h in range(H) if windows[h] is not None]
         # the device step slides a window only where it holds its whole window already (the slot leaving is past
         # the sinks); otherwise ``slide`` works on the host
@@ -257,13 +256,13 @@ class PackedHeads:
     def attend(self, query: torch.Tensor, scaling: float, chunk: int) -> torch.Tensor:
         """Attention of ``query`` [B, Hq, Lq, D] over each head's own segment; the last ``chunk`` (= Lq) tokens of
         every segment are the queries' own (causal among them). Returns [B, Hq, Lq, Dv]."""
+        if query.shape[2] == 1:
+            return step_attention(query, self.kv, self.bias, self.H, scaling)
         b, hq, lq, d = query.shape
         R, H, W = self.R, self.H, self.W
         g, hr = hq // H, H // R
         k, v = self.kv[0], self.kv[1]
         dv = v.shape[-1]
-        if lq == 1:
-            return step_attention(query, self.kv, self.bias, H, scaling)
         bias = self.bias if self.bias.dtype == query.dtype else self.bias.to(query.dtype)
         # the chunk's own slots: index in the chunk, -1 elsewhere (a query sees chunk slots up to its own)
         idx = torch.full((b * R * W,), -1, dtype=torch.long, device=query.device)

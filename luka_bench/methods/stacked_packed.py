@@ -140,7 +140,8 @@ class StackedPacked:
             if s.packed is not None:
                 s.packed.top = s.seen + 1
                 s.seen += 1
-                _recount(s)
+                if self.leave is None:  # (with windows: counted once their slide is done, ``attend``)
+                    _recount(s)
             else:
                 s._positions.append_run(s.n, 1, s.seen, s._k)
                 s.n += 1
