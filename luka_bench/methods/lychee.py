@@ -66,6 +66,7 @@ from luka_bench.methods.attention import add_retrieval_spans, group_sum, timed_e
 from luka_bench.methods.kmeans import node_stats, spherical_kmeans  # shared with clusterkv
 from luka_bench.methods.lychee_chunking import Chunker, vocab_levels
 from luka_bench.methods.lychee_decode import DecodePath
+from luka_bench.methods.lychee_stacked import stacked_step
 from luka_bench.methods.pages import segment_pool
 
 NEG = float("-inf")
@@ -94,6 +95,7 @@ class LycheePolicy(LayerPolicy):
         # the decode fast path's tables (rebuilt when the index changes) and buffers (``lychee_decode``)
         self.path = DecodePath(method, info.num_heads // info.num_kv_heads)
         self._fast: dict | None = None  # what the fast path's last step chose (``last`` materialises it)
+        self.index_version = 0  # moves on whenever the index changes (stacked rows copy a row's tables again)
 
     # -- shared chunker ------------------------------------------------------------------------------------
     def chunker(self, store) -> Chunker:
@@ -169,9 +171,10 @@ class LycheePolicy(LayerPolicy):
         f = self._fast
         if f is None:
             return super().attended_count(store)
-        # sinks + recent buffer (host) + the taken chunks' tokens (one device sum), per KV head
+        # sinks + recent buffer (host) + the taken chunks' tokens (one device sum; stacked rows: one for all), per KV head
         b, h = f["lens"].shape[:2]
-        return DeviceCount(f["lens"].sum(), 1.0 / (b * h), self.method.sink + f["n"] - f["frontier"])
+        total = f["total"] if "total" in f else f["lens"].sum()
+        return DeviceCount(total, 1.0 / (b * h), self.method.sink + f["n"] - f["frontier"])
 
     def attended(self, store):
         """Sinks + the retrieved chunks' tokens + the recent buffer of the last retrieval (None: exact)."""
@@ -180,6 +183,20 @@ class LycheePolicy(LayerPolicy):
         b, h = store.keys.shape[:2]
         mask = torch.zeros(b, h, store.n, dtype=torch.bool, device=store.device)
         return mask.scatter_(2, self.last["idx"], True)  # padding slots point at the newest token, attended anyway
+
+    # -- stacked rows of a batch (``stacked.py``, ``lychee_stacked.py``): every row's retrieval at once -----------
+    stacked_select = True
+
+    def stacked_plan(self, store):
+        """"dense" where ``step`` attends exactly (the layer holds at most ``token_budget`` tokens), "sparse" where it
+        retrieves by the decode fast path (``k_c: null``); an integer ``k_c`` (the general path) is not stacked."""
+        m = self.method
+        if m.k_c is not None:
+            return None
+        return "dense" if store.n <= m.token_budget else "sparse"
+
+    def stacked_attend(self, layer, query, scaling):
+        return stacked_step(self, layer, query, scaling)
 
     # -- index ---------------------------------------------------------------------------------------------
     def _sync_index(self, store) -> None:
@@ -267,6 +284,7 @@ class LycheePolicy(LayerPolicy):
 
     def _index_changed(self) -> None:
         """The decode path's tables follow the index (``DecodePath.rebuild``)."""
+        self.index_version += 1
         M = self.M
         self.path.rebuild((self.mu_g, self.r_g, self.cnt_g), (self.mu_c, self.r_c, self.cnt_c), self.ck[:, :, :M],
                           self.assign[:, :, :M], self.parent, self.tok_g)
@@ -430,8 +448,8 @@ class LycheePolicy(LayerPolicy):
             fp32 = bias.dtype == torch.float32
             idx, pad, order, lens, sel = op(
                 qg.float(), path.tab, path.chunk_unit, path.chunk_cluster, self.tok_g, ch.lens, start, rows,
-                bias if fp32 else path.no_bias, P, L, m.ranking == "ub", float(m.coarse_factor * R), m.k_g or 0,
-                R, cmax, C, S, fr, n)
+                bias if fp32 else path.no_bias, P, L, m.ranking == "ub", [float(m.coarse_factor * R)], m.k_g or 0,
+                [R], cmax, C, S, [fr], [n])
             if not fp32:
                 torch.where(pad, neg, zero, out=bias[:, :, 0, S: S + C])
         else:

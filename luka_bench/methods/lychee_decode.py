@@ -32,18 +32,21 @@ class DecodePath:
         self.cf_t: torch.Tensor | None = None
 
     def nbytes(self) -> int:
-        """The tables' bytes (the policy's ``extra_bytes``: the node table, the chunks' units and clusters, the
-        row ids; not the token counts, the index's own)."""
+        """The index's decode tables (the policy's ``extra_bytes``: the node table, the chunks' units and clusters;
+        not the token counts, the index's own)."""
         t = [self.tab, self.chunk_unit, self.chunk_cluster]
-        t += list(self.flat[1:3]) + [self.flat[4]] if self.flat is not None else []
-        t += [self.lay[1]] if self.lay is not None else []
         return sum(x.nbytes for x in t if x is not None)
 
     def buffer_bytes(self) -> int:
-        """The step's buffers (``buffers``: the query row, the units' comparison matrix, the additive mask and its
-        constants; ``cf``'s 0-dim tensor), as allocated: the policy's ``buffer_bytes``."""
+        """The step's scaffolding, as allocated (the policy's ``buffer_bytes``): the buffers (``buffers``: the query
+        row, the units' comparison matrix, the additive mask and its constants; ``cf``'s 0-dim tensor) and the
+        storage's row ids (``flat_tables``, ``static_layout``: made from the storage's width and the chunk
+        boundaries, remade when either changes). Not held state: a row decoding in a stack (``lychee_stacked``)
+        holds the same index and reads the stack's row ids instead."""
         t = list(self.buf[1:4]) + list(self.buf[4]) if self.buf is not None else []
         t += [self.cf_t, self.no_bias]
+        t += list(self.flat[1:3]) + [self.flat[4]] if self.flat is not None else []
+        t += [self.lay[1]] if self.lay is not None else []
         return sum(x.untyped_storage().nbytes() for x in t if x is not None)
 
     def rebuild(self, units, clusters, ck: torch.Tensor, assign: torch.Tensor, parent: torch.Tensor,
@@ -163,6 +166,8 @@ class DecodePath:
         query head's norm — it weighs its own radius row: sum_i ||q_i|| r — written by the sum and the norm
         themselves) with the node table (``rebuild``)."""
         d = qg.shape[-1]
+        if qg.dtype == torch.float64:  # (fp64 test models: the norm below takes no narrowing dtype)
+            qg = qg.float()
         torch.sum(qg, dim=2, dtype=torch.float32, out=qa[:, :, 0, :d])
         if self.method.ranking == "ub":
             torch.linalg.vector_norm(qg, dim=-1, dtype=torch.float32, out=qa[:, :, 0, d: d + qg.shape[2]])

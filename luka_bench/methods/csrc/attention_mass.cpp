@@ -185,28 +185,43 @@ void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
 // chunk's first token and of each slot, flattened storage). Units: by score, descending (ties: lower index
 // first), the live ones (score > -inf) kept while the tokens kept so far are under unit_limit (k_g > 0: the
 // first k_g). Chunks of kept units: by (cluster UB desc, cluster index, own score desc, chunk index), read while
-// their tokens fit R. Returns idx [B, H, S + C + (n - fr)] (rows of the sinks, of the read tokens then padding =
-// the first chunk's first row, of the recent tokens fr..n-1), pad [B, H, C] (bool), order [B, H, cmax] (chunks
-// read, in order; 0 after), lens [B, H, cmax] (their lengths; 0 after), sel [B, H, P] (units kept). If bias
-// [B, H, 1, W] (fp32) is given, its slots S..S+C get 0 / -inf for read / padding.
+// their tokens fit R. R, unit_limit, fr and n are per batch row (one value: every row's; stacked rows of a batch,
+// stacked.py, each with its own budget, frontier and length; slen [B, M] then gives each row's chunk lengths).
+// Returns idx [B, H, S + C + W] with W the largest n - fr (rows of the sinks, of the read tokens then padding =
+// the first chunk's first row, of the recent tokens fr..n-1, then the row's first slot), pad [B, H, C] (bool),
+// order [B, H, cmax] (chunks read, in order; 0 after), lens [B, H, cmax] (their lengths; 0 after), sel [B, H, P]
+// (units kept). If bias [B, H, 1, >= S + C + W] (fp32) is given, its slots S..S+C+W get 0 / -inf for read /
+// padding (a row's recent slots from its n - fr on: padding).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lychee_decode(
     const at::Tensor& q_in, const at::Tensor& tab_in, const at::Tensor& unit_in, const at::Tensor& cluster_in,
     const at::Tensor& tok_in, const at::Tensor& slen_in, const at::Tensor& start_in, const at::Tensor& rows_in,
-    const at::Tensor& bias, int64_t P, int64_t L, bool ub, double unit_limit, int64_t k_g, int64_t R,
-    int64_t cmax, int64_t C, int64_t S, int64_t fr, int64_t n) {
+    const at::Tensor& bias, int64_t P, int64_t L, bool ub, at::ArrayRef<double> limits, int64_t k_g,
+    at::IntArrayRef Rs, int64_t cmax, int64_t C, int64_t S, at::IntArrayRef frs, at::IntArrayRef ns) {
   TORCH_CHECK(q_in.scalar_type() == at::kFloat && tab_in.scalar_type() == at::kFloat &&
               tok_in.scalar_type() == at::kFloat, "lychee_decode: fp32 query, table and token counts");
   const at::Tensor q = q_in.contiguous(), tab = tab_in.contiguous(), unit = unit_in.contiguous();
   const at::Tensor cluster = cluster_in.contiguous(), tok = tok_in.contiguous(), slen = slen_in.contiguous();
   const at::Tensor start = start_in.contiguous(), rows = rows_in.contiguous();
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
-  const int64_t N = tab.size(3), M = unit.size(2), cap = rows.size(2), T = S + C + (n - fr);
+  const int64_t N = tab.size(3), M = unit.size(2), cap = rows.size(2);
   const int64_t E = D + G + 1;  // table rows: the key part, one radius row per query head of the group, the -inf row
   TORCH_CHECK(tab.size(2) == E && N == P + L + M, "lychee_decode: a [D + G + 1, P + L + M] table per head");
-  TORCH_CHECK(n <= cap && S <= fr, "lychee_decode: slots out of the storage");
+  auto per_row = [B](auto list, const char* what) {
+    TORCH_CHECK(list.size() == 1 || (int64_t)list.size() == B, "lychee_decode: one ", what, " or one per row");
+    return [list](int64_t b) { return list[list.size() == 1 ? 0 : b]; };
+  };
+  const auto R_of = per_row(Rs, "R"), fr_of = per_row(frs, "frontier"), n_of = per_row(ns, "length");
+  const auto limit_of = per_row(limits, "unit_limit");
+  int64_t W = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(n_of(b) <= cap && S <= fr_of(b) && fr_of(b) <= n_of(b), "lychee_decode: slots out of the storage");
+    W = std::max(W, n_of(b) - fr_of(b));
+  }
+  const int64_t T = S + C + W;
+  const int64_t ls = slen.dim() == 2 ? slen.size(1) : 0;  // per-row chunk lengths (stacked rows) or the prompt's
   const bool write_bias = bias.defined() && bias.numel() > 0;
   if (write_bias)
-    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.stride(3) == 1 && bias.size(3) >= S + C,
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.stride(3) == 1 && bias.size(3) >= T,
                 "lychee_decode: an fp32 bias with unit stride");
   auto lopt = q.options().dtype(at::kLong);
   at::Tensor idx = at::empty({B, H, T}, lopt), order = at::zeros({B, H, cmax}, lopt);
@@ -225,6 +240,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lychee_de
   cand.reserve(M);
   for (int64_t bh = 0; bh < B * H; ++bh) {
     const int64_t b = bh / H, h = bh % H;
+    const int64_t R = R_of(b), fr = fr_of(b), n = n_of(b);
+    const double unit_limit = limit_of(b);
+    const int64_t* ln = Ln + b * ls;
     // the group's summed query, each query head's norm, 1
     std::fill(qa.begin(), qa.end(), 0.0f);
     for (int64_t i = 0; i < G; ++i) {
@@ -278,9 +296,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lychee_de
     int64_t* out = I + bh * T;
     for (int64_t x = 0; x < S; ++x) out[x] = rw[x];
     for (int64_t x = fr; x < n; ++x) out[S + C + (x - fr)] = rw[x];
+    for (int64_t x = n - fr; x < W; ++x) out[S + C + x] = rw[0];  // a shorter row's free recent slots (masked)
     int64_t used = 0, pos = 0, k = 0;
     for (int64_t j : cand) {
-      const int64_t len = Ln[j];
+      const int64_t len = ln[j];
       if (used + len > R || k >= cmax || pos + len > C) break;
       for (int64_t w = 0; w < len; ++w) out[S + pos + w] = st[j] + w;
       O[bh * cmax + k] = j;
@@ -295,6 +314,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lychee_de
     if (write_bias) {
       float* bi = Bi + b * bias.stride(0) + h * bias.stride(1) + S;
       for (int64_t x = 0; x < C; ++x) bi[x] = x < pos ? 0.0f : ninf;
+      for (int64_t x = 0; x < W; ++x) bi[C + x] = x < n - fr ? 0.0f : ninf;
     }
   }
   return {idx, pad, order, lens, sel};
@@ -306,8 +326,8 @@ TORCH_LIBRARY(luka_bench, lib) {
   lib.def("attention_mass(Tensor qs, Tensor k, Tensor v, int past, int block, bool entropy)"
           " -> (Tensor, Tensor, Tensor)");
   lib.def("lychee_decode(Tensor q, Tensor tab, Tensor chunk_unit, Tensor chunk_cluster, Tensor tok_g,"
-          " Tensor slen, Tensor start_rows, Tensor rows, Tensor(a!) bias, int P, int L, bool ub, float unit_limit,"
-          " int k_g, int R, int cmax, int C, int S, int fr, int n) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+          " Tensor slen, Tensor start_rows, Tensor rows, Tensor(a!) bias, int P, int L, bool ub, float[] unit_limit,"
+          " int k_g, int[] R, int cmax, int C, int S, int[] fr, int[] n) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(luka_bench, CPU, lib) {
