@@ -39,7 +39,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from luka_bench.methods.attention import add_retrieval_spans, sdpa, timed_exact
+from luka_bench.methods.attention import add_retrieval_spans, kv_rows, sdpa, timed_exact
 from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.kmeans import node_stats, spherical_kmeans
 
@@ -164,7 +164,7 @@ class ClusterKVPolicy(LayerPolicy):
         t1 = store.cache.mark(query.device)
         pages = store.pages(0, 1)  # [2, R, cap, D]: keys and values together
         if pages is not None:
-            kv = pages.reshape(2, -1, d).index_select(1, rows).view(2, b, hq, width, d)
+            kv = kv_rows(pages.reshape(2, -1, d), rows).view(2, b, hq, width, d)
             ksel, vsel = kv[0], kv[1]
         else:  # keys and values stored apart (their shapes or dtypes differ)
             ksel = K.reshape(-1, d).index_select(0, rows).view(b, hq, width, d)

@@ -44,7 +44,7 @@ from luka_bench.methods.base import KVMethod, LayerPolicy, setting
 from luka_bench.methods.luka_cover import Cover
 from luka_bench.methods.pages import page_means
 from luka_bench.methods.attention import (attention_with_mass, exact_attention, group_apply, group_logits,
-    scatter_add_rows)
+    kv_rows, scatter_add_rows)
 
 MASS = "luka_mass"
 RULES = ("none", "threshold", "top_k", "top_frac")
@@ -432,7 +432,7 @@ class LuKAPolicy(LayerPolicy):
             mass = torch.softmax(logit, -1)[..., s0: s0 + st["P"]].sum(1) + st["pages"]  # a row's pages only
             idx = torch.sort(mass, dim=-1, descending=True, stable=True).indices[..., :K]  # [B * Hkv, K]
             rows = torch.add(st["page0"], idx.unsqueeze(-1), alpha=S).view(-1)  # the pages' tokens, stacked storage
-            cov.view(2, bh, -1, d)[:, :, W: W + KS] = layer.kv.view(2, -1, d).index_select(1, rows).view(2, bh, KS, d)
+            cov.view(2, bh, -1, d)[:, :, W: W + KS] = kv_rows(layer.kv.view(2, -1, d), rows).view(2, bh, KS, d)
             cl = torch.baddbmm(self.cover.zero(query), q, ck[:, W: W + KS].transpose(1, 2), beta=0.0, alpha=scaling,
                                **({"out": lb[:, :, W: W + KS]} if f32 else {}))
             pidx = (idx + s0 if s0 else idx).unsqueeze(1).expand(-1, g, -1)

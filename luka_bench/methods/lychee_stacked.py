@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from luka_bench.device import host_to_device
 from luka_bench.methods import cpu_kernel
-from luka_bench.methods.base import DeviceCount
+from luka_bench.methods.attention import kv_rows
 from luka_bench.methods.lychee_decode import NEG, DecodePath
 from luka_bench.methods.stacked import masked_attention
 
@@ -189,7 +189,7 @@ def stacked_step(policy, layer, query: torch.Tensor, scaling: float) -> torch.Te
         idx = torch.cat([t.sinks, t.chunk_rows, recent], dim=-1)
         torch.where(pad, neg, zero, out=bias[:, :, 0, S: S + C])
         bias[:, :, 0, S + C: T] = open_
-    kv = layer.kv.view(2, -1, d).index_select(1, idx.view(-1)).view(2, b, hkv, T, d)
+    kv = kv_rows(layer.kv.view(2, -1, d), idx.view(-1)).view(2, b, hkv, T, d)
     out = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=bias[..., :T], scale=scaling)
     total = lens.sum((1, 2))  # each row's chunk tokens read, for all rows at once
     for i, (s, ch) in enumerate(zip(stores, chs)):

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from luka_bench.device import host_to_device
+from luka_bench.methods.attention import kv_rows
 
 MASK_BLOCK_ELEMENTS = 1 << 22  # a multi-token chunk's mask is made for this many (query, key) pairs at a time
 
@@ -327,7 +328,7 @@ class PackedHeads:
                 brow[b, h, :c] += rel
                 mask[b, h, :c] = True
         d = self.kv.shape[-1]
-        kv = self.kv.view(2, -1, d).index_select(1, rows.view(-1)).view(2, self.B, self.H, n, d)
+        kv = kv_rows(self.kv.view(2, -1, d), rows.view(-1)).view(2, self.B, self.H, n, d)
         out = {"keys": kv[0], "values": kv[1], "mask": mask,
                "positions": self._positions(seen).view(-1)[rows.view(-1)].view(self.B, self.H, n)}
         if self.bias_name is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .protocols import Store
+from .attention import kv_rows
 
 
 STATS = ("mean", "min", "max", "lo", "hi")
@@ -82,7 +83,7 @@ def gather_pages(store: Store, rows: torch.Tensor, page_size: int, b: int, h: in
     pages = store.pages(0, page_size)  # [2, B * Hkv, capacity / ps, ps * D]
     if pages is not None:
         d = pages.shape[-1] // page_size
-        kv = pages.reshape(2, -1, pages.shape[-1]).index_select(1, rows).view(2, b, h, w, d)
+        kv = kv_rows(pages.reshape(2, -1, pages.shape[-1]), rows).view(2, b, h, w, d)
         return kv[0], kv[1]
     K, V = store.storage()  # keys and values stored apart (their shapes or dtypes differ)
     d, dv = K.shape[-1], V.shape[-1]

@@ -47,7 +47,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from luka_bench.methods.attention import add_retrieval_spans, sdpa, timed_exact
+from luka_bench.methods.attention import add_retrieval_spans, kv_rows, sdpa, timed_exact
 from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.pages import PagedKeys, gather_pages, page_bound  # noqa: F401 (page_bound: re-exported)
 from luka_bench.methods.stacked import masked_attention
@@ -232,7 +232,7 @@ class QuestPolicy(LayerPolicy):
             self._stacked_count(stores, pid, st, ns, b, hkv, g, k)
             return out
         pages = layer.kv.view(2, bh * (layer.cap // ps), ps * d)
-        kv = pages.index_select(1, (pid + st["off"]).view(-1)).view(2, b, hq, w, d)
+        kv = kv_rows(pages, (pid + st["off"]).view(-1)).view(2, b, hq, w, d)
         held = [(k - 1) * ps + n - c * ps for n, c in zip(ns, cs)]  # the slots read that hold a token, per row
 
         def mask():

@@ -10,6 +10,7 @@ import torch
 
 from .base import LayerPolicy
 from . import packed as packed_store, rope
+from .attention import kv_rows
 from .packed import UNHELD, PackedHeads  # UNHELD: True on a slot its head does not hold (``keep_heads``)
 from .protocols import PromptCache
 from .positions import LazyPositions, write_position
@@ -419,9 +420,8 @@ class KVStore:
         return self.gather_flat(self._flat(index), index.shape[-1])
 
     def gather_flat(self, flat: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``gather`` for row ids already in the flattened storage (index + ``row_offsets()``, flattened; [B *
-        Hkv * m]), for a policy that builds them in fewer ops on its per-step path. Keys and values in one
-        ``index_select`` where they are stored stacked."""
+        """``gather`` for row ids already in the flattened storage (index + ``row_offsets()``, flattened; [B * Hkv
+        * m]), for a policy that builds them in fewer ops on its per-step path (stored stacked: ``kv_rows``)."""
         rows = self.gather_stacked(flat, m)
         if rows is not None:
             return rows[0], rows[1]
@@ -434,7 +434,7 @@ class KVStore:
         if self._kv is None:
             return None
         b, h, cap, d = self._k.shape
-        return self._kv.view(2, b * h * cap, d).index_select(1, flat).view(2, b, h, m, d)
+        return kv_rows(self._kv.view(2, b * h * cap, d), flat).view(2, b, h, m, d)
 
     def static_slot_at(self, offset: int) -> torch.Tensor:
         """``static_slot + offset`` [1] (the last decode step's slot moved by ``offset``: where a policy mirrors the
