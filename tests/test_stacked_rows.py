@@ -31,7 +31,7 @@ STACKED = set(EXACT)
 # the configs whose every layer drops at most one token per row per step (``stacked_evict``), stacked too
 EVICTS = {"h2o", "luka_lined", "tova", "streaming_llm", "h2o_outer"}
 # and the ones whose every layer reads a selection and drops nothing (``stacked_select``; their full_layers exact)
-SELECTS = {"quest", "oracle_topk", "luka_clustered", "lychee"}
+SELECTS = {"quest", "oracle_topk", "luka_clustered", "lychee", "clusterkv"}
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,11 @@ SELECTING = [("quest", {"token_budget": 48, "page_size": 8, "full_layers": 0}),
              ("lychee", {"token_budget": 64, "sink": 2, "buffer": 12, "min_chunk": 6, "max_chunk": 6,
                          "chunking": "fixed", "k_g": 2, "ranking": "qmu", "full_layers": 0}),
              ("lychee", {"token_budget": 80, "sink": 4, "buffer": 20, "min_chunk": 3, "max_chunk": 9,
-                         "pooling": "max", "coarse_factor": 1.3, "cluster_size": 3, "full_layers": 0})]
+                         "pooling": "max", "coarse_factor": 1.3, "cluster_size": 3, "full_layers": 0}),
+             # ClusterKV recalling clusters (each row clusters its own prompt at its first decode step, alone; the
+             # rows' prompts and cluster counts differ: 150 clusters > the shortest row's 136 clustered tokens)
+             ("clusterkv", {"token_budget": 48, "sink": 4, "clusters": 12, "iterations": 3, "full_layers": 0}),
+             ("clusterkv", {"token_budget": 100, "sink": 0, "clusters": 150, "iterations": 2, "full_layers": 1})]
 
 
 @pytest.mark.parametrize("case", [("full", {}), ("snapkv", {})] + EVICTING + SELECTING, ids=str)

@@ -39,9 +39,11 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from luka_bench.device import host_to_device
 from luka_bench.methods.attention import add_retrieval_spans, kv_rows, sdpa, timed_exact
 from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.kmeans import node_stats, spherical_kmeans
+from luka_bench.methods.stacked import masked_attention
 
 
 def _storage_bytes(*tensors: torch.Tensor | None) -> int:
@@ -94,7 +96,7 @@ class ClusterKVPolicy(LayerPolicy):
 
     def __init__(self, method: "ClusterKV", info: LayerInfo):
         super().__init__(method, info)
-        self.layout_events = 0  # clusterings (host_sync.events / launches.event_count): one per prompt
+        self.layout_events = 0  # clusterings (one per prompt) and stacks laid out (host_sync.events, launches)
         self.prompt: int | None = None  # tokens held at the first decode step (None: not reached yet)
         # cluster_keys' output but ``assign`` (read only to list the members) and ``members`` (once ``_rows`` holds
         # them as storage rows): centroids, size, first (None: full attention)
@@ -104,6 +106,9 @@ class ClusterKVPolicy(LayerPolicy):
         self._sink_rows = self._gen_rows = self._p = None  # [R, g, sink], [R, g, cap - P], [R, g, w]
         self.sel: torch.Tensor | None = None  # the last sparse step's selected rows [R, g, w] (None: all read)
         self.n_read = 0  # tokens held at that step
+        # the storage width and first row those rows are counted in (stacked rows: the stack's, this row's offset)
+        self.read_at = (0, 0)
+        self._union_total: torch.Tensor | None = None  # a stacked step's count of the rows its KV heads read
 
     @property
     def clusters(self) -> int:
@@ -158,7 +163,7 @@ class ClusterKVPolicy(LayerPolicy):
         ix = self.index
         score = torch.bmm(query.reshape(r, g, d).float(), ix["centroids"])  # [R, g, C] q . centroid (fp32)
         self.sel = sel = ranked_prefix(score, ix["size"], ix["first"], self._rows, self._p)  # [R, g, w] rows
-        self.n_read = n
+        self.n_read, self.read_at, self._union_total = n, (cap, 0), None
         rows = torch.cat([self._sink_rows, sel, self._gen_rows], dim=-1).view(-1)
         width = s + w + cap - P
         t1 = store.cache.mark(query.device)
@@ -175,12 +180,104 @@ class ClusterKVPolicy(LayerPolicy):
         add_retrieval_spans(store, t0, t1)
         return out
 
+    def member_ids(self) -> torch.Tensor:
+        """[Hkv, M]: the clustered tokens (0 = the first after the sinks) in cluster-then-position order."""
+        if self._rows is None:
+            return self.index["members"]
+        r = self._rows.shape[0]
+        base = (torch.arange(r, device=self._rows.device) * self._layout[0]).view(r, 1, 1)
+        return (self._rows - base - self.method.sink)[:, 0]
+
+    # -- stacked rows of a batch (``stacked.py``): every row's clusters ranked and read at once -------------------
+    stacked_select = True
+
+    def stacked_plan(self, store):
+        """None at the first decode step (it clusters the prompt: each row alone), then "sparse" where the prompt was
+        clustered and "dense" where the layer attends to everything."""
+        if self.prompt is None:
+            return None
+        return "dense" if self.index is None else "sparse"
+
+    def stacked_attend(self, layer, query, scaling):
+        """``_sparse`` for every row: the rows' indexes stacked (``_stacked_fit``: centroids, sizes and first members
+        padded with empty clusters, the member lists as rows of the stacked storage), one ranking and one gather of
+        every row's sinks, selection and generated region (from its own prompt's end, as wide as the shortest prompt
+        leaves; a row's slots past its length masked), one SDPA; each row's union of rows read counted for all."""
+        stores = layer.stores
+        if layer.plans[0] == "dense":
+            for s in stores:
+                s.policy.sel = None
+            return masked_attention(query, layer.kv[0], layer.kv[1], layer.layout.mask, scaling)
+        b, hq, _, d = query.shape
+        hkv = layer.kv.shape[2]
+        g, r = hq // hkv, b * hkv
+        st = self._stacked_fit(layer, g)
+        score = torch.bmm(query.reshape(r, g, d).float(), st["centroids"])
+        sel = ranked_prefix(score, st["size"], st["first"], st["rows"], st["p"])  # [R, g, w] rows of the stack
+        rows = torch.cat([st["sink_rows"], sel, st["gen_rows"]], dim=-1).view(-1)
+        width = rows.numel() // (r * g)
+        kv = kv_rows(layer.kv.view(2, -1, d), rows).view(2, b, hq, width, d)
+        lay = layer.layout
+
+        def mask():  # each row's slot of the step opens its generated region up to it: once per step for all layers
+            return torch.where(st["at"] <= lay.slot.view(b, 1), st["zero"], st["neg"]).view(b, 1, 1, width)
+
+        out = sdpa(query, kv[0], kv[1], scaling, layer.stack.memo(("clusterkv", st["key"], id(lay)), mask))
+        total = None
+        if g > 1:
+            cap = layer.cap
+            total = torch.zeros(b * hkv * cap, dtype=torch.bool, device=sel.device).scatter_(
+                0, sel.reshape(-1), True).view(b, -1).sum(1)
+        for i, s in enumerate(stores):
+            p = s.policy
+            p.sel, p.n_read = sel[i * hkv: (i + 1) * hkv], s.n
+            p.read_at, p._union_total = (layer.cap, i * hkv * layer.cap), None if total is None else total[i]
+        return out
+
+    def _stacked_fit(self, layer, g: int) -> dict:
+        """The rows' stacked index, made with the storage (its width and the rows' prompts fixed while it lives)."""
+        st, stores = layer.state, layer.stores
+        if st.get("clusterkv") == (layer.cap, g):
+            return st
+        m = self.method
+        pols = [s.policy for s in stores]
+        kv = layer.kv
+        B, hkv, cap, d = kv.shape[1:]
+        r, dev, s = B * hkv, kv.device, m.sink
+        C = max(p.clusters for p in pols)
+        members = [p.member_ids() for p in pols]
+        cent = torch.zeros(r, d, C, dtype=torch.float32, device=dev)
+        size = torch.zeros(r, 1, C, dtype=torch.long, device=dev)
+        first = torch.zeros(r, 1, C, dtype=torch.long, device=dev)  # an empty cluster: no member, never read
+        base = (torch.arange(r, device=dev) * cap).view(r, 1, 1)
+        rows = base.expand(r, 1, max(x.shape[-1] for x in members)).clone()
+        for i, (p, mem) in enumerate(zip(pols, members)):
+            p.layout_events += 1  # the row's index laid out anew, in the stack
+            own, c = slice(i * hkv, (i + 1) * hkv), p.clusters
+            cent[own, :, :c] = p.index["centroids"]
+            size[own, :, :c] = p.index["size"]
+            first[own, :, :c] = p.index["first"]
+            rows[own, :, : mem.shape[-1]] = base[own] + s + mem[:, None]
+        w = m.token_budget - s
+        prompts = [p.prompt for p in pols]
+        gen = torch.arange(cap - min(prompts), device=dev)
+        at = host_to_device(prompts, dev).view(B, 1) + gen  # [B, G]: each generated-region slot's slot in its row
+        gen_rows = (base.view(B, hkv, 1) + at.clamp_max(cap - 1).view(B, 1, -1)).view(r, 1, -1)
+        st.update(clusterkv=(layer.cap, g), key=(layer.cap, tuple(prompts), g, kv.dtype), centroids=cent, size=size,
+                  first=first, rows=rows, p=torch.arange(w, device=dev).expand(r, g, w).contiguous(),
+                  sink_rows=(base + torch.arange(s, device=dev)).expand(r, g, s), gen_rows=gen_rows.expand(r, g, -1),
+                  at=torch.cat([torch.full((B, s + w), -1, dtype=torch.long, device=dev), at], dim=1),
+                  zero=torch.zeros((), dtype=kv.dtype, device=dev),
+                  neg=torch.full((), float("-inf"), dtype=kv.dtype, device=dev))
+        return st
+
     # -- what the last step read -------------------------------------------------------------------------------
     def _union(self) -> torch.Tensor:
         """[R * cap] bool: the storage rows any query head of the group selected (sinks and generated not set)."""
-        cap = self._layout[0]
+        cap, first = self.read_at
         r = self.sel.shape[0]
-        return torch.zeros(r * cap, dtype=torch.bool, device=self.sel.device).scatter_(0, self.sel.reshape(-1), True)
+        rows = self.sel.reshape(-1) - first if first else self.sel.reshape(-1)
+        return torch.zeros(r * cap, dtype=torch.bool, device=self.sel.device).scatter_(0, rows, True)
 
     def attended(self, store):
         """Sinks + the union over each KV head's query heads of the selected prompt tokens + every generated token
@@ -188,7 +285,7 @@ class ClusterKVPolicy(LayerPolicy):
         if self.sel is None:
             return None
         b, hkv = store.keys.shape[:2]
-        u = self._union().view(b, hkv, self._layout[0])[:, :, : self.n_read].clone()
+        u = self._union().view(b, hkv, self.read_at[0])[:, :, : self.n_read].clone()
         u[:, :, : self.method.sink] = True
         u[:, :, self.prompt:] = True
         return u
@@ -200,7 +297,7 @@ class ClusterKVPolicy(LayerPolicy):
         rest = float(self.method.sink + self.n_read - self.prompt)
         if g == 1:
             return float(w) + rest
-        return DeviceCount(self._union().sum(), 1.0 / r, rest)
+        return DeviceCount(self._union().sum() if self._union_total is None else self._union_total, 1.0 / r, rest)
 
     def extra_bytes(self) -> int:
         """The index a step reads: the centroids [R, D, C] fp32, the cluster sizes and first members [R, 1, C] and

@@ -241,6 +241,23 @@ def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return out.view(b, hq, 1, out.shape[-1])
 
 
+def stack_as(stores: list) -> str | None:
+    """How the rows' stores of a classic layer (not packed) can be stacked for their next step: one mode for every
+    row, storage of one head count, width, dtype and device, and (an evicting or selecting layer, whose hooks run on
+    row 0's policy) every row's policy of one type and method, the same per-token state and plans that agree."""
+    modes = {stack_mode(s) for s in stores}
+    if len(modes) != 1 or None in modes or \
+            len({(s._kv.shape[2], s._kv.shape[4], s._kv.dtype, s._kv.device) for s in stores}) != 1:
+        return None
+    mode = modes.pop()
+    first = stores[0].policy
+    if mode != "exact" and not (all(type(s.policy) is type(first) and s.policy.method == first.method
+                                    and set(s._aux) == set(stores[0]._aux) for s in stores)
+                                and plans_agree(stores, mode)):
+        return None
+    return mode
+
+
 class RowStack:
     """The stacked layers of one set of rows, kept across their decode steps (module docstring)."""
 
@@ -253,25 +270,26 @@ class RowStack:
         self.layers: dict[int, StackedLayer] = {}
         self.pos: torch.Tensor | None = None
         self.pos_seen: list[int] = []
+        self.pending: list[int] = []  # layers not stacked whose policy may take a stacked step later
         for i in range(len(caches[0].stores)):
             stores = [c.stores[i] for c in caches]
+            if any(declares(stores[0].policy, f) for f in ("stacked_evict", "stacked_select")):
+                self.pending.append(i)
             if any(s.packed is not None for s in stores):  # head-wise budgets packed (``stacked_packed.py``)
                 first = stores[0].policy
                 if all((s.packed is None or packed_decode(s)) and type(s.policy) is type(first)
                        and s.policy.method == first.method for s in stores) and packings_agree(stores):
                     self.layers[i] = StackedPacked(self, stores)
+                    self._stacked(i)
                 continue
-            modes = {stack_mode(s) for s in stores}
-            if len(modes) != 1 or None in modes or \
-                    len({(s._kv.shape[2], s._kv.shape[4], s._kv.dtype, s._kv.device) for s in stores}) != 1:
-                continue
-            mode = modes.pop()
-            first = stores[0].policy
-            if mode != "exact" and not (all(type(s.policy) is type(first) and s.policy.method == first.method
-                                            and set(s._aux) == set(stores[0]._aux) for s in stores)
-                                        and plans_agree(stores, mode)):
-                continue  # an evicting or selecting layer's hooks run on row 0's policy: every row's the same
-            self.layers[i] = StackedLayer(self, stores, mode)
+            mode = stack_as(stores)
+            if mode is not None:
+                self.layers[i] = StackedLayer(self, stores, mode)
+                self._stacked(i)
+
+    def _stacked(self, i: int) -> None:
+        if i in self.pending:
+            self.pending.remove(i)
 
     @classmethod
     def for_rows(cls, caches: list) -> "RowStack":
@@ -291,8 +309,11 @@ class RowStack:
         return new
 
     def serves(self, caches: list) -> bool:
+        # (a layer left out, whose policy declares a stacked step, that every row can now take: stacked anew — ClusterKV
+        # clusters its prompt at the first decode step, each row alone, then stacks)
         return (len(caches) == len(self.rows) and all(r() is c for r, c in zip(self.rows, caches))
-                and all(layer.holds() for layer in self.layers.values()))
+                and all(layer.holds() for layer in self.layers.values())
+                and not any(stack_as([c.stores[i] for c in caches]) for i in self.pending))
 
     def layout(self, layer: StackedLayer, ns: list[int], cap: int, dtype: torch.dtype,
                device: torch.device) -> _Layout:
