@@ -31,7 +31,7 @@ STACKED = set(EXACT)
 # the configs whose every layer drops at most one token per row per step (``stacked_evict``), stacked too
 EVICTS = {"h2o", "luka_lined", "tova", "streaming_llm", "h2o_outer"}
 # and the ones whose every layer reads a selection and drops nothing (``stacked_select``; their full_layers exact)
-SELECTS = {"quest", "oracle_topk", "luka_clustered", "lychee", "clusterkv"}
+SELECTS = {"quest", "oracle_topk", "luka_clustered", "lychee", "clusterkv", "arkvale"}
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,9 @@ def test_a_ragged_batch_stacks_exactly_the_layers_every_row_decodes_exactly(name
     model64 = lm64.model
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (230, 181, 140)]
-    method = method_of(name)
+    # ArkVale's test budget (12 pages of 16) is above two rows' lengths: rows that read every page and a row that
+    # recalls are not stacked together (the rows' plans differ); 8 pages: every row recalls
+    method = instantiate(sync_method_config(name, {"page_budget": 8} if name == "arkvale" else {}), _convert_="all")
     with attach(model64, method, lm64.tokenizer) as a, torch.no_grad():
         caches = prefilled(a, model64, prompts)
         for step in range(3):
@@ -177,7 +179,15 @@ SELECTING = [("quest", {"token_budget": 48, "page_size": 8, "full_layers": 0}),
              # ClusterKV recalling clusters (each row clusters its own prompt at its first decode step, alone; the
              # rows' prompts and cluster counts differ: 150 clusters > the shortest row's 136 clustered tokens)
              ("clusterkv", {"token_budget": 48, "sink": 4, "clusters": 12, "iterations": 3, "full_layers": 0}),
-             ("clusterkv", {"token_budget": 100, "sink": 0, "clusters": 150, "iterations": 2, "full_layers": 1})]
+             ("clusterkv", {"token_budget": 100, "sink": 0, "clusters": 150, "iterations": 2, "full_layers": 1}),
+             # ArkVale recalling pages (each row's device set carried on in the stack, pages closing in each row at
+             # its own steps); with a budget of 160 tokens the shortest row attends densely until it outgrows it
+             # (the layer leaves the stack while the rows' plans differ and is stacked again after)
+             ("arkvale", {"page_size": 8, "page_budget": 8, "topk": 4, "sink_pages": 1, "window_pages": 2,
+                          "full_layers": 0}),
+             ("arkvale", {"page_size": 4, "page_budget": 12, "topk": 7, "sink_pages": 2, "window_pages": 3,
+                          "group": "kv_head", "full_layers": 1}),
+             ("arkvale", {"page_size": 8, "page_budget": 20, "topk": 6, "full_layers": 0})]
 
 
 @pytest.mark.parametrize("case", [("full", {}), ("snapkv", {})] + EVICTING + SELECTING, ids=str)

@@ -52,9 +52,11 @@ from typing import ClassVar
 
 import torch
 
-from luka_bench.methods.attention import add_retrieval_spans, sdpa, timed_exact
+from luka_bench.device import host_to_device
+from luka_bench.methods.attention import add_retrieval_spans, kv_rows, sdpa, timed_exact
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.pages import PagedKeys, gather_pages, page_bound
+from luka_bench.methods.stacked import masked_attention
 
 GROUPS = ("layer", "kv_head")
 NEG = float("-inf")
@@ -184,8 +186,7 @@ class ArkValePolicy(LayerPolicy):
         hkv = store.storage()[0].shape[1]
         r, pages, dev = self._rows_of(b, hkv), cap // ps, query.device
         if self.res is None:  # the cache fills up now: the first M candidates on the device, the newer ones not
-            self.res = torch.full((r, pages), NEG, device=dev)
-            self.res[:, m.sink_pages: m.page_budget - m.window_pages] = 0.0
+            self.res = self._filling(r, pages, dev)
         elif self.res.shape[1] < pages:  # the storage grew: pages beyond the old capacity are not on the device
             res = torch.full((r, pages), NEG, device=dev)
             res[:, : self.res.shape[1]] = self.res
@@ -202,6 +203,111 @@ class ArkValePolicy(LayerPolicy):
         base = torch.arange(b * hkv, device=dev) * pages
         self._off = base.view(b, hkv, 1) if self.per_layer else base.view(b * hkv, 1)
         self._layout = (c, cap)
+
+    def _filling(self, r: int, pages: int, dev: torch.device) -> torch.Tensor:
+        """The device set of a cache filling up now: the first M candidates on the device, the newer ones not."""
+        m = self.method
+        res = torch.full((r, pages), NEG, device=dev)
+        res[:, m.sink_pages: m.page_budget - m.window_pages] = 0.0
+        return res
+
+    # -- stacked rows of a batch (``stacked.py``): every row's pages scored, recalled and read at once ------------
+    stacked_select = True
+
+    def stacked_plan(self, store):
+        """"dense" while the layer holds at most ``page_budget`` pages (every page read), else "sparse"."""
+        m = self.method
+        return "dense" if (store.n - 1) // m.page_size + 1 <= m.page_budget else "sparse"
+
+    def stacked_attend(self, layer, query, scaling):
+        """``step`` for every row: the rows' digests and device sets stacked (``_stacked_fit``; each row's device set
+        a view of its rows of the stack, so it carries on alone where the stack left it), a row's pages from its
+        own candidates' end on scored -inf, the two ``topk`` and the device sets' update once for all rows, the
+        pages read gathered from the stacked storage in one ``index_select``, each row's open page's free slots
+        masked."""
+        stores = layer.stores
+        if layer.plans[0] == "dense":
+            for s in stores:
+                s.policy.pid = None
+            return masked_attention(query, layer.kv[0], layer.kv[1], layer.layout.mask, scaling)
+        m = self.method
+        ps = m.page_size
+        b, hq, _, d = query.shape
+        hkv = layer.kv.shape[2]
+        cs = [(s.n - 1) // ps for s in stores]
+        st = self._stacked_fit(layer, cs, b, hkv)
+        c = max(cs)
+        s = arkvale_scores(query, st["lo"][:, :, :c], st["hi"][:, :, :c], self.per_layer) + st["cand"]
+        top = torch.topk(s, m.topk - m.sink_pages - m.window_pages + 1, dim=-1).indices
+        res = st["res"][:, :c]
+        key = s + res
+        key.scatter_(1, top, float("inf"))
+        dev = torch.topk(key, m.page_budget - m.sink_pages - m.window_pages, dim=-1).indices
+        res.fill_(NEG).scatter_(1, dev, 0.0)
+        pid = torch.cat([st["head"], dev, st["tail"]], dim=-1)  # [R, page_budget]
+        w = m.page_budget * ps
+        rows = ((pid[:, None, :] if self.per_layer else pid) + st["off"]).view(-1)
+        kv = kv_rows(layer.kv.view(2, -1, ps * d), rows).view(2, b, hkv, w, d)
+        lay = layer.layout
+
+        def mask():  # each row's open page open up to its slot of the step: once per step for all layers
+            return torch.where(st["at"] <= lay.slot.view(b, 1), st["zero"], st["neg"]).view(b, 1, 1, w)
+
+        out = sdpa(query, kv[0], kv[1], scaling, layer.stack.memo(("arkvale", st["key"], id(lay)), mask))
+        r1 = pid.shape[0] // b
+        for i, st_ in enumerate(stores):
+            st_.policy.pid, st_.policy.n_read = pid[i * r1: (i + 1) * r1], st_.n
+        return out
+
+    def _stacked_fit(self, layer, cs: list[int], b: int, hkv: int) -> dict:
+        """The rows' stacked digests [B, Hkv, pages, D] and device sets [R, pages] (made with the storage: each row's
+        device set then a view of its rows), and what follows each row's closed pages — its candidates, window and
+        open page's mask (moved on for the rows whose pages closed: each row's own digests updated first, an event
+        as in ``_fit``)."""
+        st, stores = layer.state, layer.stores
+        m = self.method
+        ps, dev = m.page_size, layer.kv.device
+        pages = layer.cap // ps
+        r1 = 1 if self.per_layer else hkv
+        if st.get("arkvale") != layer.cap:
+            res = torch.full((b * r1, pages), NEG, device=dev)
+            for i, s in enumerate(stores):
+                p = s.policy
+                own = res[i * r1: (i + 1) * r1]
+                if p.res is None:  # the cache fills up now (as ``_fit``)
+                    own.copy_(p._filling(r1, pages, dev))
+                else:
+                    width = min(pages, p.res.shape[1])
+                    own[:, :width] = p.res[:, :width]
+                p.res = own
+            base = torch.arange(b * hkv, device=dev) * pages
+            st.update(arkvale=layer.cap, res=res, cs=[0] * b, lo=layer.kv.new_zeros(b, hkv, pages, layer.kv.shape[-1]),
+                      hi=layer.kv.new_zeros(b, hkv, pages, layer.kv.shape[-1]),
+                      off=base.view(b, hkv, 1) if self.per_layer else base.view(b * hkv, 1),
+                      head=torch.arange(m.sink_pages, device=dev).expand(b * r1, m.sink_pages),
+                      zero=torch.zeros((), dtype=layer.kv.dtype, device=dev),
+                      neg=torch.full((), NEG, dtype=layer.kv.dtype, device=dev))
+        if st["cs"] != cs:
+            for i, (c0, c1) in enumerate(zip(st["cs"], cs)):
+                if c0 == c1:
+                    continue
+                p = stores[i].policy
+                if p.paged.pages < c1:
+                    p.paged.update(stores[i])
+                st["lo"][i, :, c0:c1] = p.paged.lo[0, :, c0:c1]
+                st["hi"][i, :, c0:c1] = p.paged.hi[0, :, c0:c1]
+                p.layout_events += 1
+                p._c, p._layout = c1, None  # alone again, its own step remakes its layout
+            j = torch.arange(max(cs), device=dev)
+            ends = host_to_device([self._candidates_end(c) for c in cs], dev).view(b, 1)
+            cand = torch.where((j >= m.sink_pages) & (j < ends), 0.0, NEG)  # [B, C]
+            tails = host_to_device([c - m.window_pages + 1 for c in cs], dev).view(b, 1, 1)
+            tail = (tails + torch.arange(m.window_pages, device=dev)).expand(b, r1, m.window_pages)
+            before = host_to_device([(m.page_budget - 1 - c) * ps for c in cs], dev).view(b, 1)
+            st.update(cs=list(cs), key=(layer.cap, tuple(cs)), cand=cand.repeat_interleave(r1, dim=0),
+                      tail=tail.reshape(b * r1, m.window_pages),
+                      at=torch.arange(m.page_budget * ps, device=dev) - before)
+        return st
 
     # -- what the last step read -------------------------------------------------------------------------------
     def attended(self, store):
