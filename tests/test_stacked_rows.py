@@ -182,7 +182,7 @@ SELECTING = [("quest", {"token_budget": 48, "page_size": 8, "full_layers": 0}),
              ("clusterkv", {"token_budget": 100, "sink": 0, "clusters": 150, "iterations": 2, "full_layers": 1}),
              # ArkVale recalling pages (each row's device set carried on in the stack, pages closing in each row at
              # its own steps); with a budget of 160 tokens the shortest row attends densely until it outgrows it
-             # (the layer leaves the stack while the rows' plans differ and is stacked again after)
+             # (the layer leaves the stack while the rows' plans differ; stacked again when the stack is remade)
              ("arkvale", {"page_size": 8, "page_budget": 8, "topk": 4, "sink_pages": 1, "window_pages": 2,
                           "full_layers": 0}),
              ("arkvale", {"page_size": 4, "page_budget": 12, "topk": 7, "sink_pages": 2, "window_pages": 3,

@@ -270,10 +270,13 @@ class RowStack:
         self.layers: dict[int, StackedLayer] = {}
         self.pos: torch.Tensor | None = None
         self.pos_seen: list[int] = []
-        self.pending: list[int] = []  # layers not stacked whose policy may take a stacked step later
+        # layers not stacked because a row cannot say yet how its next step goes (ClusterKV before it clusters its
+        # prompt, at the first decode step): stacked as soon as every row can (``serves``)
+        self.pending: list[int] = []
         for i in range(len(caches[0].stores)):
             stores = [c.stores[i] for c in caches]
-            if any(declares(stores[0].policy, f) for f in ("stacked_evict", "stacked_select")):
+            if any(declares(stores[0].policy, f) for f in ("stacked_evict", "stacked_select")) and \
+                    any(stack_mode(s) is None for s in stores):
                 self.pending.append(i)
             if any(s.packed is not None for s in stores):  # head-wise budgets packed (``stacked_packed.py``)
                 first = stores[0].policy
@@ -309,8 +312,8 @@ class RowStack:
         return new
 
     def serves(self, caches: list) -> bool:
-        # (a layer left out, whose policy declares a stacked step, that every row can now take: stacked anew — ClusterKV
-        # clusters its prompt at the first decode step, each row alone, then stacks)
+        # (a layer left out while a row could not say how its next step goes, that every row can now take: stacked
+        # anew — ClusterKV clusters its prompt at the first decode step, each row alone, then stacks)
         return (len(caches) == len(self.rows) and all(r() is c for r, c in zip(self.rows, caches))
                 and all(layer.holds() for layer in self.layers.values())
                 and not any(stack_as([c.stores[i] for c in caches]) for i in self.pending))
