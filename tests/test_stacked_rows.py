@@ -31,7 +31,7 @@ STACKED = set(EXACT)
 # the configs whose every layer drops at most one token per row per step (``stacked_evict``), stacked too
 EVICTS = {"h2o", "luka_lined", "tova", "streaming_llm", "h2o_outer"}
 # and the ones whose every layer reads a selection and drops nothing (``stacked_select``; their full_layers exact)
-SELECTS = {"quest", "oracle_topk", "luka_clustered", "lychee", "clusterkv", "arkvale"}
+SELECTS = {"quest", "oracle_topk", "luka_clustered", "lychee", "clusterkv", "arkvale", "shadowkv"}
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,11 @@ SELECTING = [("quest", {"token_budget": 48, "page_size": 8, "full_layers": 0}),
                           "full_layers": 0}),
              ("arkvale", {"page_size": 4, "page_budget": 12, "topk": 7, "sink_pages": 2, "window_pages": 3,
                           "group": "kv_head", "full_layers": 1}),
-             ("arkvale", {"page_size": 8, "page_budget": 20, "topk": 6, "full_layers": 0})]
+             ("arkvale", {"page_size": 8, "page_budget": 20, "topk": 6, "full_layers": 0}),
+             # ShadowKV rebuilding its chosen chunks from the rows' factors (prompts of different lengths: their
+             # landmarks, U and V0 of different sizes, one table each in the stack)
+             ("shadowkv", {"token_budget": 32, "chunk": 8, "rank": 12, "local_chunks": 2, "outliers": 2}),
+             ("shadowkv", {"token_budget": 48, "chunk": 4, "local_chunks": 1, "outliers": 3, "full_layers": 1})]
 
 
 @pytest.mark.parametrize("case", [("full", {}), ("snapkv", {})] + EVICTING + SELECTING, ids=str)

@@ -54,8 +54,10 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from luka_bench.device import host_to_device
 from luka_bench.methods.attention import add_retrieval_spans, causal_chunk_attention, sdpa, timed_exact
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
+from luka_bench.methods.stacked import masked_attention
 
 
 def rotate_half(x: torch.Tensor, rot: int) -> torch.Tensor:
@@ -227,6 +229,93 @@ class ShadowKVPolicy(LayerPolicy):
         kw = torch.einsum("bhwr,bhrd->bhwd", u, self.W.view(b, hkv, self.rank, 2 * d))
         cs_rows = self.rope_rows.index_select(0, pos.reshape(-1)).view(b, hkv, w, 2 * d)
         return kw[..., :d] * cs_rows[..., :d] + kw[..., d:] * cs_rows[..., d:]
+
+    # -- stacked rows of a batch (``stacked.py``): every row's chunks chosen, rebuilt and read at once --------------
+    stacked_select = True
+
+    def stacked_plan(self, store):
+        """"dense" while the layer stays exact (its prompt not factored); else ("sparse", the factors' rank): rows
+        whose factors have one rank are stacked."""
+        return ("sparse", self.rank) if self.ready else "dense"
+
+    def stacked_attend(self, layer, query, scaling):
+        """``step`` for every row: the rows' landmarks stacked (a row's past its own masked -inf before the
+        softmax), their U, [SV, rotate_half(SV)] and V0 one table each (``_stacked_fit``: each row's own a view of
+        its part), so the chunks' keys are rebuilt by one gather, one GEMM and one multiply-add for all rows and
+        their values read by one gather; one SDPA over each row's outliers, rebuilt chunks and its store's slots
+        (the stack's mask on its free ones)."""
+        stores = layer.stores
+        if layer.plans[0] == "dense":
+            for s in stores:
+                s.policy.pos = None
+            return masked_attention(query, layer.kv[0], layer.kv[1], layer.layout.mask, scaling)
+        m = self.method
+        st = self._stacked_fit(layer)
+        b, hq, _, d = query.shape
+        hkv = layer.kv.shape[2]
+        g, cs = hq // hkv, m.chunk
+        sets = m.token_budget // cs
+        w = sets * cs
+        logits = torch.matmul(query.view(b, hkv, g, d), st["lm"].transpose(-1, -2))  # [B, Hkv, g, Cl]
+        score = torch.softmax(logits.float() * scaling + st["lm_mask"], dim=-1).amax(dim=2)
+        top = torch.topk(score, sets, dim=-1).indices
+        pos = (st["lm_base"].gather(2, top)[..., None] + self._ar).view(b, hkv, w)
+        u = st["U"].index_select(0, (pos + st["uoff"]).view(-1)).view(b * hkv, w, self.rank)
+        kw = torch.bmm(u, st["W"])
+        cs_rows = st["rope"].index_select(0, pos.view(-1)).view(b * hkv, w, 2 * d)
+        ksel = torch.addcmul(kw[..., :d] * cs_rows[..., :d], kw[..., d:], cs_rows[..., d:])
+        dv = st["V0"].shape[-1]
+        vsel = st["V0"].index_select(0, (pos + st["voff"]).view(-1))
+        ok, ov = st["outliers"]
+        keys = torch.cat([ok, ksel.view(b, hkv, w, d), layer.kv[0]], dim=2)
+        values = torch.cat([ov, vsel.view(b, hkv, w, dv), layer.kv[1]], dim=2)
+        lay = layer.layout
+        front = ok.shape[2] + w
+
+        def mask():  # the read prompt sets, then the stack's mask over the rows' slots: once per step for all layers
+            return torch.cat([lay.mask.new_zeros(b, 1, 1, front), lay.mask], dim=-1)
+
+        out = sdpa(query, keys, values, scaling, layer.stack.memo(("shadowkv", front, id(lay)), mask))
+        for i, s in enumerate(stores):
+            s.policy.pos, s.policy.n_read = pos[i: i + 1], s.n
+        return out
+
+    def _stacked_fit(self, layer) -> dict:
+        """The rows' tables, made once for the stack (they never change after the prefill): landmarks, their first
+        positions and the mask past a row's own [B, Hkv, Cl(, D)]; U (the rows' concatenated, each row's first row
+        of it ``uoff``), [SV, rotate_half(SV)] [B * Hkv, r, 2D] and V0 as rows [sum of Hkv * L0, Dv] (``voff``: each
+        row's and KV head's first) — each row's own U, W and V0 then a view of its part, so nothing is held twice;
+        the RoPE table of the longest prompt (a position's row is every row's); the outliers' keys and values."""
+        st = layer.kept
+        if "U" in st:
+            return st
+        pols = [s.policy for s in layer.stores]
+        b, hkv = len(pols), pols[0].V0.shape[1]
+        dev, d = layer.kv.device, pols[0].lm.shape[-1]
+        cl = max(p.lm.shape[2] for p in pols)
+        lm = pols[0].lm.new_zeros(b, hkv, cl, d)
+        lm_mask = torch.full((b, hkv, 1, cl), float("-inf"), device=dev)
+        lm_base = torch.zeros(b, hkv, cl, dtype=torch.long, device=dev)
+        for i, p in enumerate(pols):
+            c = p.lm.shape[2]
+            lm[i, :, :c], lm_base[i, :, :c] = p.lm[0], p.lm_base[0]
+            lm_mask[i, :, :, :c] = 0.0
+        U = torch.cat([p.U for p in pols])
+        W = torch.cat([p.W for p in pols])
+        V0 = torch.cat([p.V0.reshape(-1, p.V0.shape[-1]) for p in pols])
+        uoff, voff, u0, v0 = [], [], 0, 0
+        for i, p in enumerate(pols):
+            n0, L0 = p.U.shape[0], p.L0
+            uoff.append(u0)
+            voff += [v0 + h * L0 for h in range(hkv)]
+            p.U, p.W = U[u0: u0 + n0], W[i * hkv: (i + 1) * hkv]
+            p.V0 = V0[v0: v0 + hkv * L0].view(1, hkv, L0, -1)
+            u0, v0 = u0 + n0, v0 + hkv * L0
+        longest = max(pols, key=lambda p: p.rope_rows.shape[0])
+        st.update(lm=lm, lm_mask=lm_mask, lm_base=lm_base, U=U, W=W, V0=V0, rope=longest.rope_rows,
+                  uoff=host_to_device(uoff, dev).view(b, 1, 1), voff=host_to_device(voff, dev).view(b, hkv, 1),
+                  outliers=tuple(torch.cat([p.outlier_kv[j] for p in pols]) for j in (0, 1)))
+        return st
 
     # -- what the last step read ---------------------------------------------------------------------------------
     def sets(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -87,6 +87,7 @@ class StackedLayer:
         self.pos: torch.Tensor | None = None  # "evict": the rows' positions [B, Hkv, cap] (int64)
         self.aux: dict[str, torch.Tensor] = {}  # "evict", "select": the rows' per-token state, each [B, Hkv, cap]
         self.state: dict = {}  # what the policy's stacked step keeps for these rows (remade with the storage)
+        self.kept: dict = {}  # what it keeps for these rows whatever the storage's width (made once)
         grow = max(s.policy.storage_multiple for s in stores)
         self._home(-(-max(s._k.shape[2] for s in stores) // grow) * grow)
 
