@@ -96,6 +96,7 @@ class LycheePolicy(LayerPolicy):
         self.path = DecodePath(method, info.num_heads // info.num_kv_heads)
         self._fast: dict | None = None  # what the fast path's last step chose (``last`` materialises it)
         self.index_version = 0  # moves on whenever the index changes (stacked rows copy a row's tables again)
+        self._extra: tuple | None = None  # (the index's version, its bytes): ``extra_bytes``
 
     # -- shared chunker ------------------------------------------------------------------------------------
     def chunker(self, store) -> Chunker:
@@ -105,12 +106,17 @@ class LycheePolicy(LayerPolicy):
         return ch
 
     def extra_bytes(self) -> int:
+        """The index's bytes, read after every decode forward (the peak's note): summed again only when the index
+        or its grouped members changed."""
         if not self.built:
             return 0
-        t = [self.ck[:, :, : self.M], self.assign[:, :, : self.M], self.mu_c, self.r_c, self.cnt_c, self.tok_c,
-             self.parent, self.mu_g, self.r_g, self.cnt_g, self.tok_g, self.u_members, self.u_start, self.u_count,
-             self.c_members, self.c_start, self.c_count]
-        return sum(x.nbytes for x in t if x is not None) + self.path.nbytes()  # + the decode path's tables
+        key = (self.index_version, self.M, id(self.u_members), id(self.c_members))
+        if self._extra is None or self._extra[0] != key:
+            t = [self.ck[:, :, : self.M], self.assign[:, :, : self.M], self.mu_c, self.r_c, self.cnt_c, self.tok_c,
+                 self.parent, self.mu_g, self.r_g, self.cnt_g, self.tok_g, self.u_members, self.u_start, self.u_count,
+                 self.c_members, self.c_start, self.c_count]
+            self._extra = (key, sum(x.nbytes for x in t if x is not None) + self.path.nbytes())  # + the decode tables
+        return self._extra[1]
 
     def buffer_bytes(self, store) -> int:
         """Allocated beyond what ``extra_bytes`` counts, as allocated: the chunk keys' and assignments' room past the
