@@ -56,7 +56,6 @@ from luka_bench.device import host_to_device
 from luka_bench.methods.attention import add_retrieval_spans, kv_rows, sdpa, timed_exact
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.pages import PagedKeys, gather_pages, page_bound
-from luka_bench.methods.stacked import masked_attention
 
 GROUPS = ("layer", "kv_head")
 NEG = float("-inf")
@@ -227,9 +226,7 @@ class ArkValePolicy(LayerPolicy):
         masked."""
         stores = layer.stores
         if layer.plans[0] == "dense":
-            for s in stores:
-                s.policy.pid = None
-            return masked_attention(query, layer.kv[0], layer.kv[1], layer.layout.mask, scaling)
+            return layer.exact_step(query, scaling, pid=None)
         m = self.method
         ps = m.page_size
         b, hq, _, d = query.shape

@@ -43,7 +43,6 @@ from luka_bench.device import host_to_device
 from luka_bench.methods.attention import add_retrieval_spans, kv_rows, sdpa, timed_exact
 from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.kmeans import node_stats, spherical_kmeans
-from luka_bench.methods.stacked import masked_attention
 
 
 def _storage_bytes(*tensors: torch.Tensor | None) -> int:
@@ -205,9 +204,7 @@ class ClusterKVPolicy(LayerPolicy):
         leaves; a row's slots past its length masked), one SDPA; each row's union of rows read counted for all."""
         stores = layer.stores
         if layer.plans[0] == "dense":
-            for s in stores:
-                s.policy.sel = None
-            return masked_attention(query, layer.kv[0], layer.kv[1], layer.layout.mask, scaling)
+            return layer.exact_step(query, scaling, sel=None)
         b, hq, _, d = query.shape
         hkv = layer.kv.shape[2]
         g, r = hq // hkv, b * hkv

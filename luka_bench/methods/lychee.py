@@ -177,7 +177,7 @@ class LycheePolicy(LayerPolicy):
         f = self._fast
         if f is None:
             return super().attended_count(store)
-        # sinks + recent buffer (host) + the taken chunks' tokens (one device sum; stacked rows: one for all), per KV head
+        # sinks + recent buffer (host) + the taken chunks' tokens (one device sum; stacked: one for all rows), per head
         b, h = f["lens"].shape[:2]
         total = f["total"] if "total" in f else f["lens"].sum()
         return DeviceCount(total, 1.0 / (b * h), self.method.sink + f["n"] - f["frontier"])

@@ -31,7 +31,6 @@ from luka_bench.device import host_to_device
 from luka_bench.methods import cpu_kernel
 from luka_bench.methods.attention import kv_rows
 from luka_bench.methods.lychee_decode import NEG, DecodePath
-from luka_bench.methods.stacked import masked_attention
 
 
 class RowTables:
@@ -147,9 +146,7 @@ def stacked_step(policy, layer, query: torch.Tensor, scaling: float) -> torch.Te
     at most ``token_budget`` tokens ("dense"), else every row's retrieval and the one SDPA over what each chose."""
     stores = layer.stores
     if layer.plans[0] == "dense":
-        for s in stores:
-            s.policy.last = None
-        return masked_attention(query, layer.kv[0], layer.kv[1], layer.layout.mask, scaling)
+        return layer.exact_step(query, scaling, last=None)
     m = policy.method
     for s in stores:  # chunks closed, the index built or updated: each row's own (an event, as alone)
         s.policy._sync_index(s)

@@ -27,7 +27,6 @@ import torch
 
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.attention import exact_attention, group_logits, sdpa
-from luka_bench.methods.stacked import masked_attention
 
 
 def oracle_topk_select(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, k: int,
@@ -137,9 +136,7 @@ class OracleTopKPolicy(LayerPolicy):
         b, hq = query.shape[:2]
         hkv, cap = layer.kv.shape[2], layer.kv.shape[3]
         if layer.plans[0] == "dense":
-            for s in layer.stores:
-                s.policy.top = None
-            return masked_attention(query, layer.kv[0], layer.kv[1], layer.layout.mask, scaling)
+            return layer.exact_step(query, scaling, top=None)
         lay = layer.layout  # each row's free slots: -inf, the rows' mask per KV head (made once per step)
         bias = layer.stack.memo(("oracle_topk", id(lay)),
                                 lambda: lay.mask.view(b, 1, 1, cap).expand(b, hkv, 1, cap).reshape(b * hkv, 1, cap))

@@ -50,7 +50,6 @@ import torch.nn.functional as F
 from luka_bench.methods.attention import add_retrieval_spans, kv_rows, sdpa, timed_exact
 from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.pages import PagedKeys, gather_pages, page_bound  # noqa: F401 (page_bound: re-exported)
-from luka_bench.methods.stacked import masked_attention
 
 
 SELECT = ("kernel", "evaluation")  # which pages a step reads: Quest.select
@@ -211,9 +210,7 @@ class QuestPolicy(LayerPolicy):
         in one ``index_select``, each row's free slots of its last page masked."""
         stores = layer.stores
         if layer.plans[0] == "dense":
-            for s in stores:
-                s.policy.pid, s.policy._union_total = None, None
-            return masked_attention(query, layer.kv[0], layer.kv[1], layer.layout.mask, scaling)
+            return layer.exact_step(query, scaling, pid=None, _union_total=None)
         ps = self.method.page_size
         b, hq, _, d = query.shape
         hkv = layer.kv.shape[2]

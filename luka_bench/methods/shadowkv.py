@@ -57,7 +57,6 @@ import torch.nn.functional as F
 from luka_bench.device import host_to_device
 from luka_bench.methods.attention import add_retrieval_spans, causal_chunk_attention, sdpa, timed_exact
 from luka_bench.methods.base import KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
-from luka_bench.methods.stacked import masked_attention
 
 
 def rotate_half(x: torch.Tensor, rot: int) -> torch.Tensor:
@@ -246,9 +245,7 @@ class ShadowKVPolicy(LayerPolicy):
         (the stack's mask on its free ones)."""
         stores = layer.stores
         if layer.plans[0] == "dense":
-            for s in stores:
-                s.policy.pos = None
-            return masked_attention(query, layer.kv[0], layer.kv[1], layer.layout.mask, scaling)
+            return layer.exact_step(query, scaling, pos=None)
         m = self.method
         st = self._stacked_fit(layer)
         b, hq, _, d = query.shape

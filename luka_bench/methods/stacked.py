@@ -179,6 +179,14 @@ class StackedLayer:
             self.evict()
         return out
 
+    def exact_step(self, query: torch.Tensor, scaling: float, **cleared) -> torch.Tensor:
+        """A selecting layer's step where every row reads all it holds (its plan "dense"): each row's policy's
+        ``cleared`` attributes set (what a step read: nothing chosen), then one SDPA over the rows."""
+        for s in self.stores:
+            for name, value in cleared.items():
+                setattr(s.policy, name, value)
+        return masked_attention(query, self.kv[0], self.kv[1], self.layout.mask, scaling)
+
     def after(self, query: torch.Tensor) -> None:
         """After every row's ``after_step`` (``hf._stacked_attention``): the policy's ``stacked_after``, if any."""
         if self.mode != "exact" and self.policy.stacked_after is not None:
