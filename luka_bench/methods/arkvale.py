@@ -245,15 +245,11 @@ class ArkValePolicy(LayerPolicy):
         w = m.page_budget * ps
         rows = ((pid[:, None, :] if self.per_layer else pid) + st["off"]).view(-1)
         kv = kv_rows(layer.kv.view(2, -1, ps * d), rows).view(2, b, hkv, w, d)
-        lay = layer.layout
-
-        def mask():  # each row's open page open up to its slot of the step: once per step for all layers
-            return torch.where(st["at"] <= lay.slot.view(b, 1), st["zero"], st["neg"]).view(b, 1, 1, w)
-
-        out = sdpa(query, kv[0], kv[1], scaling, layer.stack.memo(("arkvale", st["key"], id(lay)), mask))
+        # each row's open page open up to its slot of the step (once per step for all layers)
+        out = sdpa(query, kv[0], kv[1], scaling, layer.held_upto(("arkvale", st["key"]), st["at"]).view(b, 1, 1, w))
         r1 = pid.shape[0] // b
-        for i, st_ in enumerate(stores):
-            st_.policy.pid, st_.policy.n_read = pid[i * r1: (i + 1) * r1], st_.n
+        for i, row in enumerate(stores):
+            row.policy.pid, row.policy.n_read = pid[i * r1: (i + 1) * r1], row.n
         return out
 
     def _stacked_fit(self, layer, cs: list[int], b: int, hkv: int) -> dict:
@@ -281,9 +277,7 @@ class ArkValePolicy(LayerPolicy):
             st.update(arkvale=layer.cap, res=res, cs=[0] * b, lo=layer.kv.new_zeros(b, hkv, pages, layer.kv.shape[-1]),
                       hi=layer.kv.new_zeros(b, hkv, pages, layer.kv.shape[-1]),
                       off=base.view(b, hkv, 1) if self.per_layer else base.view(b * hkv, 1),
-                      head=torch.arange(m.sink_pages, device=dev).expand(b * r1, m.sink_pages),
-                      zero=torch.zeros((), dtype=layer.kv.dtype, device=dev),
-                      neg=torch.full((), NEG, dtype=layer.kv.dtype, device=dev))
+                      head=torch.arange(m.sink_pages, device=dev).expand(b * r1, m.sink_pages))
         if st["cs"] != cs:
             for i, (c0, c1) in enumerate(zip(st["cs"], cs)):
                 if c0 == c1:

@@ -214,12 +214,9 @@ class ClusterKVPolicy(LayerPolicy):
         rows = torch.cat([st["sink_rows"], sel, st["gen_rows"]], dim=-1).view(-1)
         width = rows.numel() // (r * g)
         kv = kv_rows(layer.kv.view(2, -1, d), rows).view(2, b, hq, width, d)
-        lay = layer.layout
-
-        def mask():  # each row's slot of the step opens its generated region up to it: once per step for all layers
-            return torch.where(st["at"] <= lay.slot.view(b, 1), st["zero"], st["neg"]).view(b, 1, 1, width)
-
-        out = sdpa(query, kv[0], kv[1], scaling, layer.stack.memo(("clusterkv", st["key"], id(lay)), mask))
+        # each row's generated region open up to its slot of the step (once per step for all layers)
+        mask = layer.held_upto(("clusterkv", st["key"]), st["at"]).view(b, 1, 1, width)
+        out = sdpa(query, kv[0], kv[1], scaling, mask)
         total = None
         if g > 1:
             cap = layer.cap
@@ -263,9 +260,7 @@ class ClusterKVPolicy(LayerPolicy):
         st.update(clusterkv=(layer.cap, g), key=(layer.cap, tuple(prompts), g, kv.dtype), centroids=cent, size=size,
                   first=first, rows=rows, p=torch.arange(w, device=dev).expand(r, g, w).contiguous(),
                   sink_rows=(base + torch.arange(s, device=dev)).expand(r, g, s), gen_rows=gen_rows.expand(r, g, -1),
-                  at=torch.cat([torch.full((B, s + w), -1, dtype=torch.long, device=dev), at], dim=1),
-                  zero=torch.zeros((), dtype=kv.dtype, device=dev),
-                  neg=torch.full((), float("-inf"), dtype=kv.dtype, device=dev))
+                  at=torch.cat([torch.full((B, s + w), -1, dtype=torch.long, device=dev), at], dim=1))
         return st
 
     # -- what the last step read -------------------------------------------------------------------------------

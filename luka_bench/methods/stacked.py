@@ -62,6 +62,7 @@ class _Layout:
         self.mask = torch.where(torch.arange(cap, device=device)[None, :] < self.slot[:, None], 0.0,
                                 float("-inf")).to(dtype).view(B, 1, 1, cap)
         self.open = torch.zeros((), dtype=dtype, device=device)
+        self.closed = torch.full((), float("-inf"), dtype=dtype, device=device)
         self.at: int | None = None  # the step whose slots it holds (None: fresh)
 
     def advance(self, ns: list[int], at: int, delta) -> None:
@@ -187,6 +188,14 @@ class StackedLayer:
                 setattr(s.policy, name, value)
         return masked_attention(query, self.kv[0], self.kv[1], self.layout.mask, scaling)
 
+    def held_upto(self, key, at: torch.Tensor) -> torch.Tensor:
+        """An additive mask over a region of each row's slots, ``at`` [B, ...] (each entry the slot it reads): 0
+        where the slot holds a token at this step (at most the row's slot of the step), -inf elsewhere. Made once per
+        step for every layer asking with the same hashable ``key`` (what ``at``'s values follow) and layout."""
+        lay = self.layout
+        return self.stack.memo((key, id(lay)), lambda: torch.where(
+            at <= lay.slot.view(-1, *[1] * (at.dim() - 1)), lay.open, lay.closed))
+
     def after(self, query: torch.Tensor) -> None:
         """After every row's ``after_step`` (``hf._stacked_attention``): the policy's ``stacked_after``, if any."""
         if self.mode != "exact" and self.policy.stacked_after is not None:
@@ -284,24 +293,18 @@ class RowStack:
         self.pending: list[int] = []
         for i in range(len(caches[0].stores)):
             stores = [c.stores[i] for c in caches]
-            if any(declares(stores[0].policy, f) for f in ("stacked_evict", "stacked_select")) and \
-                    any(stack_mode(s) is None for s in stores):
-                self.pending.append(i)
             if any(s.packed is not None for s in stores):  # head-wise budgets packed (``stacked_packed.py``)
                 first = stores[0].policy
                 if all((s.packed is None or packed_decode(s)) and type(s.policy) is type(first)
                        and s.policy.method == first.method for s in stores) and packings_agree(stores):
                     self.layers[i] = StackedPacked(self, stores)
-                    self._stacked(i)
                 continue
             mode = stack_as(stores)
             if mode is not None:
                 self.layers[i] = StackedLayer(self, stores, mode)
-                self._stacked(i)
-
-    def _stacked(self, i: int) -> None:
-        if i in self.pending:
-            self.pending.remove(i)
+            elif any(declares(stores[0].policy, f) for f in ("stacked_evict", "stacked_select")) and \
+                    any(stack_mode(s) is None for s in stores):
+                self.pending.append(i)
 
     @classmethod
     def for_rows(cls, caches: list) -> "RowStack":
