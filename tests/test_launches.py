@@ -147,17 +147,13 @@ def test_views_are_told_by_the_schema():
 
 
 # issue 60: a batch of rows launches what one row does (the launch-bound decode step then costs about the same for
-# 4 rows as for 1). ShadowKV's rows of U are one table per batch row: a step offsets their index (one add per layer)
-# where one row needs none.
+# 4 rows as for 1). ShadowKV reads its rows of U by (batch row, position) in one gather: no offset added per row.
 BATCH = 4
-BATCH_OVER = {"shadowkv": "the rows of U offset per batch row (one add per layer)"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.xfail(strict=True, reason=BATCH_OVER[n])])
-                                  if n in BATCH_OVER else n
-                                  for n in ("full", "snapkv", "streaming_llm", "h2o", "tova", "luka_clustered", "quest",
-                                            "oracle_topk", "arkvale", "clusterkv", "entropy_ols", "adakv",
-                                            "duo_attention", "razor_attention", "shadowkv")])
+@pytest.mark.parametrize("name", ["full", "snapkv", "streaming_llm", "h2o", "tova", "luka_clustered", "quest",
+                                  "oracle_topk", "arkvale", "clusterkv", "entropy_ols", "adakv", "duo_attention",
+                                  "razor_attention", "shadowkv"])
 def test_a_batch_launches_what_one_row_does(name, llama, stock):
     method = instantiate(sync_method_config(name), _convert_="all")
     one = summary(decode_launch_counts(llama.model, method, PROMPT, STEPS, tokenizer=llama.tokenizer), stock, LAYERS)

@@ -157,7 +157,7 @@ class ShadowKVPolicy(LayerPolicy):
         ok, ov = store.gather(self.outlier_pos)
         self.outlier_kv = (ok.clone(), ov.clone())
         self._ar = ar
-        self._uoff = (torch.arange(b, device=K.device) * n0).view(b, 1, 1)  # each batch row's first row of U
+        self._rows = torch.arange(b, device=K.device).view(b, 1, 1)  # a position's row of U: (batch row, position)
         L0 = self.L0 = chunks * cs  # the local part: positions L0..n0-1, then the tail
         # the values of positions 0..L0-1 (offloaded in the reference), rows of V0 per (batch row, KV head)
         self.V0 = store.values[:, :, :L0].clone(memory_format=torch.contiguous_format)  # [B, Hkv, L0, Dv]
@@ -202,7 +202,7 @@ class ShadowKVPolicy(LayerPolicy):
         self.n_read = store.n
         w = sets * cs
         # rebuilt keys: rows of U times [SV, rotate_half(SV)], then RoPE at their positions (reference L313-334)
-        u = self.U.index_select(0, (pos if b == 1 else pos + self._uoff).view(-1)).view(b * hkv, w, self.rank)
+        u = self.u_rows(pos).view(b * hkv, w, self.rank)
         kw = torch.bmm(u, self.W)  # [B * Hkv, w, 2D]: the pre-RoPE keys and their rotate-half
         cs_rows = self.rope_rows.index_select(0, pos.view(-1)).view(b * hkv, w, 2 * d)
         ksel = torch.addcmul(kw[..., :d] * cs_rows[..., :d], kw[..., d:], cs_rows[..., d:])
@@ -219,12 +219,20 @@ class ShadowKVPolicy(LayerPolicy):
         add_retrieval_spans(store, t0, t1)
         return out
 
+    def u_rows(self, pos: torch.Tensor) -> torch.Tensor:
+        """The rows of U of each batch row's prompt positions ``pos`` [B, Hkv, m]: [B, Hkv, m, r] — one gather
+        (one row: by position; several: by (batch row, position), U seen as [B, n0, r]; no offset added)."""
+        b, hkv, w = pos.shape
+        if b == 1:
+            return self.U.index_select(0, pos.reshape(-1)).view(b, hkv, w, self.rank)
+        return self.U.view(b, -1, self.rank)[self._rows, pos]
+
     def rebuilt_keys(self, store, pos: torch.Tensor) -> torch.Tensor:
         """The keys the decode step rebuilds for the prompt positions ``pos`` [B, Hkv, m] (U SV, RoPE at ``pos``):
         [B, Hkv, m, D]."""
         b, hkv, w = pos.shape
         d = self.W.shape[-1] // 2
-        u = self.U.index_select(0, (pos + self._uoff).reshape(-1)).view(b, hkv, w, self.rank)
+        u = self.u_rows(pos)
         kw = torch.einsum("bhwr,bhrd->bhwd", u, self.W.view(b, hkv, self.rank, 2 * d))
         cs_rows = self.rope_rows.index_select(0, pos.reshape(-1)).view(b, hkv, w, 2 * d)
         return kw[..., :d] * cs_rows[..., :d] + kw[..., d:] * cs_rows[..., d:]
@@ -257,7 +265,7 @@ class ShadowKVPolicy(LayerPolicy):
         score = torch.softmax(logits.float() * scaling + st["lm_mask"], dim=-1).amax(dim=2)
         top = torch.topk(score, sets, dim=-1).indices
         pos = (st["lm_base"].gather(2, top)[..., None] + self._ar).view(b, hkv, w)
-        u = st["U"].index_select(0, (pos + st["uoff"]).view(-1)).view(b * hkv, w, self.rank)
+        u = st["U"][st["rows"], pos].view(b * hkv, w, self.rank)  # U [B, longest n0, r]: by (row, position)
         kw = torch.bmm(u, st["W"])
         cs_rows = st["rope"].index_select(0, pos.view(-1)).view(b * hkv, w, 2 * d)
         ksel = torch.addcmul(kw[..., :d] * cs_rows[..., :d], kw[..., d:], cs_rows[..., d:])
@@ -279,9 +287,10 @@ class ShadowKVPolicy(LayerPolicy):
 
     def _stacked_fit(self, layer) -> dict:
         """The rows' tables, made once for the stack (they never change after the prefill): landmarks, their first
-        positions and the mask past a row's own [B, Hkv, Cl(, D)]; U (the rows' concatenated, each row's first row
-        of it ``uoff``), [SV, rotate_half(SV)] [B * Hkv, r, 2D] and V0 as rows [sum of Hkv * L0, Dv] (``voff``: each
-        row's and KV head's first) — each row's own U, W and V0 then a view of its part, so nothing is held twice;
+        positions and the mask past a row's own [B, Hkv, Cl(, D)]; U [B, longest n0, r] (a shorter row's rows
+        past its prompt unused: read by (row, position), no offset added per step), [SV, rotate_half(SV)]
+        [B * Hkv, r, 2D] and V0 as rows [sum of Hkv * L0, Dv] (``voff``: each row's and KV head's first) — each
+        row's own U, W and V0 then a view of its part, so nothing is held twice;
         the RoPE table of the longest prompt (a position's row is every row's); the outliers' keys and values."""
         st = layer.kept
         if "U" in st:
@@ -297,20 +306,20 @@ class ShadowKVPolicy(LayerPolicy):
             c = p.lm.shape[2]
             lm[i, :, :c], lm_base[i, :, :c] = p.lm[0], p.lm_base[0]
             lm_mask[i, :, :, :c] = 0.0
-        U = torch.cat([p.U for p in pols])
+        U = pols[0].U.new_zeros(b, max(p.U.shape[0] for p in pols), pols[0].rank)
         W = torch.cat([p.W for p in pols])
         V0 = torch.cat([p.V0.reshape(-1, p.V0.shape[-1]) for p in pols])
-        uoff, voff, u0, v0 = [], [], 0, 0
+        voff, v0 = [], 0
         for i, p in enumerate(pols):
             n0, L0 = p.U.shape[0], p.L0
-            uoff.append(u0)
+            U[i, :n0] = p.U
             voff += [v0 + h * L0 for h in range(hkv)]
-            p.U, p.W = U[u0: u0 + n0], W[i * hkv: (i + 1) * hkv]
+            p.U, p.W = U[i, :n0], W[i * hkv: (i + 1) * hkv]
             p.V0 = V0[v0: v0 + hkv * L0].view(1, hkv, L0, -1)
-            u0, v0 = u0 + n0, v0 + hkv * L0
+            v0 += hkv * L0
         longest = max(pols, key=lambda p: p.rope_rows.shape[0])
         st.update(lm=lm, lm_mask=lm_mask, lm_base=lm_base, U=U, W=W, V0=V0, rope=longest.rope_rows,
-                  uoff=host_to_device(uoff, dev).view(b, 1, 1), voff=host_to_device(voff, dev).view(b, hkv, 1),
+                  rows=torch.arange(b, device=dev).view(b, 1, 1), voff=host_to_device(voff, dev).view(b, hkv, 1),
                   outliers=tuple(torch.cat([p.outlier_kv[j] for p in pols]) for j in (0, 1)))
         return st
 
