@@ -132,3 +132,36 @@ def test_fused_kernel_at_real_head_sizes_and_2k_keys(d):
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-4, atol=2e-5)
     torch.testing.assert_close(mass.sum(), torch.tensor(float(hq * lq)), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("g, d", [(3, 64), (9, 13), (1, 128)])
+def test_rows_attention_reads_the_rows_in_place_as_sdpa_over_them(g, d):
+    """``attention.attend_rows`` on the CPU (the C++ ``rows_attention``: each chosen row read where it lies, no
+    gathered copy) against float64 softmax attention over the gathered rows: head dims with and without the vector
+    width (64, 13, 128), group sizes under and over the kernel's 8 (3, 9, 1), rows repeated, rows out of order, a
+    finite bias on each row read, -inf on some (never read), logits far past underflow; the storage a view with gaps
+    (one tensor of keys and values inside a larger one). Each (batch row, KV head) is its own: a row computed alone
+    gives the same bits as in the batch."""
+    from luka_bench.methods import cpu_kernel
+    if cpu_kernel.rows_attention_op() is None:
+        pytest.skip("the fused CPU kernel could not be built here")
+    gen = torch.Generator().manual_seed(g * 100 + d)
+    b, h, n, t = 3, 2, 300, 77
+    big = torch.randn(2, n + 50, d, generator=gen)
+    kv = big[:, 25: 25 + n]  # keys and values 2 x n rows, the halves n + 50 rows apart
+    q = torch.randn(b, h, g, d, generator=gen) * 6
+    idx = torch.randint(0, n, (b, h, t), generator=gen)
+    idx[:, :, 5] = idx[:, :, 6]  # a row read twice
+    bias = torch.randn(b, h, 1, t + 3, generator=gen) * 2  # a finite bias of its own on every row read
+    bias[:, :, :, 60:] = float("-inf")
+    bias[1, 0, 0, 10:20] = float("-inf")
+    bias[2, 1, 0, 30] = -50.0
+    out = attention.attend_rows(q, kv, idx, bias[..., :t], d ** -0.5)
+    keys, values = kv.double()[0][idx], kv.double()[1][idx]  # [b, h, t, d]
+    logits = torch.einsum("bhgd,bhtd->bhgt", q.double(), keys) * d ** -0.5 + bias[..., :t].double()
+    ref = torch.einsum("bhgt,bhtd->bhgd", logits.softmax(-1), values)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    for r in range(b):
+        alone = attention.attend_rows(q[r: r + 1], kv, idx[r: r + 1], bias[r: r + 1, :, :, :t], d ** -0.5)
+        assert torch.equal(alone, out[r: r + 1])

@@ -126,6 +126,22 @@ def kv_rows(kv: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return kv.index_select(1, rows)
 
 
+def attend_rows(qg: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, bias: torch.Tensor,
+                scaling: float) -> torch.Tensor:
+    """Exact attention of grouped decode queries qg [B, Hkv, g, D] over the rows ``idx`` [B, Hkv, T] of keys and
+    values stored as one tensor ``kv`` [2, N, D], with the additive ``bias`` [B, Hkv, 1, T] (-inf: not read):
+    [B, Hkv, g, Dv]. On the CPU in fp32 with the kernels on, one C++ op reading the rows where they lie
+    (``rows_attention``: no gathered copy); elsewhere (CUDA, other dtypes) the rows gathered by ``kv_rows`` and one
+    SDPA over them."""
+    op = cpu_kernel.rows_attention_op() if cpu_kernel.cpu_fast(kv.device) and \
+        qg.dtype == kv.dtype == bias.dtype == torch.float32 else None
+    if op is not None:
+        return op(qg, kv, idx, bias, scaling)
+    b, h, t = idx.shape
+    rows = kv_rows(kv, idx.reshape(-1)).view(2, b, h, t, kv.shape[-1])
+    return F.scaled_dot_product_attention(qg, rows[0], rows[1], attn_mask=bias, scale=scaling)
+
+
 def group_logits(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
     """Logits of grouped queries q [B, Hkv, g, Lq, D] against their KV head's keys k [B, Hkv, m, D]:
     [B, Hkv, g, Lq, m] float32. The group's query heads are folded into the rows of one matmul per KV head; a

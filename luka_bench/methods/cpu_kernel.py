@@ -134,6 +134,14 @@ def lychee_decode_op():
     return torch.ops.luka_bench.lychee_decode
 
 
+def rows_attention_op():
+    """``torch.ops.luka_bench.rows_attention`` (built with ``attention_mass``, the same source), or None when the
+    kernel is disabled or could not be built: the caller gathers the rows and runs SDPA over them."""
+    if disabled() or attention_mass_op() is None:
+        return None
+    return torch.ops.luka_bench.rows_attention
+
+
 if __name__ == "__main__":
     if disabled():
         print(f"fused CPU attention kernel: disabled by {DISABLE_ENV}")

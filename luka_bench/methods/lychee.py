@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 from luka_bench.methods import cpu_kernel
 from luka_bench.methods.base import DeviceCount, KVMethod, LayerInfo, LayerPolicy, MethodConfigError, setting
-from luka_bench.methods.attention import add_retrieval_spans, group_sum, timed_exact
+from luka_bench.methods.attention import add_retrieval_spans, attend_rows, group_sum, timed_exact
 from luka_bench.methods.kmeans import node_stats, spherical_kmeans  # shared with clusterkv
 from luka_bench.methods.lychee_chunking import Chunker, vocab_levels
 from luka_bench.methods.lychee_decode import DecodePath
@@ -472,13 +472,16 @@ class LycheePolicy(LayerPolicy):
             pad = path.token_rows(sl, lens, last_row, within, C, out=idx[:, :, S: S + C])
             torch.where(pad, neg, zero, out=bias[:, :, 0, S: S + C])
         t1 = cache.mark(dev)
-        gk, gv = store.gather_flat(idx.view(-1), T)
-        out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), gk, gv, attn_mask=bias[..., :T],
-                                             scale=scaling)
+        kv = store.kv_flat()
+        if kv is not None:  # keys and values stored as one tensor: read in place on the CPU (``attend_rows``)
+            out = attend_rows(qg, kv, idx, bias[..., :T], scaling)
+        else:
+            gk, gv = store.gather_flat(idx.view(-1), T)
+            out = F.scaled_dot_product_attention(qg, gk, gv, attn_mask=bias[..., :T], scale=scaling)
         add_retrieval_spans(store, t0, t1)
         self._last = None
         self._fast = {"order": order, "lens": lens, "sel": sel, "n": n, "frontier": fr, "starts": ch.starts}
-        return out.reshape(b, hq, 1, gv.shape[-1])
+        return out.reshape(b, hq, 1, out.shape[-1])
 
     def _token_set(self, starts: torch.Tensor, cid: torch.Tensor, lens: torch.Tensor, fr: int, n: int):
         """The held tokens a retrieval reads, as ``retrieve`` returns them: idx / valid [B, H, sink + cmax *

@@ -25,11 +25,10 @@ settings; released with the stack)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from luka_bench.device import host_to_device
 from luka_bench.methods import cpu_kernel
-from luka_bench.methods.attention import kv_rows
+from luka_bench.methods.attention import attend_rows
 from luka_bench.methods.lychee_decode import NEG, DecodePath
 
 
@@ -186,8 +185,7 @@ def stacked_step(policy, layer, query: torch.Tensor, scaling: float) -> torch.Te
         idx = torch.cat([t.sinks, t.chunk_rows, recent], dim=-1)
         torch.where(pad, neg, zero, out=bias[:, :, 0, S: S + C])
         bias[:, :, 0, S + C: T] = open_
-    kv = kv_rows(layer.kv.view(2, -1, d), idx.view(-1)).view(2, b, hkv, T, d)
-    out = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=bias[..., :T], scale=scaling)
+    out = attend_rows(qg, layer.kv.view(2, -1, d), idx, bias[..., :T], scaling)
     total = lens.sum((1, 2))  # each row's chunk tokens read, for all rows at once
     for i, (s, ch) in enumerate(zip(stores, chs)):
         p = s.policy
@@ -196,5 +194,5 @@ def stacked_step(policy, layer, query: torch.Tensor, scaling: float) -> torch.Te
         p._fast = {"order": order[i: i + 1, :, :cm], "lens": lens[i: i + 1, :, :cm],
                    "sel": sel[i: i + 1, :, : p.mu_g.shape[2]], "n": ns[i], "frontier": frs[i], "starts": ch.starts,
                    "total": total[i]}
-    return out.reshape(b, hq, 1, kv.shape[-1])
+    return out.reshape(b, hq, 1, out.shape[-1])
 

@@ -198,8 +198,9 @@ class FixedShapeStore(Protocol):
     a decode step that attends over the whole storage capacity with the free slots masked, or gathers rows of the
     flattened storage, so consecutive steps dispatch the same ops on the same shapes. Rules: a graph-ready step holds
     no step-dependent Python number in an op (take it from ``DecodeStep``); free slots are finite (zero or a dropped
-    token's) and must be masked; ``gather_stacked`` / ``stacked`` / ``pages`` are None where keys and values are
-    stored apart; ``row_offsets`` is the same tensor until the storage is reallocated."""
+    token's) and must be masked; ``gather_stacked`` / ``kv_flat`` / ``stacked`` / ``pages`` are None where keys and
+    values are stored apart (``kv_flat``: the storage as rows [2, B * Hkv * cap, D], row ids as ``gather_flat``'s,
+    read in place by ``attention.attend_rows``); ``row_offsets`` is the same tensor until the storage is reallocated."""
 
     static_kv: tuple[torch.Tensor, torch.Tensor] | None  # a decode step's own keys and values (``DecodeStep.slot``)
 
@@ -210,6 +211,8 @@ class FixedShapeStore(Protocol):
     def gather_flat(self, flat: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def gather_stacked(self, flat: torch.Tensor, m: int) -> torch.Tensor | None: ...
+
+    def kv_flat(self) -> torch.Tensor | None: ...
 
     def stacked(self, start: int, stop: int) -> torch.Tensor | None: ...
 

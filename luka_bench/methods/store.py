@@ -23,9 +23,8 @@ def _stackable(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _rows(t: torch.Tensor, flat: torch.Tensor, m: int) -> torch.Tensor:
-    """``t[b, h, index[b, h, i]]`` for storage t [B, Hkv, cap, ...] (contiguous) and ``flat`` the row ids of
-    ``index`` [B, Hkv, m] in t flattened to [B * Hkv * cap, ...] (``KVStore._flat``): one index_select, [B, Hkv,
-    m, ...]."""
+    """``t[b, h, index[b, h, i]]`` for storage t [B, Hkv, cap, ...] (contiguous), ``flat`` the row ids of ``index``
+    [B, Hkv, m] in t flattened to [B * Hkv * cap, ...] (``KVStore._flat``): one index_select, [B, Hkv, m, ...]."""
     b, h, cap = t.shape[:3]
     return t.reshape(b * h * cap, *t.shape[3:]).index_select(0, flat).view(b, h, m, *t.shape[3:])
 
@@ -428,13 +427,14 @@ class KVStore:
         return _rows(self._k, flat, m), _rows(self._v, flat, m)
 
     def gather_stacked(self, flat: torch.Tensor, m: int) -> torch.Tensor | None:
-        """``gather_flat``'s keys and values as one tensor [2, B, Hkv, m, D] (one copy moves both), or None where
-        they are stored apart."""
+        """``gather_flat``'s keys and values as one tensor [2, B, Hkv, m, D] (one copy moves both), or None."""
+        kv = self.kv_flat()
+        return None if kv is None else kv_rows(kv, flat).view(2, *self._k.shape[:2], m, kv.shape[-1])
+
+    def kv_flat(self) -> torch.Tensor | None:
+        """Keys and values as rows of one tensor [2, B * Hkv * cap, D], or None where they are stored apart."""
         self.unpack()
-        if self._kv is None:
-            return None
-        b, h, cap, d = self._k.shape
-        return kv_rows(self._kv.view(2, b * h * cap, d), flat).view(2, b, h, m, d)
+        return None if self._kv is None else self._kv.view(2, -1, self._kv.shape[-1])
 
     def static_slot_at(self, offset: int) -> torch.Tensor:
         """``static_slot + offset`` [1] (the last decode step's slot moved by ``offset``: where a policy mirrors the

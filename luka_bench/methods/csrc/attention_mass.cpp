@@ -9,7 +9,8 @@
 // kept in rank order, the kept units' chunks ordered by their cluster's UB and their own score, the prefix that
 // fits the budget, its tokens as rows of the flattened storage) in one call, where the same rule as torch ops
 // (lychee.LycheePolicy._decode_attend, the path CUDA runs and the tests' reference) costs ~20 small ops whose
-// dispatch dominates a step here.
+// dispatch dominates a step here. And rows_attention: a decode query's exact attention over rows of the storage
+// chosen per head, read in place (no gathered copy).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -235,89 +236,208 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> lychee_de
   bool *Pd = pad.data_ptr<bool>(), *Se = sel.data_ptr<bool>();
   float* Bi = write_bias ? bias.data_ptr<float>() : nullptr;
   const float ninf = -std::numeric_limits<float>::infinity();
-  std::vector<float> qa(E), sc(N);
-  std::vector<int64_t> units(P), cand;
-  cand.reserve(M);
-  for (int64_t bh = 0; bh < B * H; ++bh) {
-    const int64_t b = bh / H, h = bh % H;
-    const int64_t R = R_of(b), fr = fr_of(b), n = n_of(b);
-    const double unit_limit = limit_of(b);
-    const int64_t* ln = Ln + b * ls;
-    // the group's summed query, each query head's norm, 1
-    std::fill(qa.begin(), qa.end(), 0.0f);
-    for (int64_t i = 0; i < G; ++i) {
-      const float* qi = Q + (bh * G + i) * D;
-      float nn = 0.0f;
-      for (int64_t e = 0; e < D; ++e) {
-        qa[e] += qi[e];
-        nn += qi[e] * qi[e];
+  at::parallel_for(0, B * H, 1, [&](int64_t bh0, int64_t bh1) {  // each (row, KV head) alone: split over threads
+    std::vector<float> qa(E), sc(N);
+    std::vector<int64_t> units(P), cand;
+    cand.reserve(M);
+    for (int64_t bh = bh0; bh < bh1; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const int64_t R = R_of(b), fr = fr_of(b), n = n_of(b);
+      const double unit_limit = limit_of(b);
+      const int64_t* ln = Ln + b * ls;
+      // the group's summed query, each query head's norm, 1
+      std::fill(qa.begin(), qa.end(), 0.0f);
+      for (int64_t i = 0; i < G; ++i) {
+        const float* qi = Q + (bh * G + i) * D;
+        float nn = 0.0f;
+        for (int64_t e = 0; e < D; ++e) {
+          qa[e] += qi[e];
+          nn += qi[e] * qi[e];
+        }
+        if (ub) qa[D + i] = std::sqrt(nn);
       }
-      if (ub) qa[D + i] = std::sqrt(nn);
-    }
-    qa[E - 1] = 1.0f;
-    // every node's score: a row vector times the table (contiguous over the nodes)
-    const float* tb = Tb + bh * E * N;
-    std::fill(sc.begin(), sc.end(), 0.0f);
-    for (int64_t e = 0; e < E; ++e) {
-      const float w = qa[e];
-      if (w == 0.0f && e != E - 1) continue;  // (the -inf row always counts: its weight is 1)
-      axpy(w, tb + e * N, sc.data(), N);
-    }
-    const float* s = sc.data();
-    const int64_t *u = U + bh * M, *cl = Cl + bh * M, *st = St + bh * M, *rw = Rw + bh * cap;
-    bool* se = Se + bh * P;
-    for (int64_t i = 0; i < P; ++i) units[i] = i;
-    std::stable_sort(units.begin(), units.end(), [&](int64_t a, int64_t c) { return s[a] > s[c]; });
-    double held = 0.0;
-    int64_t kept = 0;
-    for (int64_t r = 0; r < P; ++r) {
-      const int64_t g = units[r];
-      if (!(s[g] > ninf)) break;  // the dead units sort last
-      if (k_g > 0) {
-        if (kept >= k_g) break;
-      } else if (!(held < unit_limit)) {
-        break;
+      qa[E - 1] = 1.0f;
+      // every node's score: a row vector times the table (contiguous over the nodes)
+      const float* tb = Tb + bh * E * N;
+      std::fill(sc.begin(), sc.end(), 0.0f);
+      for (int64_t e = 0; e < E; ++e) {
+        const float w = qa[e];
+        if (w == 0.0f && e != E - 1) continue;  // (the -inf row always counts: its weight is 1)
+        axpy(w, tb + e * N, sc.data(), N);
       }
-      se[g] = true;
-      held += Tk[bh * P + g];
-      ++kept;
+      const float* s = sc.data();
+      const int64_t *u = U + bh * M, *cl = Cl + bh * M, *st = St + bh * M, *rw = Rw + bh * cap;
+      bool* se = Se + bh * P;
+      for (int64_t i = 0; i < P; ++i) units[i] = i;
+      std::stable_sort(units.begin(), units.end(), [&](int64_t a, int64_t c) { return s[a] > s[c]; });
+      double held = 0.0;
+      int64_t kept = 0;
+      for (int64_t r = 0; r < P; ++r) {
+        const int64_t g = units[r];
+        if (!(s[g] > ninf)) break;  // the dead units sort last
+        if (k_g > 0) {
+          if (kept >= k_g) break;
+        } else if (!(held < unit_limit)) {
+          break;
+        }
+        se[g] = true;
+        held += Tk[bh * P + g];
+        ++kept;
+      }
+      cand.clear();
+      for (int64_t j = 0; j < M; ++j)
+        if (se[u[j]]) cand.push_back(j);
+      const float* own = s + P + L;
+      std::sort(cand.begin(), cand.end(), [&](int64_t a, int64_t c) {
+        const float pa = s[cl[a]], pc = s[cl[c]];
+        if (pa != pc) return pa > pc;
+        if (cl[a] != cl[c]) return cl[a] < cl[c];
+        if (own[a] != own[c]) return own[a] > own[c];
+        return a < c;
+      });
+      int64_t* out = I + bh * T;
+      for (int64_t x = 0; x < S; ++x) out[x] = rw[x];
+      for (int64_t x = fr; x < n; ++x) out[S + C + (x - fr)] = rw[x];
+      for (int64_t x = n - fr; x < W; ++x) out[S + C + x] = rw[0];  // a shorter row's free recent slots (masked)
+      int64_t used = 0, pos = 0, k = 0;
+      for (int64_t j : cand) {
+        const int64_t len = ln[j];
+        if (used + len > R || k >= cmax || pos + len > C) break;
+        for (int64_t w = 0; w < len; ++w) out[S + pos + w] = st[j] + w;
+        O[bh * cmax + k] = j;
+        Le[bh * cmax + k] = len;
+        used += len;
+        pos += len;
+        ++k;
+      }
+      const int64_t fill = M ? st[0] : rw[0];
+      for (int64_t x = pos; x < C; ++x) out[S + x] = fill;
+      for (int64_t x = 0; x < C; ++x) Pd[bh * C + x] = x >= pos;
+      if (write_bias) {
+        float* bi = Bi + b * bias.stride(0) + h * bias.stride(1) + S;
+        for (int64_t x = 0; x < C; ++x) bi[x] = x < pos ? 0.0f : ninf;
+        for (int64_t x = 0; x < W; ++x) bi[C + x] = x < n - fr ? 0.0f : ninf;
+      }
     }
-    cand.clear();
-    for (int64_t j = 0; j < M; ++j)
-      if (se[u[j]]) cand.push_back(j);
-    const float* own = s + P + L;
-    std::sort(cand.begin(), cand.end(), [&](int64_t a, int64_t c) {
-      const float pa = s[cl[a]], pc = s[cl[c]];
-      if (pa != pc) return pa > pc;
-      if (cl[a] != cl[c]) return cl[a] < cl[c];
-      if (own[a] != own[c]) return own[a] > own[c];
-      return a < c;
-    });
-    int64_t* out = I + bh * T;
-    for (int64_t x = 0; x < S; ++x) out[x] = rw[x];
-    for (int64_t x = fr; x < n; ++x) out[S + C + (x - fr)] = rw[x];
-    for (int64_t x = n - fr; x < W; ++x) out[S + C + x] = rw[0];  // a shorter row's free recent slots (masked)
-    int64_t used = 0, pos = 0, k = 0;
-    for (int64_t j : cand) {
-      const int64_t len = ln[j];
-      if (used + len > R || k >= cmax || pos + len > C) break;
-      for (int64_t w = 0; w < len; ++w) out[S + pos + w] = st[j] + w;
-      O[bh * cmax + k] = j;
-      Le[bh * cmax + k] = len;
-      used += len;
-      pos += len;
-      ++k;
-    }
-    const int64_t fill = M ? st[0] : rw[0];
-    for (int64_t x = pos; x < C; ++x) out[S + x] = fill;
-    for (int64_t x = 0; x < C; ++x) Pd[bh * C + x] = x >= pos;
-    if (write_bias) {
-      float* bi = Bi + b * bias.stride(0) + h * bias.stride(1) + S;
-      for (int64_t x = 0; x < C; ++x) bi[x] = x < pos ? 0.0f : ninf;
-      for (int64_t x = 0; x < W; ++x) bi[C + x] = x < n - fr ? 0.0f : ninf;
-    }
-  }
+  });
   return {idx, pad, order, lens, sel};
+}
+
+
+// Exact attention of one decode query per query head over storage rows chosen per (batch row, KV head), read where
+// they lie: q [B, H, G, D] fp32 (the G query heads of each KV head), kv [2, N, D] fp32 (the flattened storage's key
+// rows, then its value rows; unit stride over D), idx [B, H, T] int64 (the rows read), bias [B, H, 1, >= T] fp32
+// (added to the scaled logits; -inf: the row is not read). Returns out [B, H, G, D] = softmax(q . k * scale + bias)
+// @ v: SDPA over the gathered rows without the gather's copy (lychee's decode step reads ~1,000 rows per head: the
+// copy cost as much as the attention). Each (batch row, KV head) is computed alone, in the same order whatever the
+// batch: a row stacked with others gets the bits it gets alone.
+constexpr int64_t AHEAD = 6;  // rows_attention: rows read ahead of the one in use (their addresses are random)
+
+inline void prefetch_row(const float* row, int64_t D) {
+  for (int64_t e = 0; e < D; e += 16) __builtin_prefetch(row + e);
+}
+
+// dots[g] = q_g . k for the G query heads of a group (q [G, D]): the key row loaded once for all of them.
+inline void group_dots(const float* __restrict q, const float* __restrict k, int64_t G, int64_t D,
+                       std::vector<float>& dots) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0 && G <= 8) {
+    __m256 a[8];
+    for (int64_t g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < D; e += 8) {
+      const __m256 kk = _mm256_loadu_ps(k + e);
+      for (int64_t g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + e), kk, a[g]);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a[g]), _mm256_extractf128_ps(a[g], 1));
+      const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      dots[g] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g) dots[g] = row_dot(q + g * D, k, D);
+}
+
+at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& kv, const at::Tensor& idx_in,
+                          const at::Tensor& bias, double scale) {
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat &&
+                  bias.scalar_type() == at::kFloat && idx_in.scalar_type() == at::kLong,
+              "rows_attention: fp32 query, storage and bias, int64 rows");
+  TORCH_CHECK(q_in.dim() == 4 && kv.dim() == 3 && kv.size(0) == 2 && kv.stride(2) == 1 && idx_in.dim() == 3 &&
+                  bias.dim() == 4, "rows_attention: q [B, H, G, D], kv [2, N, D], idx [B, H, T], bias [B, H, 1, T]");
+  const at::Tensor q = q_in.contiguous(), idx = idx_in.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), T = idx.size(2), N = kv.size(1);
+  TORCH_CHECK(kv.size(2) == D && idx.size(0) == B && idx.size(1) == H && bias.size(0) == B && bias.size(1) == H &&
+                  bias.size(3) >= T && bias.stride(3) == 1, "rows_attention: shapes do not match");
+  const int64_t* I = idx.data_ptr<int64_t>();
+  for (int64_t x = 0; x < B * H * T; ++x)
+    TORCH_CHECK(I[x] >= 0 && I[x] < N, "rows_attention: a row out of the storage");
+  at::Tensor out = at::empty({B, H, G, D}, q.options());
+  const float* Q = q.data_ptr<float>();
+  const float* K = kv.data_ptr<float>();
+  const float* V = K + kv.stride(0);
+  const int64_t rs = kv.stride(1), b0 = bias.stride(0), b1 = bias.stride(1);
+  const float* Bi = bias.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B * H, 1, [&](int64_t a, int64_t z) {
+    std::vector<float> lg(G * T), acc(G * D), mx(G), inv(G), dots(G);
+    for (int64_t bh = a; bh < z; ++bh) {
+      const float* qb = Q + bh * G * D;
+      const int64_t* ix = I + bh * T;
+      const float* bi = Bi + (bh / H) * b0 + (bh % H) * b1;
+      std::fill(mx.begin(), mx.end(), ninf);
+      for (int64_t t = 0; t < T; ++t) {  // the logits: each key row read once for the group's query heads
+        if (!(bi[t] > ninf)) {
+          for (int64_t g = 0; g < G; ++g) lg[g * T + t] = ninf;
+          continue;
+        }
+        if (t + AHEAD < T) prefetch_row(K + ix[t + AHEAD] * rs, D);
+        const float* k = K + ix[t] * rs;
+        group_dots(qb, k, G, D, dots);
+        for (int64_t g = 0; g < G; ++g) {
+          const float s = dots[g] * sc + bi[t];
+          lg[g * T + t] = s;
+          mx[g] = s > mx[g] ? s : mx[g];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {  // exp(logit - max) in place, and its sum
+        float* row = lg.data() + g * T;
+        float l = 0.f;
+        int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 m8 = _mm256_set1_ps(mx[g]);
+        __m256 l8 = _mm256_setzero_ps();
+        for (; t + 8 <= T; t += 8) {
+          const __m256 p = exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(row + t), m8));
+          _mm256_storeu_ps(row + t, p);
+          l8 = _mm256_add_ps(l8, p);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, l8);
+        for (int e = 0; e < 8; ++e) l += lanes[e];
+#endif
+        for (; t < T; ++t) { row[t] = exp_nonpos(row[t] - mx[g]); l += row[t]; }
+        inv[g] = 1.f / l;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < T; ++t) {  // the weighted values: each value row read once
+        if (!(bi[t] > ninf)) continue;
+        if (t + AHEAD < T) prefetch_row(V + ix[t + AHEAD] * rs, D);
+        const float* v = V + ix[t] * rs;
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = lg[g * T + t];
+          if (p != 0.f) axpy(p, v, acc.data() + g * D, D);
+        }
+      }
+      float* o = O + bh * G * D;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t e = 0; e < D; ++e) o[g * D + e] = acc[g * D + e] * inv[g];
+    }
+  });
+  return out;
 }
 
 }  // namespace
@@ -328,9 +448,11 @@ TORCH_LIBRARY(luka_bench, lib) {
   lib.def("lychee_decode(Tensor q, Tensor tab, Tensor chunk_unit, Tensor chunk_cluster, Tensor tok_g,"
           " Tensor slen, Tensor start_rows, Tensor rows, Tensor(a!) bias, int P, int L, bool ub, float[] unit_limit,"
           " int k_g, int[] R, int cmax, int C, int S, int[] fr, int[] n) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  lib.def("rows_attention(Tensor q, Tensor kv, Tensor idx, Tensor bias, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(luka_bench, CPU, lib) {
   lib.impl("attention_mass", &attention_mass);
   lib.impl("lychee_decode", &lychee_decode);
+  lib.impl("rows_attention", &rows_attention);
 }
