@@ -309,6 +309,7 @@ class LayerPolicy:
     # layer over their packings stacked (``stacked_packed.py``). An ``exact_decode`` policy needs no declaration
     stacked_packed: bool = False
     stacked_free_position = 0  # an evicting stack's position on a free slot (StreamingLLM: the largest int64)
+    stacked_free_state = 0.0  # a stack's per-token state (``aux``) on a free slot (H2O: +inf mass, never a victim)
     stacked_attend = None  # (layer: stacked.StackedLayer, query, scaling) -> [B, Hq, 1, Dv]; None: exact attention
     stacked_after = None  # (layer, query) -> None: after every row's after_step (what an event remade, remade now)
 

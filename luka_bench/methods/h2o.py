@@ -138,13 +138,17 @@ class H2OPolicy(ScorerPolicy):
         acc.add_(w.sum(dim=(2, 3)))
         return out
 
+    stacked_free_state = float("inf")  # a free slot's mass in the stack: never the least (no mask for the victims)
+
     def stacked_victims(self, layer):
-        """``evict``'s victim for every row: its recent window (each row's own) and free slots read as +inf mass."""
-        recent = [self.split(ScorerPolicy.capacity(self, s))[1] - 1 for s in layer.stores]
-        stack, lay = layer.stack, layer.layout
-        first = (stack.pos - stack.constant(recent, torch.long, stack.pos.device)[:, None])[:, :, None]
+        """``evict``'s victim for every row: its recent window (each row's own; its first position made once per
+        step for every layer of the same windows) and free slots (their mass +inf, ``stacked_free_state``; the
+        step's slot is the new token's, recent) read as +inf mass."""
+        recent = tuple(self.split(ScorerPolicy.capacity(self, s))[1] - 1 for s in layer.stores)
+        stack = layer.stack
+        first = stack.memo(("h2o_first_recent", recent), lambda: (
+            stack.pos - stack.constant(recent, torch.long, stack.pos.device)[:, None])[:, :, None])
         mass = layer.aux[MASS].masked_fill(layer.pos >= first, float("inf"))
-        mass.sub_(lay.mask.view(lay.mask.shape[0], 1, -1))  # free slots: +inf
         return torch.sub(layer.pos, mass.view(torch.int32), alpha=1 << 32).argmax(-1)
 
     def protected(self, store, cap: int) -> tuple[int, int]:

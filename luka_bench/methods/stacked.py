@@ -106,7 +106,7 @@ class StackedLayer:
                 s._positions.materialize(s._k)
             pos = torch.full((B, h, cap), self.policy.stacked_free_position, dtype=torch.long, device=first.device)
         # per-token state (H2O's masses, LuKA's accumulated mass) stacked beside the keys and values
-        aux = {} if self.mode == "exact" else {name: a.new_zeros(B, h, cap)
+        aux = {} if self.mode == "exact" else {name: a.new_full((B, h, cap), self.policy.stacked_free_state)
                                                for name, a in self.stores[0]._aux.items()}
         self.views = []
         for b, s in enumerate(self.stores):

@@ -128,13 +128,17 @@ class TOVAPolicy(ScorerPolicy):
             out = torch.where(layer.stack.constant(plans, torch.bool, out.device).view(-1, 1, 1, 1), out, exact)
         return out
 
+    # a free slot's position in the stack: its key (position - 2^32 x the bits of its score, 0) below every held
+    # token's (scores are sums of at most the query heads' weights: bits < 0x43800000 up to 256 heads, keys above
+    # -4.9e18), so a free slot is never the victim without a mask
+    stacked_free_position = -(3 << 61)
+
     def stacked_victims(self, layer):
         """``_drop_one``'s victim for every row (the newest token a candidate, unless ``protect_last``); free slots
-        read as +inf score."""
+        never (``stacked_free_position``)."""
         scores, self._step_scores = self._step_scores, None
         lay = layer.layout
         b = lay.mask.shape[0]
-        scores.sub_(lay.mask.view(b, -1))  # free slots: +inf (in place: float32 whatever the mask's dtype)
         if self.method.protect_last:
             scores[lay.rows, lay.slot] = float("inf")
         key = torch.sub(layer.pos[:, 0], scores.view(torch.int32), alpha=1 << 32)
