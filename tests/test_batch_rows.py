@@ -77,8 +77,8 @@ def test_every_row_of_a_batch_is_the_row_alone(name, model64):
     assert (min(len(h) for layer in kept[0] for h in layer) < LENGTH) != (name in KEEP_ALL)
     swapped, _, kept_swapped = run(model64, method, ids.flip(0))
     # the rows swapped: each row's logits within the same 1e-9 (a BLAS may round a GEMM's rows by where they sit:
-    # bit-equal on an Intel CPU, 1 ulp apart on an AMD EPYC for every method, full attention included) and the same
-    # kept positions
+    # bit-equal on the machine of the earlier sessions, 1 ulp apart on an AMD EPYC for every method, full attention
+    # included) and the same kept positions
     torch.testing.assert_close(swapped, logits.flip(0), rtol=0, atol=1e-9)
     assert kept_swapped == kept[::-1]
 
