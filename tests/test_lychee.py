@@ -170,9 +170,48 @@ def test_upper_bound_holds_after_many_lazy_updates():
     assert (pol.tok_c.sum(-1) == pol.M * 16).all() and (pol.tok_g.sum(-1) == pol.M * 16).all()
 
 
+@pytest.mark.parametrize("pooling", ["mean", "max"])
+def test_cpu_index_update_equals_the_torch_ops(pooling):
+    """On the CPU the new chunks' keys (pooled, normalised), a lazy update (their clusters, the moving centroids and
+    radii, the counts) and the decode table rebuilt from the index are one C++ call each
+    (``cpu_kernel.lychee_index_ops``); the same rules as torch ops (``segment_pool``, ``LycheePolicy._join`` /
+    ``_grow`` and ``DecodePath.rebuild``: the path CUDA runs) give the same index and table (the chunks' keys among
+    its columns) through 80 updates of 1-3 chunks (several joining one cluster at once), from the same build."""
+    from luka_bench.methods import cpu_kernel
+    if cpu_kernel.attention_mass_op() is None:
+        pytest.skip("the fused CPU kernel could not be built here")
+    m = Lychee(token_budget=200, sink=4, buffer=16, chunking="fixed", pooling=pooling)
+    runs = []
+    for off in (False, True):
+        with cpu_kernel.kernels_off(off):
+            cache, store, pol, gen = synthetic_policy(m, 500)
+            hkv, d = store.keys.shape[1], store.keys.shape[-1]
+            seen, M0 = [], pol.M
+            for step in range(80):
+                n = 16 * (1 + step % 3)
+                store.update(torch.randn(1, hkv, n, d, generator=gen) + 0.05 * step, torch.zeros(1, hkv, n, d))
+                pol._sync_index(store)
+                seen.append((pol.assign[:, :, : pol.M].clone(), pol.mu_c.clone(), pol.r_c.clone(),
+                             pol.cnt_c.clone(), pol.tok_c.clone(), pol.mu_g.clone(), pol.r_g.clone(),
+                             pol.cnt_g.clone(), pol.tok_g.clone(), pol.path.tab.clone(),
+                             pol.path.chunk_unit.clone(), pol.path.chunk_cluster.clone()))
+            runs.append((seen, pol.M - M0, bool((pol.cnt_c == 0).any())))
+    (kern, grew, _), (ops, _, _) = runs
+    assert grew >= 150
+    for step, (a, b) in enumerate(zip(kern, ops)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x.dtype == torch.long or i in (3, 4, 7, 8):  # assignments, counts: exact
+                assert torch.equal(x, y), (step, i)
+            else:
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=f"step {step}, tensor {i}")
+
+
 def test_naive_radius_rule_breaks_the_bound(monkeypatch):
     """The rule 'grow r only to cover the new chunk' lets old members leave the ball once the centroid moves: the
-    property test above would catch it."""
+    property test above would catch it (the rule's torch ops: ``LUKA_BENCH_NO_KERNEL=1``; the CPU's C++ call is held to
+    them by ``test_cpu_index_update_equals_the_torch_ops``)."""
+    from luka_bench.methods import cpu_kernel
+    monkeypatch.setenv(cpu_kernel.DISABLE_ENV, "1")
     def naive(cnt, mu, r, a, x):
         b, h, k, d = x.shape
         cnt2 = cnt.scatter_add(2, a, torch.ones(b, h, k))

@@ -142,6 +142,16 @@ def rows_attention_op():
     return torch.ops.luka_bench.rows_attention
 
 
+def lychee_index_ops(device: torch.device, dtype: torch.dtype):
+    """``(lychee_index_add, lychee_table, lychee_pool)`` from ``torch.ops.luka_bench`` (built with
+    ``attention_mass``, the same source) for an fp32 index on the CPU with the kernels on, else None: ``lychee``
+    then pools its new chunks, updates its index and rebuilds its decode table as torch ops (what CUDA runs)."""
+    if device.type != "cpu" or dtype != torch.float32 or disabled() or attention_mass_op() is None:
+        return None
+    ops = torch.ops.luka_bench
+    return ops.lychee_index_add, ops.lychee_table, ops.lychee_pool
+
+
 if __name__ == "__main__":
     if disabled():
         print(f"fused CPU attention kernel: disabled by {DISABLE_ENV}")

@@ -224,6 +224,9 @@ class LycheePolicy(LayerPolicy):
         ``pages.segment_pool``)."""
         lo, hi = int(ch.bounds[first]), int(ch.bounds[last])
         k = store.keys[:, :, lo:hi].float()
+        ops = cpu_kernel.lychee_index_ops(k.device, k.dtype)
+        if ops is not None and k.stride(-1) == 1:  # the same keys in one call on the CPU (``cpu_kernel``)
+            return ops[2](k, [b - lo for b in ch.bounds[first: last + 1]], self.method.pooling == "max")
         seg = ch.tok_chunk[lo - self.method.sink: hi - self.method.sink] - first
         starts = ch.starts[first: last]
         out = segment_pool(k, seg, starts, ch.starts[first + 1: last + 1] - starts, self.method.max_chunk,
@@ -274,19 +277,30 @@ class LycheePolicy(LayerPolicy):
             asg[:, :, :M0] = self.assign[:, :, :M0]
             self.ck, self.assign = ck, asg
         self.ck[:, :, M0:M1] = x
+        lens = (ch.starts[M0 + 1: M1 + 1] - ch.starts[M0: M1]).to(x.dtype)
+        ops = cpu_kernel.lychee_index_ops(x.device, x.dtype)
+        if ops is not None:  # the same rule in one call (``cpu_kernel``), the index's tensors updated in place
+            ops[0](x, lens, self.mu_c, self.r_c, self.cnt_c, self.tok_c, self.parent, self.mu_g, self.r_g,
+                   self.cnt_g, self.tok_g, self.assign, M0)
+        else:
+            self._join(x, lens, M0, M1)
+        self.M = M1
+        self._layout_due = bool(self._layout_due)  # the units' part stays due if it never was built
+        self._index_changed()
+
+    def _join(self, x: torch.Tensor, lens: torch.Tensor, M0: int, M1: int) -> None:
+        """``lazy_update``'s rule as torch ops (what CUDA runs; the CPU's C++ call is tested against it)."""
+        b, h, k, d = x.shape
         sim = torch.matmul(x, F.normalize(self.mu_c, dim=-1).transpose(-1, -2))
         sim = sim.masked_fill((self.cnt_c == 0).unsqueeze(2), NEG)
         c = sim.argmax(-1)  # [B, H, k]
         self.assign[:, :, M0:M1] = c
         g = self.parent.gather(2, c)
-        lens = (ch.starts[M0 + 1: M1 + 1] - ch.starts[M0: M1]).to(x.dtype).view(1, 1, -1).expand(b, h, k)
+        lens = lens.view(1, 1, -1).expand(b, h, k)
         self.cnt_c, self.mu_c, self.r_c = self._grow(self.cnt_c, self.mu_c, self.r_c, c, x)
         self.cnt_g, self.mu_g, self.r_g = self._grow(self.cnt_g, self.mu_g, self.r_g, g, x)
         self.tok_c = self.tok_c.scatter_add(2, c, lens)
         self.tok_g = self.tok_g.scatter_add(2, g, lens)
-        self.M = M1
-        self._layout_due = bool(self._layout_due)  # the units' part stays due if it never was built
-        self._index_changed()
 
     def _index_changed(self) -> None:
         """The decode path's tables follow the index (``DecodePath.rebuild``)."""

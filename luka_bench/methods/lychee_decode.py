@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from luka_bench.methods import cpu_kernel
+
 NEG = float("-inf")
 
 
@@ -65,6 +67,13 @@ class DecodePath:
         b, h, P, d = mu_g.shape
         L, M = mu_c.shape[2], ck.shape[2]
         g = self.group
+        self.flat = None  # the flat row tables follow M and the storage
+        self.M, self.tok_g = M, tok_g
+        ops = cpu_kernel.lychee_index_ops(ck.device, ck.dtype)
+        if ops is not None:  # the same table in one call on the CPU (``cpu_kernel``)
+            self.tab, self.chunk_unit, self.chunk_cluster = ops[1](mu_g, r_g, cnt_g, mu_c, r_c, cnt_c, ck, assign,
+                                                                   parent, M, g)
+            return
         tab = mu_g.new_zeros(b, h, d + g + 1, P + L + M)
         tab[:, :, :d, :P] = mu_g.transpose(-1, -2)
         tab[:, :, :d, P: P + L] = mu_c.transpose(-1, -2)
@@ -73,10 +82,9 @@ class DecodePath:
         tab[:, :, d: d + g, P: P + L] = r_c.unsqueeze(2)
         tab[:, :, d + g, :P].masked_fill_(cnt_g <= 0, NEG)
         tab[:, :, d + g, P: P + L].masked_fill_(cnt_c <= 0, NEG)
-        self.tab, self.M, self.tok_g = tab, M, tok_g
+        self.tab = tab
         self.chunk_unit = parent.gather(2, assign)
         self.chunk_cluster = assign + P
-        self.flat = None  # the flat row tables follow M and the storage
 
     def flat_tables(self, store, ch):
         """Row ids in the flattened storage (``KVStore.gather_flat``), made once per storage shape and index

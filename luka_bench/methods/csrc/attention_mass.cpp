@@ -10,7 +10,8 @@
 // fits the budget, its tokens as rows of the flattened storage) in one call, where the same rule as torch ops
 // (lychee.LycheePolicy._decode_attend, the path CUDA runs and the tests' reference) costs ~20 small ops whose
 // dispatch dominates a step here. And rows_attention: a decode query's exact attention over rows of the storage
-// chosen per head, read in place (no gathered copy).
+// chosen per head, read in place (no gathered copy). And lychee_index_add / lychee_table: its lazy index update at a
+// chunk closing (lychee_pool: the new chunks' keys) and the decode table rebuilt from the index, each one call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -440,6 +441,207 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& kv, const at
   return out;
 }
 
+// LycheeCluster's new chunk keys on the CPU (lychee.LycheePolicy.pool at a lazy update, as one call): keys
+// [B, H, T, D] fp32 (rows of unit stride; a view of the storage) and the chunks' bounds (k + 1 ints, slots of
+// keys: chunk j is bounds[j] .. bounds[j + 1] - 1); each chunk's mean (summed in slot order, then divided by its
+// length) or per-channel maximum, then normalised (x / max(|x|, 1e-12)). [B, H, k, D].
+at::Tensor lychee_pool(const at::Tensor& keys, at::IntArrayRef bounds, bool max) {
+  TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.dim() == 4 && keys.stride(3) == 1,
+              "lychee_pool: fp32 keys [B, H, T, D] with rows of unit stride");
+  const int64_t B = keys.size(0), H = keys.size(1), T = keys.size(2), D = keys.size(3);
+  const int64_t k = static_cast<int64_t>(bounds.size()) - 1;
+  const int64_t* Bd = bounds.data();
+  for (int64_t j = 0; j < k; ++j)
+    TORCH_CHECK(0 <= Bd[j] && Bd[j] < Bd[j + 1] && Bd[j + 1] <= T, "lychee_pool: chunk bounds out of the keys");
+  at::Tensor out = at::empty({B, H, k, D}, keys.options().memory_format(at::MemoryFormat::Contiguous));
+  const float* K = keys.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const int64_t s0 = keys.stride(0), s1 = keys.stride(1), s2 = keys.stride(2);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B * H, 1, [&](int64_t bh0, int64_t bh1) {
+    for (int64_t bh = bh0; bh < bh1; ++bh) {
+      const float* kb = K + (bh / H) * s0 + (bh % H) * s1;
+      for (int64_t j = 0; j < k; ++j) {
+        float* o = O + (bh * k + j) * D;
+        std::fill(o, o + D, max ? ninf : 0.f);
+        for (int64_t t = Bd[j]; t < Bd[j + 1]; ++t) {
+          const float* row = kb + t * s2;
+          if (max)
+            for (int64_t e = 0; e < D; ++e) o[e] = std::max(o[e], row[e]);
+          else
+            for (int64_t e = 0; e < D; ++e) o[e] += row[e];
+        }
+        if (!max) {
+          const float n = static_cast<float>(Bd[j + 1] - Bd[j]);
+          for (int64_t e = 0; e < D; ++e) o[e] /= n;
+        }
+        float nn = 0.f;
+        for (int64_t e = 0; e < D; ++e) nn += o[e] * o[e];
+        const float den = std::max(std::sqrt(nn), 1e-12f);
+        for (int64_t e = 0; e < D; ++e) o[e] /= den;
+      }
+    }
+  });
+  return out;
+}
+
+// LycheeCluster's lazy index update on the CPU (lychee.LycheePolicy.lazy_update; the same rule as torch ops, in
+// LycheePolicy._grow, is the path CUDA runs and the tests' reference), where the torch ops cost ~40 small launches
+// per chunk closing and layer. x [B, H, k, D] fp32: the k new chunks' normalised keys; each joins the live fine
+// cluster (cnt_c > 0) of the largest x . mu / max(|mu|, 1e-12) (all k chosen before any centroid moves; ties: the
+// lower index) and that cluster's unit (parent [B, H, L]). Every node a new chunk joins: count + its new members,
+// centroid = the members' mean (moving average), radius = r + |centroid shift| (0 if it was empty), then at least
+// each new member's distance to the new centroid; its token count + the members' lens [k]. Nodes no chunk joins are
+// left as they are. In place (contiguous fp32): mu_c [B, H, L, D], r_c, cnt_c, tok_c [B, H, L]; mu_g [B, H, P, D],
+// r_g, cnt_g, tok_g [B, H, P]; assign [B, H, >= M0 + k] (int64) gets the new chunks' clusters at M0 ...
+void grow_nodes(float* mu, float* r, float* cnt, float* tok, const float* x, const float* lens,
+                const int64_t* node, int64_t k, int64_t D, std::vector<float>& mu2) {
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t a = node[j];
+    bool first = true;  // a node's update done once, at its first new member
+    for (int64_t i = 0; i < j; ++i) first = first && node[i] != a;
+    if (!first) continue;
+    float* m = mu + a * D;
+    const float n0 = cnt[a];
+    float n1 = n0, tk = 0.f;
+    for (int64_t e = 0; e < D; ++e) mu2[e] = m[e] * n0;
+    for (int64_t i = j; i < k; ++i) {
+      if (node[i] != a) continue;
+      n1 += 1.f;
+      tk += lens[i];
+      for (int64_t e = 0; e < D; ++e) mu2[e] += x[i * D + e];
+    }
+    float shift = 0.f;
+    for (int64_t e = 0; e < D; ++e) {
+      const float v = mu2[e] / n1;
+      shift += (v - m[e]) * (v - m[e]);
+      m[e] = v;
+    }
+    float rad = n0 > 0.f ? r[a] + std::sqrt(shift) : 0.f;
+    for (int64_t i = j; i < k; ++i) {
+      if (node[i] != a) continue;
+      float d2 = 0.f;
+      for (int64_t e = 0; e < D; ++e) d2 += (x[i * D + e] - m[e]) * (x[i * D + e] - m[e]);
+      rad = std::max(rad, std::sqrt(d2));
+    }
+    r[a] = rad;
+    cnt[a] = n1;
+    tok[a] += tk;
+  }
+}
+
+void lychee_index_add(const at::Tensor& x_in, const at::Tensor& lens_in, const at::Tensor& mu_c,
+                      const at::Tensor& r_c, const at::Tensor& cnt_c, const at::Tensor& tok_c,
+                      const at::Tensor& parent_in, const at::Tensor& mu_g, const at::Tensor& r_g,
+                      const at::Tensor& cnt_g, const at::Tensor& tok_g, const at::Tensor& assign, int64_t M0) {
+  for (const at::Tensor* t : {&x_in, &lens_in, &mu_c, &r_c, &cnt_c, &tok_c, &mu_g, &r_g, &cnt_g, &tok_g})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "lychee_index_add: fp32 keys, lengths and index");
+  for (const at::Tensor* t : {&mu_c, &r_c, &cnt_c, &tok_c, &mu_g, &r_g, &cnt_g, &tok_g, &assign})
+    TORCH_CHECK(t->is_contiguous(), "lychee_index_add: the index tensors it updates must be contiguous");
+  const at::Tensor x = x_in.contiguous(), lens = lens_in.contiguous(), parent = parent_in.contiguous();
+  const int64_t B = x.size(0), H = x.size(1), k = x.size(2), D = x.size(3);
+  const int64_t L = mu_c.size(2), P = mu_g.size(2), cap = assign.size(2);
+  TORCH_CHECK(lens.numel() == k && mu_c.size(3) == D && mu_g.size(3) == D && parent.size(2) == L &&
+                  assign.scalar_type() == at::kLong && parent.scalar_type() == at::kLong && M0 + k <= cap,
+              "lychee_index_add: shapes do not match");
+  const float *X = x.data_ptr<float>(), *Ln = lens.data_ptr<float>();
+  float *Mc = mu_c.data_ptr<float>(), *Rc = r_c.data_ptr<float>(), *Cc = cnt_c.data_ptr<float>();
+  float *Tc = tok_c.data_ptr<float>(), *Mg = mu_g.data_ptr<float>(), *Rg = r_g.data_ptr<float>();
+  float *Cg = cnt_g.data_ptr<float>(), *Tg = tok_g.data_ptr<float>();
+  const int64_t* Pa = parent.data_ptr<int64_t>();
+  int64_t* As = assign.data_ptr<int64_t>();
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B * H, 1, [&](int64_t bh0, int64_t bh1) {
+    std::vector<float> dir(L * D), tmp(D);
+    std::vector<int64_t> c(k), g(k);
+    for (int64_t bh = bh0; bh < bh1; ++bh) {
+      float* mc = Mc + bh * L * D;
+      const float* cc = Cc + bh * L;
+      for (int64_t l = 0; l < L; ++l) {  // each cluster's direction (F.normalize's rule)
+        float nn = 0.f;
+        for (int64_t e = 0; e < D; ++e) nn += mc[l * D + e] * mc[l * D + e];
+        const float den = std::max(std::sqrt(nn), 1e-12f);
+        for (int64_t e = 0; e < D; ++e) dir[l * D + e] = mc[l * D + e] / den;
+      }
+      const float* xb = X + bh * k * D;
+      for (int64_t j = 0; j < k; ++j) {  // the nearest live cluster
+        float best = ninf;
+        int64_t arg = 0;
+        for (int64_t l = 0; l < L; ++l) {
+          if (!(cc[l] > 0.f)) continue;
+          float s = 0.f;
+          for (int64_t e = 0; e < D; ++e) s += xb[j * D + e] * dir[l * D + e];
+          if (s > best) { best = s; arg = l; }
+        }
+        c[j] = arg;
+        g[j] = Pa[bh * L + arg];
+        As[bh * cap + M0 + j] = arg;
+      }
+      grow_nodes(mc, Rc + bh * L, Cc + bh * L, Tc + bh * L, xb, Ln, c.data(), k, D, tmp);
+      grow_nodes(Mg + bh * P * D, Rg + bh * P, Cg + bh * P, Tg + bh * P, xb, Ln, g.data(), k, D, tmp);
+    }
+  });
+}
+
+// LycheeCluster's decode table (lychee_decode.DecodePath.rebuild as one call on the CPU): tab [B, H, D + G + 1,
+// P + L + M] fp32 — the units' and fine clusters' centroids and the M chunks' keys (ck [B, H, >= M, D], rows of unit
+// stride) as columns, each node's radius in the G rows below (0 for chunks), 0 or -inf (an empty node) in the last
+// — each chunk's unit parent[assign] and cluster column P + assign [B, H, M].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lychee_table(
+    const at::Tensor& mu_g_in, const at::Tensor& r_g_in, const at::Tensor& cnt_g_in, const at::Tensor& mu_c_in,
+    const at::Tensor& r_c_in, const at::Tensor& cnt_c_in, const at::Tensor& ck, const at::Tensor& assign,
+    const at::Tensor& parent_in, int64_t M, int64_t G) {
+  const at::Tensor mu_g = mu_g_in.contiguous(), r_g = r_g_in.contiguous(), cnt_g = cnt_g_in.contiguous();
+  const at::Tensor mu_c = mu_c_in.contiguous(), r_c = r_c_in.contiguous(), cnt_c = cnt_c_in.contiguous();
+  const at::Tensor parent = parent_in.contiguous();
+  for (const at::Tensor* t : {&mu_g, &r_g, &cnt_g, &mu_c, &r_c, &cnt_c, &ck})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "lychee_table: an fp32 index");
+  const int64_t B = mu_g.size(0), H = mu_g.size(1), P = mu_g.size(2), D = mu_g.size(3), L = mu_c.size(2);
+  TORCH_CHECK(ck.stride(3) == 1 && ck.size(2) >= M && assign.size(2) >= M && assign.scalar_type() == at::kLong &&
+                  parent.size(2) == L, "lychee_table: shapes do not match");
+  const int64_t E = D + G + 1, N = P + L + M;
+  at::Tensor tab = at::empty({B, H, E, N}, mu_g.options());
+  at::Tensor unit = at::empty({B, H, M}, assign.options()), cluster = at::empty({B, H, M}, assign.options());
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B * H, 1, [&](int64_t bh0, int64_t bh1) {
+    for (int64_t bh = bh0; bh < bh1; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      float* t = tab.data_ptr<float>() + bh * E * N;
+      const float* mg = mu_g.data_ptr<float>() + bh * P * D;
+      const float* mc = mu_c.data_ptr<float>() + bh * L * D;
+      const float* kc = ck.data_ptr<float>() + b * ck.stride(0) + h * ck.stride(1);
+      const int64_t ks = ck.stride(2);
+      for (int64_t e = 0; e < D; ++e) {
+        float* row = t + e * N;
+        for (int64_t p = 0; p < P; ++p) row[p] = mg[p * D + e];
+        for (int64_t l = 0; l < L; ++l) row[P + l] = mc[l * D + e];
+        for (int64_t m = 0; m < M; ++m) row[P + L + m] = kc[m * ks + e];
+      }
+      const float *rg = r_g.data_ptr<float>() + bh * P, *rc = r_c.data_ptr<float>() + bh * L;
+      for (int64_t i = 0; i < G; ++i) {
+        float* row = t + (D + i) * N;
+        std::memcpy(row, rg, P * sizeof(float));
+        std::memcpy(row + P, rc, L * sizeof(float));
+        std::fill(row + P + L, row + N, 0.f);
+      }
+      float* last = t + (E - 1) * N;
+      const float *cg = cnt_g.data_ptr<float>() + bh * P, *cc = cnt_c.data_ptr<float>() + bh * L;
+      for (int64_t p = 0; p < P; ++p) last[p] = cg[p] <= 0.f ? ninf : 0.f;
+      for (int64_t l = 0; l < L; ++l) last[P + l] = cc[l] <= 0.f ? ninf : 0.f;
+      std::fill(last + P + L, last + N, 0.f);
+      const int64_t* as = assign.data_ptr<int64_t>() + b * assign.stride(0) + h * assign.stride(1);
+      const int64_t* pa = parent.data_ptr<int64_t>() + bh * L;
+      int64_t *u = unit.data_ptr<int64_t>() + bh * M, *cl = cluster.data_ptr<int64_t>() + bh * M;
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t a = as[m * assign.stride(2)];
+        u[m] = pa[a];
+        cl[m] = P + a;
+      }
+    }
+  });
+  return {tab, unit, cluster};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(luka_bench, lib) {
@@ -449,10 +651,19 @@ TORCH_LIBRARY(luka_bench, lib) {
           " Tensor slen, Tensor start_rows, Tensor rows, Tensor(a!) bias, int P, int L, bool ub, float[] unit_limit,"
           " int k_g, int[] R, int cmax, int C, int S, int[] fr, int[] n) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   lib.def("rows_attention(Tensor q, Tensor kv, Tensor idx, Tensor bias, float scale) -> Tensor");
+  lib.def("lychee_index_add(Tensor x, Tensor lens, Tensor(a!) mu_c, Tensor(b!) r_c, Tensor(c!) cnt_c,"
+          " Tensor(d!) tok_c, Tensor parent, Tensor(e!) mu_g, Tensor(f!) r_g, Tensor(g!) cnt_g, Tensor(h!) tok_g,"
+          " Tensor(i!) assign, int M0) -> ()");
+  lib.def("lychee_table(Tensor mu_g, Tensor r_g, Tensor cnt_g, Tensor mu_c, Tensor r_c, Tensor cnt_c, Tensor ck,"
+          " Tensor assign, Tensor parent, int M, int G) -> (Tensor, Tensor, Tensor)");
+  lib.def("lychee_pool(Tensor keys, int[] bounds, bool max) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(luka_bench, CPU, lib) {
   lib.impl("attention_mass", &attention_mass);
   lib.impl("lychee_decode", &lychee_decode);
   lib.impl("rows_attention", &rows_attention);
+  lib.impl("lychee_index_add", &lychee_index_add);
+  lib.impl("lychee_table", &lychee_table);
+  lib.impl("lychee_pool", &lychee_pool);
 }
