@@ -61,7 +61,6 @@ class RowTables:
         self.qa = torch.zeros(B, H, 1, e, dtype=torch.float32, device=dev)
         self.qa[..., -1] = 1.0
         self.above = torch.zeros(B, H, pu, pu, dtype=torch.float32, device=dev)
-        self.chunk_rows: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.fr_key = None  # the frontiers the recent region's tensors were made for (``per_step``)
         self.consts = (torch.full((), NEG, dtype=kv.dtype, device=dev), torch.zeros((), dtype=kv.dtype, device=dev),
@@ -97,12 +96,28 @@ class RowTables:
             self.bias = torch.zeros(B, H, 1, width, dtype=dtype, device=self.rows.device)
         return self.bias
 
-    def per_step(self, slot: torch.Tensor, frs: list[int], W: int, neg: torch.Tensor, zero: torch.Tensor):
+    def shared(self, lay, S: int, C: int, W: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's row ids [B, H, S + C + W] and additive mask [B, H, 1, S + C + W], one pair for every layer of
+        the rows' layout (``stacked._Layout.kept``: kept across steps): the sinks' rows laid out once, the recent
+        part written once per step (``per_step``), the chunk part by each layer before its attention (as a row
+        alone writes its own buffer: no copy per layer)."""
+        key = ("lychee_rows", S, C, W, dtype)
+        got = lay.kept.get(key)
+        if got is None:
+            B, H = self.rows.shape[:2]
+            idx = torch.empty(B, H, S + C + W, dtype=torch.long, device=self.rows.device)
+            idx[:, :, :S] = self.sinks
+            got = lay.kept[key] = (idx, torch.zeros(B, H, 1, S + C + W, dtype=dtype, device=self.rows.device))
+        return got
+
+    def per_step(self, slot: torch.Tensor, frs: list[int], W: int, neg: torch.Tensor, zero: torch.Tensor,
+                 rows_out: torch.Tensor, open_out: torch.Tensor):
         """What every layer of a step shares on the torch path, from the rows' slots (``slot`` [B]: each row's length
         before the step's write, advanced in place by ``stacked.py``) and tensors remade only when a row's frontier
         moved (a chunk closed): each row's R = budget - sinks - (n - fr) [B, 1, 1] and coarse line cfR (fp32, as a
-        row alone compares its own with its fp32 token sums), its recent rows [B, H, W] (slots past its own recent
-        tokens: its first row) and their mask [B, 1, W] (0 / -inf). Five ops per step."""
+        row alone compares its own with its fp32 token sums), and, written into the layout's shared buffers
+        (``shared``), its recent rows ``rows_out`` [B, H, W] (slots past its own recent tokens: its first row) and
+        their mask ``open_out`` [B, H, W] (0 / -inf). Five ops per step."""
         m = self.path.method
         B = len(frs)
         if self.fr_key != (tuple(frs), W):
@@ -113,11 +128,15 @@ class RowTables:
             self.top = fr + (m.token_budget - m.sink - 1)  # R = top - slot (n = slot + 1)
             self.cf = torch.full((), float(m.coarse_factor), dtype=torch.float64, device=dev)
             self.fr_key = (tuple(frs), W)
+            self.cfR = torch.empty(B, 1, 1, dtype=torch.float32, device=dev)
         s = slot.view(B, 1, 1)
         R = self.top - s
-        cfR = None if m.k_g is not None else torch.mul(R, self.cf).float()
-        inside = self.fr_at <= s  # slot fr + i holds a token: fr + i < n
-        return R, cfR, torch.where(inside, self.fr_rows, self.base), torch.where(inside, zero, neg)
+        # fp32 written by the product itself (computed in fp64, rounded once: R x cf then .float())
+        cfR = None if m.k_g is not None else torch.mul(R, self.cf, out=self.cfR)
+        inside = (self.fr_at <= s).expand(rows_out.shape)  # slot fr + i holds a token: fr + i < n
+        torch.where(inside, self.fr_rows, self.base, out=rows_out)
+        torch.where(inside, zero, neg, out=open_out)
+        return R, cfR
 
     def slots(self) -> tuple[int, int]:
         """(cmax, C) of the row with the most chunks (``DecodePath.slots``)."""
@@ -173,18 +192,15 @@ def stacked_step(policy, layer, query: torch.Tensor, scaling: float) -> torch.Te
     else:  # torch ops (what CUDA runs): the same ops on the same shapes between chunk closings
         W = max(m.buffer + m.max_chunk, max(n - fr for n, fr in zip(ns, frs)))  # the recent region, fixed
         T = S + C + W
-        bias = t.buffers(T, query.dtype)
         lay = layer.layout
-        R, cfR, recent, open_ = layer.stack.memo(("lychee", tuple(frs), W, t.cap, hkv, query.dtype, id(lay)),
-                                                 lambda: t.per_step(lay.slot, frs, W, neg, zero))
+        idx, bias = t.shared(lay, S, C, W, query.dtype)
+        R, cfR = layer.stack.memo(("lychee", tuple(frs), W, t.cap, hkv, query.dtype, id(lay)),
+                                  lambda: t.per_step(lay.slot, frs, W, neg, zero, idx[:, :, S + C:],
+                                                     bias[:, :, 0, S + C:]))
         sc = path.score(qg, t.qa)
         order, sl, lens, sel = path.select(sc, t.start_len, t.above, neg, t.pu, t.lc, R, cfR, cmax)
-        if t.chunk_rows is None or t.chunk_rows.shape[-1] != C:
-            t.chunk_rows = torch.empty(b, hkv, C, dtype=torch.long, device=dev)
-        pad = path.token_rows(sl, lens, t.rows.numel() - 1, within, C, out=t.chunk_rows)
-        idx = torch.cat([t.sinks, t.chunk_rows, recent], dim=-1)
+        pad = path.token_rows(sl, lens, t.rows.numel() - 1, within, C, out=idx[:, :, S: S + C])
         torch.where(pad, neg, zero, out=bias[:, :, 0, S: S + C])
-        bias[:, :, 0, S + C: T] = open_
     out = attend_rows(qg, layer.kv.view(2, -1, d), idx, bias[..., :T], scaling)
     total = lens.sum((1, 2))  # each row's chunk tokens read, for all rows at once
     for i, (s, ch) in enumerate(zip(stores, chs)):

@@ -64,6 +64,7 @@ class _Layout:
         self.open = torch.zeros((), dtype=dtype, device=device)
         self.closed = torch.full((), float("-inf"), dtype=dtype, device=device)
         self.at: int | None = None  # the step whose slots it holds (None: fresh)
+        self.kept: dict = {}  # what a policy's stacked step shares between the layers of this layout, across steps
 
     def advance(self, ns: list[int], at: int, delta) -> None:
         """Move to step ``at`` (rows at lengths ``ns``, each the last step's or one more: ``delta`` [B] of 0/1 as a
