@@ -54,10 +54,14 @@ from .stacked_packed import StackedPacked, packed_decode, packings_agree
 class _Layout:
     """The rows' slots and mask shared by every stacked layer whose rows have the same lengths and width at a step."""
 
-    def __init__(self, ns: list[int], cap: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, ns: list[int], cap: int, dtype: torch.dtype, device: torch.device,
+                 slot: torch.Tensor | None = None):
         B = len(ns)
         self.ns, self.cap = list(ns), cap  # the rows' lengths before the step's write
-        self.slot = host_to_device(ns, device)  # [B]: each row's slot of the step
+        # [B]: each row's slot of the step — its own tensor, or a column of the stack's counter (``RowStack.ride``),
+        # which the positions' one add per step moves on with them
+        self.slot = host_to_device(ns, device) if slot is None else slot
+        self.rides: torch.Tensor | None = None  # the counter whose column ``slot`` is (set by ``RowStack.layout``)
         self.rows = torch.arange(B, device=device)
         self.mask = torch.where(torch.arange(cap, device=device)[None, :] < self.slot[:, None], 0.0,
                                 float("-inf")).to(dtype).view(B, 1, 1, cap)
@@ -66,11 +70,12 @@ class _Layout:
         self.at: int | None = None  # the step whose slots it holds (None: fresh)
         self.kept: dict = {}  # what a policy's stacked step shares between the layers of this layout, across steps
 
-    def advance(self, ns: list[int], at: int, delta) -> None:
-        """Move to step ``at`` (rows at lengths ``ns``, each the last step's or one more: ``delta`` [B] of 0/1 as a
-        device tensor, or 1 for all) and open the step's slots in the mask: once per step for all its layers."""
-        if self.at is not None:
-            self.slot.add_(delta)
+    def advance(self, ns: list[int], at: int, delta, moved: bool = False) -> None:
+        """Move to step ``at`` (rows at lengths ``ns``, each the last step's or one more: ``delta`` [B] of 0/1, or 1
+        for all) and open the step's slots in the mask: once per step for all its layers. ``moved``: the slots were
+        moved on by one already (a column of the stack's counter, advanced with the positions this step)."""
+        if self.at is not None and not (moved and isinstance(delta, int)):  # moved on: only a row that stayed
+            self.slot.add_(delta)  # (given as -1 then) goes back by one
         self.mask.view(self.mask.shape[0], -1).index_put_((self.rows, self.slot), self.open)
         self.ns, self.at = list(ns), at
 
@@ -289,6 +294,11 @@ class RowStack:
         self.layers: dict[int, StackedLayer] = {}
         self.pos: torch.Tensor | None = None
         self.pos_seen: list[int] = []
+        # the positions and the layouts' slots in one counter [B, 1 + RIDERS] (column 0 the positions): one add per
+        # step moves them all on (``positions``); ``moved`` the step it did, ``riders`` the layout of each column
+        self.ctr: torch.Tensor | None = None
+        self.moved = -1
+        self.riders: list = []
         # layers not stacked because a row cannot say yet how its next step goes (ClusterKV before it clusters its
         # prompt, at the first decode step): stacked as soon as every row can (``serves``)
         self.pending: list[int] = []
@@ -344,11 +354,22 @@ class RowStack:
         lay = None
         if old is not None and old.at is not None and old.at != self.at and old.cap == cap:
             delta = [a - b for a, b in zip(ns, old.ns)]
-            if set(delta) <= {0, 1}:
-                old.advance(ns, self.at, 1 if set(delta) == {1} else self.constant(delta, torch.long, device))
+            # a layout riding the counter: reused only one step on, on the same counter (its column moved on by the
+            # positions' add of this step, or of no step since)
+            fits = old.rides is None or (old.rides is self.ctr and old.at == self.at - 1)
+            if set(delta) <= {0, 1} and fits:
+                moved = old.rides is not None and self.moved == self.at
+                if moved:  # moved on by one with the positions: a row that stayed goes back by one
+                    d = 1 if set(delta) == {1} else self.constant([x - 1 for x in delta], torch.long, device)
+                else:
+                    d = 1 if set(delta) == {1} else self.constant(delta, torch.long, device)
+                old.advance(ns, self.at, d, moved)
                 lay = old
         if lay is None:
-            lay = _Layout(ns, cap, dtype, device)
+            col = self.ride(ns, device)
+            lay = _Layout(ns, cap, dtype, device, None if col is None else self.ctr[:, 1 + col])
+            if col is not None:
+                lay.rides, self.riders[col] = self.ctr, lay
             lay.advance(ns, self.at, None)
         self._layouts = {k: v for k, v in self._layouts.items() if v.at == self.at}  # earlier steps' are stale
         self._layouts[key] = lay
@@ -367,16 +388,38 @@ class RowStack:
         same ops every step; on the CPU no kernel, on CUDA one small copy)."""
         return host_to_device([int(x) for x in values], device, dtype)
 
+    RIDERS = 8  # layouts whose slots ride the positions' counter (more: each moves its own on)
+
     def positions(self, caches: list, device: torch.device) -> torch.Tensor:
         """[B, 1] int64: each row's position for a step of one token (its length less its position shift): advanced in
-        place from the last step's when every row moved on by one (one kernel per step), else written anew."""
+        place from the last step's when every row moved on by one (one kernel per step, the riding layouts' slots
+        with it: ``ride``), else written anew (no layout rides that counter yet)."""
         seen = [c.stores[0].get_seq_length() for c in caches]
         if self.pos is not None and self.pos.device == device and [s - 1 for s in seen] == self.pos_seen:
-            self.pos.add_(1)
+            self.ctr.add_(1)
+            self.moved = self.at
         else:
-            self.pos = host_to_device(seen, device).view(-1, 1)
+            B, w = len(seen), 1 + self.RIDERS
+            self.ctr = host_to_device([x for s in seen for x in [s] + [0] * self.RIDERS], device).view(B, w)
+            self.pos = self.ctr[:, :1]
+            self.riders = [None] * self.RIDERS
         self.pos_seen = seen
         return self.pos
+
+    def ride(self, ns: list[int], device: torch.device) -> int | None:
+        """A column of the positions' counter for a new layout's slots, ``ns`` written there (a column whose layout
+        no layer holds any more, nor this step's layouts, is taken again), or None (no counter on this device, or
+        every column taken: the layout moves its own slots on)."""
+        if self.ctr is None or self.ctr.device != device:
+            return None
+        live = {id(layer.layout) for layer in self.layers.values() if isinstance(layer, StackedLayer)}
+        live |= {id(lay) for lay in self._layouts.values()}
+        for j, lay in enumerate(self.riders):
+            if lay is None or id(lay) not in live:
+                self.ctr[:, 1 + j].copy_(host_to_device(ns, device))
+                self.riders[j] = None
+                return j
+        return None
 
     def dissolve(self) -> None:
         """Every row back on storage of its own; the rows no longer point at this stack."""
