@@ -11,9 +11,10 @@ exact ``full_layers`` of any method) needs no per-row decision, so its rows are 
   every per-row figure (held tokens, positions, ``held_bytes``) is the row's as alone. A row's slots from its length
   on are free (zero; masked);
 - **a decode step**: each row's new keys and values written at the row's own slot (one indexed write per layer for
-  all rows, the slots a device tensor advanced in place once per step), then one SDPA over the rows with an additive
-  mask ``[B, 1, 1, cap]`` (-inf on a row's free slots, opened at the step's slots once per step for every layer of
-  the same layout). The launches per layer are batch 1's, whatever the rows' lengths;
+  all rows; the slots a column of the stack's counter, moved on by the one add per step that moves the positions
+  on: ``RowStack.positions``, ``ride``), then one SDPA over the rows with an additive mask ``[B, 1, 1, cap]`` (-inf
+  on a row's free slots, opened at the step's slots once per step for every layer of the same layout). The launches
+  per layer are batch 1's, whatever the rows' lengths, and one per step for the whole model (the mask's opening);
 - **bookkeeping** per row is host arithmetic (lengths, the positions' pending run, the peak and attended notes).
 
 A layer whose policy evicts **at most one token per row per step** (``stacked_evict``: H2O, TOVA, StreamingLLM) is
