@@ -295,11 +295,12 @@ class RowStack:
         self.layers: dict[int, StackedLayer] = {}
         self.pos: torch.Tensor | None = None
         self.pos_seen: list[int] = []
-        # the positions and the layouts' slots in one counter [B, 1 + RIDERS] (column 0 the positions): one add per
+        # the positions and the layouts' slots in one counter [B, 1 + n_riders] (column 0 the positions): one add per
         # step moves them all on (``positions``); ``moved`` the step it did, ``riders`` the layout of each column
         self.ctr: torch.Tensor | None = None
         self.moved = -1
         self.riders: list = []
+        self.n_riders = 1  # columns for the layouts' slots (set below)
         # layers not stacked because a row cannot say yet how its next step goes (ClusterKV before it clusters its
         # prompt, at the first decode step): stacked as soon as every row can (``serves``)
         self.pending: list[int] = []
@@ -317,6 +318,7 @@ class RowStack:
             elif any(declares(stores[0].policy, f) for f in ("stacked_evict", "stacked_select")) and \
                     any(stack_mode(s) is None for s in stores):
                 self.pending.append(i)
+        self.n_riders = len(self.layers) + 1  # a layout per layer, and a layer's next while its last is held
 
     @classmethod
     def for_rows(cls, caches: list) -> "RowStack":
@@ -389,8 +391,6 @@ class RowStack:
         same ops every step; on the CPU no kernel, on CUDA one small copy)."""
         return host_to_device([int(x) for x in values], device, dtype)
 
-    RIDERS = 8  # layouts whose slots ride the positions' counter (more: each moves its own on)
-
     def positions(self, caches: list, device: torch.device) -> torch.Tensor:
         """[B, 1] int64: each row's position for a step of one token (its length less its position shift): advanced in
         place from the last step's when every row moved on by one (one kernel per step, the riding layouts' slots
@@ -400,17 +400,18 @@ class RowStack:
             self.ctr.add_(1)
             self.moved = self.at
         else:
-            B, w = len(seen), 1 + self.RIDERS
-            self.ctr = host_to_device([x for s in seen for x in [s] + [0] * self.RIDERS], device).view(B, w)
+            B, w = len(seen), 1 + self.n_riders
+            self.ctr = host_to_device([x for s in seen for x in [s] + [0] * self.n_riders], device).view(B, w)
             self.pos = self.ctr[:, :1]
-            self.riders = [None] * self.RIDERS
+            self.riders = [None] * self.n_riders
         self.pos_seen = seen
         return self.pos
 
     def ride(self, ns: list[int], device: torch.device) -> int | None:
         """A column of the positions' counter for a new layout's slots, ``ns`` written there (a column whose layout
         no layer holds any more, nor this step's layouts, is taken again), or None (no counter on this device, or
-        every column taken: the layout moves its own slots on)."""
+        every column taken — not expected: a column per stacked layer and one more — the layout then moves its own
+        slots on)."""
         if self.ctr is None or self.ctr.device != device:
             return None
         live = {id(layer.layout) for layer in self.layers.values() if isinstance(layer, StackedLayer)}
