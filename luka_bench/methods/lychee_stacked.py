@@ -194,7 +194,7 @@ def stacked_step(policy, layer, query: torch.Tensor, scaling: float) -> torch.Te
         T = S + C + W
         lay = layer.layout
         idx, bias = t.shared(lay, S, C, W, query.dtype)
-        R, cfR = layer.stack.memo(("lychee", tuple(frs), W, t.cap, hkv, query.dtype, id(lay)),
+        R, cfR = layer.stack.memo(("lychee", tuple(frs), W, C, t.cap, hkv, query.dtype, id(lay)),  # per buffer pair
                                   lambda: t.per_step(lay.slot, frs, W, neg, zero, idx[:, :, S + C:],
                                                      bias[:, :, 0, S + C:]))
         sc = path.score(qg, t.qa)
