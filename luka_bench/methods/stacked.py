@@ -56,13 +56,13 @@ class _Layout:
     """The rows' slots and mask shared by every stacked layer whose rows have the same lengths and width at a step."""
 
     def __init__(self, ns: list[int], cap: int, dtype: torch.dtype, device: torch.device,
-                 slot: torch.Tensor | None = None):
+                 ctr: torch.Tensor | None = None, col: int = 0):
         B = len(ns)
         self.ns, self.cap = list(ns), cap  # the rows' lengths before the step's write
-        # [B]: each row's slot of the step — its own tensor, or a column of the stack's counter (``RowStack.ride``),
-        # which the positions' one add per step moves on with them
-        self.slot = host_to_device(ns, device) if slot is None else slot
-        self.rides: torch.Tensor | None = None  # the counter whose column ``slot`` is (set by ``RowStack.layout``)
+        # [B]: each row's slot of the step — its own tensor, or column ``col`` of the stack's counter ``ctr``
+        # (``RowStack.ride``: ``ns`` written there), which the positions' one add per step moves on with them
+        self.rides = ctr  # the counter whose column ``slot`` is, or None
+        self.slot = host_to_device(ns, device) if ctr is None else ctr[:, col]
         self.rows = torch.arange(B, device=device)
         self.mask = torch.where(torch.arange(cap, device=device)[None, :] < self.slot[:, None], 0.0,
                                 float("-inf")).to(dtype).view(B, 1, 1, cap)
@@ -300,7 +300,6 @@ class RowStack:
         self.ctr: torch.Tensor | None = None
         self.moved = -1
         self.riders: list = []
-        self.n_riders = 1  # columns for the layouts' slots (set below)
         # layers not stacked because a row cannot say yet how its next step goes (ClusterKV before it clusters its
         # prompt, at the first decode step): stacked as soon as every row can (``serves``)
         self.pending: list[int] = []
@@ -318,7 +317,8 @@ class RowStack:
             elif any(declares(stores[0].policy, f) for f in ("stacked_evict", "stacked_select")) and \
                     any(stack_mode(s) is None for s in stores):
                 self.pending.append(i)
-        self.n_riders = len(self.layers) + 1  # a layout per layer, and a layer's next while its last is held
+        # columns for the layouts' slots: a layout per layer, and a layer's next while its last is held
+        self.n_riders = len(self.layers) + 1
 
     @classmethod
     def for_rows(cls, caches: list) -> "RowStack":
@@ -361,18 +361,15 @@ class RowStack:
             # positions' add of this step, or of no step since)
             fits = old.rides is None or (old.rides is self.ctr and old.at == self.at - 1)
             if set(delta) <= {0, 1} and fits:
-                moved = old.rides is not None and self.moved == self.at
-                if moved:  # moved on by one with the positions: a row that stayed goes back by one
-                    d = 1 if set(delta) == {1} else self.constant([x - 1 for x in delta], torch.long, device)
-                else:
-                    d = 1 if set(delta) == {1} else self.constant(delta, torch.long, device)
+                moved = old.rides is not None and self.moved == self.at  # then a row that stayed goes back by one
+                d = 1 if set(delta) == {1} else self.constant([x - int(moved) for x in delta], torch.long, device)
                 old.advance(ns, self.at, d, moved)
                 lay = old
         if lay is None:
             col = self.ride(ns, device)
-            lay = _Layout(ns, cap, dtype, device, None if col is None else self.ctr[:, 1 + col])
+            lay = _Layout(ns, cap, dtype, device, None if col is None else self.ctr, 1 + (col or 0))
             if col is not None:
-                lay.rides, self.riders[col] = self.ctr, lay
+                self.riders[col] = lay
             lay.advance(ns, self.at, None)
         self._layouts = {k: v for k, v in self._layouts.items() if v.at == self.at}  # earlier steps' are stale
         self._layouts[key] = lay
@@ -419,7 +416,6 @@ class RowStack:
         for j, lay in enumerate(self.riders):
             if lay is None or id(lay) not in live:
                 self.ctr[:, 1 + j].copy_(host_to_device(ns, device))
-                self.riders[j] = None
                 return j
         return None
 

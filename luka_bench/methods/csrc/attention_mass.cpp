@@ -453,7 +453,7 @@ at::Tensor lychee_pool(const at::Tensor& keys, at::IntArrayRef bounds, bool max)
   const int64_t* Bd = bounds.data();
   for (int64_t j = 0; j < k; ++j)
     TORCH_CHECK(0 <= Bd[j] && Bd[j] < Bd[j + 1] && Bd[j + 1] <= T, "lychee_pool: chunk bounds out of the keys");
-  at::Tensor out = at::empty({B, H, k, D}, keys.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = at::empty({B, H, k, D}, keys.options());
   const float* K = keys.data_ptr<float>();
   float* O = out.data_ptr<float>();
   const int64_t s0 = keys.stride(0), s1 = keys.stride(1), s2 = keys.stride(2);
@@ -485,20 +485,13 @@ at::Tensor lychee_pool(const at::Tensor& keys, at::IntArrayRef bounds, bool max)
   return out;
 }
 
-// LycheeCluster's lazy index update on the CPU (lychee.LycheePolicy.lazy_update; the same rule as torch ops, in
-// LycheePolicy._grow, is the path CUDA runs and the tests' reference), where the torch ops cost ~40 small launches
-// per chunk closing and layer. x [B, H, k, D] fp32: the k new chunks' normalised keys; each joins the live fine
-// cluster (cnt_c > 0) of the largest x . mu / max(|mu|, 1e-12) (all k chosen before any centroid moves; ties: the
-// lower index) and that cluster's unit (parent [B, H, L]). Every node a new chunk joins: count + its new members,
-// centroid = the members' mean (moving average), radius = r + |centroid shift| (0 if it was empty), then at least
-// each new member's distance to the new centroid; its token count + the members' lens [k]. Nodes no chunk joins are
-// left as they are. In place (contiguous fp32): mu_c [B, H, L, D], r_c, cnt_c, tok_c [B, H, L]; mu_g [B, H, P, D],
-// r_g, cnt_g, tok_g [B, H, P]; assign [B, H, >= M0 + k] (int64) gets the new chunks' clusters at M0 ...
+// One lazy update's grow of one (row, KV head)'s nodes (fine clusters or units; lychee_index_add below): every node
+// a new chunk joins (node[j] for chunk j of x [k, D]) updated once, at its first new member.
 void grow_nodes(float* mu, float* r, float* cnt, float* tok, const float* x, const float* lens,
                 const int64_t* node, int64_t k, int64_t D, std::vector<float>& mu2) {
   for (int64_t j = 0; j < k; ++j) {
     const int64_t a = node[j];
-    bool first = true;  // a node's update done once, at its first new member
+    bool first = true;
     for (int64_t i = 0; i < j; ++i) first = first && node[i] != a;
     if (!first) continue;
     float* m = mu + a * D;
@@ -530,6 +523,15 @@ void grow_nodes(float* mu, float* r, float* cnt, float* tok, const float* x, con
   }
 }
 
+// LycheeCluster's lazy index update on the CPU (lychee.LycheePolicy.lazy_update; the same rule as torch ops, in
+// LycheePolicy._grow, is the path CUDA runs and the tests' reference), where the torch ops cost ~40 small launches
+// per chunk closing and layer. x [B, H, k, D] fp32: the k new chunks' normalised keys; each joins the live fine
+// cluster (cnt_c > 0) of the largest x . mu / max(|mu|, 1e-12) (all k chosen before any centroid moves; ties: the
+// lower index) and that cluster's unit (parent [B, H, L]). Every node a new chunk joins: count + its new members,
+// centroid = the members' mean (moving average), radius = r + |centroid shift| (0 if it was empty), then at least
+// each new member's distance to the new centroid; its token count + the members' lens [k]. Nodes no chunk joins are
+// left as they are. In place (contiguous fp32): mu_c [B, H, L, D], r_c, cnt_c, tok_c [B, H, L]; mu_g [B, H, P, D],
+// r_g, cnt_g, tok_g [B, H, P]; assign [B, H, >= M0 + k] (int64) gets the new chunks' clusters at M0 ...
 void lychee_index_add(const at::Tensor& x_in, const at::Tensor& lens_in, const at::Tensor& mu_c,
                       const at::Tensor& r_c, const at::Tensor& cnt_c, const at::Tensor& tok_c,
                       const at::Tensor& parent_in, const at::Tensor& mu_g, const at::Tensor& r_g,
