@@ -31,10 +31,15 @@ in the isolated mode, of prefill + decode. The component breakdown needs CUDA ev
 are recorded only with ``--breakdown`` (the CPU's host-clock breakdown is always there). ``--kernel-ab`` adds, for each mass-reading method (h2o, luka_lined,
 luka_clustered, luka_mixed, entropy_ols), a run ``<name>+explicit`` with ``LUKA_BENCH_NO_KERNEL=1`` (CUDA: the
 explicit fp32-softmax path instead of the Triton kernel; CPU: the torch loop instead of the fused C++ kernel) and
-the largest difference between the two runs' prefill logits.
+the largest difference between the two runs' prefill logits. ``--layout-ab`` adds, for each method whose heads hold
+different numbers of tokens (adakv, duo_attention, razor_attention: packed per head, ``methods/packed.py``), a run
+``<name>+classic`` in the classic layout (``KVStore.PACK_HEADS = False``: every head as wide as the longest, the
+others' slots masked — the layout before issue 61), so the packing's decode cost is a ratio within one process.
 
     .venv/bin/python scripts/bench_decode.py --model shape_llama31_8b --device cuda --dtype bfloat16 \
         --lengths 8192 --kernel-ab --json results/bench/gpu_8k.json
+    .venv/bin/python scripts/bench_decode.py --lengths 8192 --refs full --layout-ab --threads 2 \
+        --methods adakv duo_attention,pattern_seed=0 razor_attention
 """
 from __future__ import annotations
 
@@ -58,6 +63,29 @@ from luka_bench.device import rss_bytes as _status  # noqa: E402
 REFS = ("stock", "full")
 MASS_READERS = ("h2o", "luka_lined", "luka_clustered", "luka_mixed", "entropy_ols")  # prefill needs the masses
 EXPLICIT = "+explicit"  # suffix of a --kernel-ab run with LUKA_BENCH_NO_KERNEL=1
+PACKING = ("adakv", "duo_attention", "razor_attention")  # heads of unequal lengths: packed per head (issue 61)
+CLASSIC = "+classic"  # suffix of a --layout-ab run in the classic layout (KVStore.PACK_HEADS = False)
+
+
+def base_name(name: str) -> str:
+    """The method config a run measures (``<name>+explicit`` / ``<name>+classic``: ``<name>``)."""
+    return name.removesuffix(EXPLICIT).removesuffix(CLASSIC)
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """The run's setting around its prefill and decode: the kernels off for ``+explicit``, the classic layout for
+    ``+classic``."""
+    from luka_bench.methods import cpu_kernel
+    from luka_bench.methods.store import KVStore
+
+    saved, explicit = KVStore.PACK_HEADS, name.endswith(EXPLICIT)
+    KVStore.PACK_HEADS = saved and not name.endswith(CLASSIC)
+    try:
+        with cpu_kernel.kernels_off(explicit):
+            yield
+    finally:
+        KVStore.PACK_HEADS = saved
 
 
 def all_methods() -> list[str]:
@@ -128,6 +156,9 @@ def main() -> None:
     ap.add_argument("--kernel-ab", action="store_true",
                     help=f"also run each mass-reading method ({', '.join(MASS_READERS)}) as <name>{EXPLICIT}: "
                          "the explicit path instead of the kernel (LUKA_BENCH_NO_KERNEL=1)")
+    ap.add_argument("--layout-ab", action="store_true",
+                    help=f"also run each head-wise method ({', '.join(PACKING)}) as <name>{CLASSIC}: the classic "
+                         "layout instead of storage packed per head")
     ap.add_argument("--breakdown", action="store_true",
                     help="on CUDA, record the component breakdown with CUDA events (64-200 per decode step: host "
                          "time inside the timed step); without it CUDA runs report no breakdown. The CPU always "
@@ -161,6 +192,8 @@ def main() -> None:
         args.device is not None) + [f"model.dtype={args.dtype}"] * (args.dtype is not None)
     if args.kernel_ab:
         names += [m + EXPLICIT for m in names if m in MASS_READERS]
+    if args.layout_ab:
+        names += [m + CLASSIC for m in names if m.split(",")[0] in PACKING]
 
     from luka_bench.data.pg19 import essays_text
     from luka_bench.methods.hf import attach
@@ -171,7 +204,7 @@ def main() -> None:
 
     methods, model_cfg = {}, None
     for name in ["full"] + names:  # full's config also gives the model's
-        methods[name], model_cfg = compose_method(name.removesuffix(EXPLICIT), args.set, model_over)
+        methods[name], model_cfg = compose_method(base_name(name), args.set, model_over)
     from hydra.utils import instantiate
 
     lm = instantiate(model_cfg).load()
@@ -202,7 +235,7 @@ def main() -> None:
         costs — kernel compilation, library handles, allocator growth — land in no timed step."""
         from luka_bench.engine import warm_up
 
-        with torch.no_grad(), cpu_kernel.kernels_off(name.endswith(EXPLICIT)):
+        with torch.no_grad(), variant(name):
             if name == "stock":
                 r = Stock(model)
                 with Stock.sdpa(model):
@@ -260,7 +293,7 @@ def main() -> None:
             before, dev_before = _status("VmRSS"), device_gb(False)
             reset_peak_rss()
             try:
-                with torch.no_grad(), cpu_kernel.kernels_off(name.endswith(EXPLICIT)):
+                with torch.no_grad(), variant(name):
                     sync()
                     t0 = time.perf_counter()
                     if name == "stock":
@@ -283,7 +316,7 @@ def main() -> None:
             return r, sec, _status("VmHWM"), before, device_gb(True), dev_before
 
         def decode(name, r, pos, count, out):
-            with torch.no_grad(), cpu_kernel.kernels_off(name.endswith(EXPLICIT)):
+            with torch.no_grad(), variant(name):
                 if name == "stock":
                     with Stock.sdpa(model):  # once per round, not inside the timed step
                         for t in ids[pos: pos + count]:
@@ -317,6 +350,9 @@ def main() -> None:
             if name.endswith(EXPLICIT) and name.removesuffix(EXPLICIT) in last_logits:
                 d["prefill_logits_max_abs_diff_vs_kernel"] = float(
                     (last_logits[name] - last_logits[name.removesuffix(EXPLICIT)]).abs().max())
+            if name.endswith(CLASSIC) and name.removesuffix(CLASSIC) in last_logits:
+                d["prefill_logits_max_abs_diff_vs_packed"] = float(
+                    (last_logits[name] - last_logits[name.removesuffix(CLASSIC)]).abs().max())
             if name != "stock":
                 d["breakdown_ms"] = {k: v * 1e3 for k, v in breakdown(r.timings, times).items()}
                 d["attended_tokens"] = r.attended_stats()["attended_tokens"]
@@ -333,6 +369,8 @@ def main() -> None:
                 else f"peak RSS {d['prefill_peak_rss_gb']:.2f} GB (from {d['rss_before_prefill_gb']:.2f})"
             if "prefill_logits_max_abs_diff_vs_kernel" in d:
                 mem += f"  |logits - kernel's| {d['prefill_logits_max_abs_diff_vs_kernel']:.3g}"
+            if "prefill_logits_max_abs_diff_vs_packed" in d:
+                mem += f"  |logits - packed's| {d['prefill_logits_max_abs_diff_vs_packed']:.3g}"
             print(f"  {name:16s} decode {d['decode_ms']:7.1f} ms/token  x{d['decode_vs_stock']:.3f} stock  "
                   f"x{d['decode_vs_full']:.3f} full   prefill {d['prefill_s']:6.2f} s  x{d['prefill_vs_full']:.2f} "
                   f"full   {mem}"

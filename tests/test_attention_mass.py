@@ -165,3 +165,43 @@ def test_rows_attention_reads_the_rows_in_place_as_sdpa_over_them(g, d):
     for r in range(b):
         alone = attention.attend_rows(q[r: r + 1], kv, idx[r: r + 1], bias[r: r + 1, :, :, :t], d ** -0.5)
         assert torch.equal(alone, out[r: r + 1])
+
+
+@pytest.mark.parametrize("g, d", [(3, 64), (9, 13), (4, 128)])
+def test_segments_attention_reads_each_heads_own_segment(g, d):
+    """The C++ ``segments_attention`` (a packed layer's decode step on the CPU, ``packed.step_attention``): each (batch
+    row, KV head) attends over its own run of consecutive storage rows with its own run of the flattened bias, against
+    float64 softmax attention over that run: segments of different lengths (1 to 301 rows, under and over the
+    kernel's blocks) at any offsets, -inf slots inside them, a finite carried bias; a row alone gives the same bits."""
+    from luka_bench.methods import cpu_kernel
+    if cpu_kernel.segments_attention_op() is None:
+        pytest.skip("the fused CPU kernel could not be built here")
+    op = cpu_kernel.segments_attention_op()
+    gen = torch.Generator().manual_seed(g * 10 + d)
+    b, h, n = 3, 2, 2000
+    kv = torch.randn(2, n, d, generator=gen)
+    bias = torch.randn(3 * n, generator=gen) * 2
+    bias[torch.rand(3 * n, generator=gen) < 0.2] = float("-inf")
+    lens = [[301, 1], [77, 150], [16, 5]]
+    first = [[10, 500], [900, 1200], [1500, 1700]]
+    at = [[5000, 40], [3000, 2500], [100, 700]]
+    for r in range(b):
+        for j in range(h):
+            bias[at[r][j]] = 0.0  # every segment reads at least one slot (a decode step's own token)
+    q = torch.randn(b, h, g, d, generator=gen) * 6
+    seg = torch.tensor([sum(first, []), sum(at, []), sum(lens, [])])
+    out = op(q, kv, bias, seg, d ** -0.5)
+    assert torch.isfinite(out).all()
+    for r in range(b):
+        for j in range(h):
+            rows = slice(first[r][j], first[r][j] + lens[r][j])
+            own = bias[at[r][j]: at[r][j] + lens[r][j]].double()
+            logits = q[r, j].double() @ kv[0, rows].double().T * d ** -0.5 + own
+            ref = logits.softmax(-1) @ kv[1, rows].double()
+            torch.testing.assert_close(out[r, j].double(), ref, rtol=1e-5, atol=1e-5)
+        alone = op(q[r: r + 1], kv, bias, seg.view(3, b, h)[:, r].contiguous(), d ** -0.5)
+        assert torch.equal(alone, out[r: r + 1])
+    bad = seg.clone()
+    bad[2, 0] = n  # a segment past the storage's end
+    with pytest.raises(RuntimeError, match="segment out of the storage"):
+        op(q, kv, bias, bad, d ** -0.5)

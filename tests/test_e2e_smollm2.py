@@ -79,3 +79,23 @@ def test_bench_decode_both_modes_and_table(tmp_path):
     full = rows[1]["methods"]["full"]
     assert table["full"].endswith(f"| {full['decode_vs_stock']:.2f}, 1.00, 1.00, {full['prefill_peak_rss_gb']:.1f} |")
     assert not table["streaming_llm"].endswith("| —, 0.25, 1.50, 9.0 |")
+
+
+def test_bench_decode_layout_ab_runs_the_classic_layout_beside_the_packed(tmp_path):
+    """--layout-ab: a head-wise method also runs as <name>+classic (``KVStore.PACK_HEADS`` off around its prefill
+    and decode, and only there), its prefill's logits beside the packed run's."""
+    from luka_bench.methods.store import KVStore
+
+    js = tmp_path / "ab.json"
+    bench = load_script("bench_decode")
+    with bench.variant("adakv+classic"):
+        assert KVStore.PACK_HEADS is False
+    assert KVStore.PACK_HEADS is True
+    proc = in_process(bench.main, ["bench_decode.py", "--lengths", "256", "--refs", "full", "--methods", "adakv",
+                                   "--layout-ab", "--steps", "2", "--round", "1", "--threads", "1", "--no-warm-up",
+                                   "--json", str(js)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ms = json.loads(js.read_text())[0]["methods"]
+    assert list(ms) == ["full", "adakv", "adakv+classic"]
+    assert ms["adakv+classic"]["prefill_logits_max_abs_diff_vs_packed"] < 1e-4
+    assert KVStore.PACK_HEADS is True

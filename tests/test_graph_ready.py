@@ -178,3 +178,43 @@ def test_the_position_counter_is_advanced_in_place_and_refilled_after_a_jump(lla
         for s in cache.stores:  # the held positions are the logical ones, each once
             pos = s.positions[0, 0]
             assert int(pos.max()) == 33 and len(set(pos.tolist())) == s.n
+
+
+def test_riders_move_on_with_the_position_counter(llama):
+    """``MethodCache.riding``: base + position as columns of the counter's own tensor — moved on by the step's one
+    add (no op of their own), written again after a jump, kept right when the tensor runs out of columns and is made
+    anew (a dead owner's columns given up then), each clone's its own."""
+    from luka_bench.host_sync import sync_method_config as cfg
+    from luka_bench.methods import hf
+
+    dev = llama.model.device
+    with hf.attach(llama.model, instantiate(cfg("full"), _convert_="all"), llama.tokenizer) as att:
+        cache = att.new_cache()
+
+    class Owner:
+        pass
+    a, b, gone = Owner(), Owner(), Owner()
+    base_a = torch.tensor([[3, 100], [7, 200]], device=dev)
+    base_b = torch.arange(5, device=dev)
+    ra = cache.riding(a, "slot", base_a, 10)
+    assert torch.equal(ra, base_a + 10)
+    counter = cache.position_tensor(11, dev)
+    assert counter.item() == 11 and torch.equal(ra, base_a + 11)  # the counter's add moved it
+    with LaunchCounter() as lc:  # asked again in the same step: the same columns, no op
+        again = cache.riding(a, "slot", base_a, 11)
+    assert lc.total == 0 and again.data_ptr() == ra.data_ptr()
+    cache.riding(gone, "slot", torch.zeros(40, dtype=torch.long, device=dev), 11)
+    del gone  # its columns are given up when the tensor is made anew
+    rb = cache.riding(b, "slot", base_b, 11)  # no free column: a new tensor, the live riders written again
+    assert torch.equal(rb, base_b + 11) and torch.equal(cache.riding(a, "slot", base_a, 11), base_a + 11)
+    assert cache.position_tensor(11, dev).item() == 11
+    other = cache.clone()
+    cache.position_tensor(12, dev)
+    assert torch.equal(cache.riding(b, "slot", base_b, 12), base_b + 12)
+    assert other.position_tensor(11, dev).item() == 11  # the clone's counter is its own
+    assert torch.equal(other.riding(b, "slot", base_b, 11), base_b + 11)
+    cache.position_tensor(4, dev)  # a jump: refilled, the riders written again when asked
+    assert torch.equal(cache.riding(a, "slot", base_a, 4), base_a + 4)
+    assert torch.equal(cache.riding(a, "leave", base_b, 4), base_b + 4)  # another tag: other columns
+    new_base = base_a * 2  # a new layout of the same owner
+    assert torch.equal(cache.riding(a, "slot", new_base, 4), new_base + 4)

@@ -33,15 +33,16 @@ BUDGET = {"full": 2, "snapkv": 2, "knorm": 2, "laser_kv": 2, "streaming_llm": 4,
           "tova": 9,
           # prefill-only, as knorm and snapkv: nothing on a decode step
           "expected_attention": 2, "pyramidkv": 2, "finch": 2,
-          # adakv: measured 2.75 — its heads packed (methods/packed.py): the step's slot (add), keys, values and the
-          # bias written at it (3 index_put_), the bias expanded over the row's query heads (one copy)
-          "adakv": 4,
+          # adakv: measured 1.75 — its heads packed (methods/packed.py): keys, values and the bias written at the
+          # step's slots (3 index_put_; the slots ride the cache's position counter: no add of their own), the bias
+          # expanded over the row's query heads (one copy)
+          "adakv": 2,
           # the LASER-KV paper's rows (laser_kv with another alpha): prefill-only as laser_kv
           "laser_kv_exact": 2, "laser_kv_magicpig": 2, "laser_kv_mp25": 2, "laser_kv_mp50": 2,
-          # duo_attention (synthetic pattern, half the heads streaming): measured 3 — a mixed layer packed as adakv's,
-          # plus the slot leaving each streaming head's window (add, index_put_); a streaming-only layer is
-          # StreamingLLM's
-          "duo_attention": 4,
+          # duo_attention (synthetic pattern, half the heads streaming): measured 2 — a mixed layer packed as adakv's,
+          # plus the slot leaving each streaming head's window (index_put_; riding the counter too); a streaming-only
+          # layer is StreamingLLM's
+          "duo_attention": 2,
           # arkvale (page_size 16, page_budget 12, topk 6, full_layers 1): measured 11.75 — per sparse layer the digest
           # scores (2 clamps, bmm, baddbmm, the group's mean), the candidates' bias (add), the top k' (topk), the
           # device set's key (add, scatter_ of the top k'), the device's M pages (topk), the device set rewritten
@@ -57,10 +58,10 @@ BUDGET = {"full": 2, "snapkv": 2, "knorm": 2, "laser_kv": 2, "streaming_llm": 4,
           # (gather), the rows (cat), one index_select of keys and values, the masked SDPA, and the union of the
           # group's picks for the attended count (zeros, scatter_, sum)
           "clusterkv": 13,
-          # razor_attention: measured 0.5 — prefill-only; a mixed layer is packed (its bias carried: the step's slot,
-          # 3 index_put_, the bias expanded over the row's query heads — 3 more than its classic layout's step, one
-          # SDPA with the per-token bias as its mask, kept as the store's per-token state)
-          "razor_attention": 2}
+          # razor_attention: measured 0.25 — prefill-only; a mixed layer is packed (its bias carried: 3 index_put_ at
+          # the step's slots, the bias expanded over the row's query heads — 2 more than its classic layout's step,
+          # one SDPA with the per-token bias as its mask, kept as the store's per-token state)
+          "razor_attention": 1}
 # a step with an event (LuKA's segmentation/compression, entropy_ols's flush, lychee's chunk closing: index update
 # and its decode tables rebuilt) is counted apart, per event (one layer taking it) over a plain step's launches;
 # measured 14.0 (LuKA), 186.0 (entropy_ols), 83.7 (lychee), 10.7 (quest: a page closing, its min/max/mean and the

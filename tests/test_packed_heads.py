@@ -130,3 +130,52 @@ def test_plan_picks_the_least_storage_and_more_rows_on_a_tie():
     assert plan([[50, 50, 50, 50]], 4) == (4, 50)  # equal heads: a row each
     assert plan([[60, 40, 50, 50]], 4) == (2, 100)  # pairs fit exactly
     assert plan([[10, 10], [30, 5]], 2) == (1, 35)  # batch rows share a width
+
+
+@pytest.mark.parametrize("name", ["duo_attention", "razor_attention", "adakv"])
+def test_the_cpu_segment_step_equals_the_sdpa_step(name, tiny_gqa3, tmp_path, monkeypatch):
+    """On the CPU in fp32 a packed layer's decode step is one C++ call over each KV head's own segment
+    (``segments_attention``); the SDPA over the whole packed row (what CUDA runs) is the reference: two rows of
+    different lengths decoded stacked (``stacked_packed``) and one alone, 24 steps (a row packed again among them),
+    the logits within 1e-5 — and the kernel is what ran, stacked and alone."""
+    from luka_bench.engine import forward, forward_rows, stand_in_question
+    from luka_bench.methods import cpu_kernel, packed as packed_mod
+
+    if tiny_gqa3.model.device.type != "cpu" or cpu_kernel.segments_attention_op() is None:
+        pytest.skip("the CPU kernel (built here, off under LUKA_BENCH_NO_KERNEL=1)")
+    model = tiny_gqa3.model
+    cfg = model.config
+    method = methods(tmp_path, cfg.num_hidden_layers, cfg.num_key_value_heads)[name]
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (150, 121, 96)]
+    toks = torch.randint(0, 256, (3, 24), generator=g).tolist()
+    real = cpu_kernel.segments_attention_op()
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    def decode():
+        with attach(model, method) as a, torch.no_grad():
+            caches = []
+            for p in prompts:
+                c = a.new_cache(reference_length=len(p), **stand_in_question(a.method, len(p)))
+                c.add_tokens(p)
+                model(torch.tensor([p]), past_key_values=c)
+                caches.append(c)
+            alone = caches.pop()
+            packed = all(s.packed is not None for c in caches for s in c.stores)
+            rows = torch.stack([forward_rows(model, [t[j] for t in toks[:2]], caches) for j in range(24)])
+            solo = torch.stack([forward(model, [x], alone) for x in toks[2]])
+            seen0 = {s.packed.seen0 for c in caches for s in c.stores if s.packed is not None}
+        return rows, solo, packed, seen0
+
+    monkeypatch.setattr(packed_mod.cpu_kernel, "segments_attention_op", lambda: counted)
+    rows, solo, packed, seen0 = decode()
+    assert packed and max(seen0) > 121, seen0  # every layer packed; a row packed again during the decode
+    assert 2 in calls and 1 in calls, sorted(set(calls))  # the stacked rows' step and the row alone's
+    monkeypatch.setattr(packed_mod.cpu_kernel, "segments_attention_op", lambda: None)
+    want_rows, want_solo, _, _ = decode()
+    torch.testing.assert_close(rows, want_rows, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(solo, want_solo, rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 
 import torch
 
@@ -73,7 +74,9 @@ class MethodCache:
         # give its count as a device tensor (no host sync per step): resolved in one copy when the lists are read
         self._attended: tuple[list[float], list[float], list[float]] = ([], [], [])
         self._attended_pending: list[tuple] = []
-        self._position: dict = {}  # device -> [value, 0-dim int64 tensor]: see position_tensor
+        # device -> [value, 0-dim int64 counter (a view of ``flat``), flat int64 [1 + riders' columns], riders
+        # {key: (weakref to the owner, base, first column)}, next free column]: see position_tensor and riding
+        self._position: dict = {}
         self._offsets: dict = {}  # (key, device) -> (counter, value, tensor): see per_step
         self._masks: dict = {}  # (name, width, rows, dtype, device) -> [mask, held]: see held_mask
         self._init_layers([self.store_class(layer_policy(method, info), self) for info in infos])
@@ -95,14 +98,44 @@ class MethodCache:
         ``tests/test_graph_ready.py``. Any other jump (a scratch forward, a prefill) refills it."""
         got = self._position.get(device)
         if got is None:
-            got = self._position[device] = [seen, torch.full((), seen, dtype=torch.long, device=device)]
+            flat = torch.full((1,), seen, dtype=torch.long, device=device)
+            got = self._position[device] = [seen, flat[0], flat, {}, 1]
         elif got[0] != seen:
             if got[0] == seen - 1:
-                got[1].add_(1)
+                got[2].add_(1)  # the position and every rider's column (``riding``)
             else:
                 got[1].fill_(seen)
+                got[3].clear()  # the riders' columns no longer hold base + position: written again when asked
+                got[4] = 1
             got[0] = seen
         return got[1]
+
+    def riding(self, owner, tag: str, base: torch.Tensor, seen: int) -> torch.Tensor:
+        """``base + position_tensor(seen)`` (``base`` int64 on the counter's device, any shape) as a view of the
+        counter's own tensor, so that the one ``add_`` that moves the position on each step moves it too: a layer's
+        per-step slot indices without a per-layer add (a packed layer's decode slots and window slots,
+        ``packed.py``). Written (one op) when ``owner`` first asks with this ``tag`` and ``base``, and after the
+        position jumped; while the owner lives its columns are its own (an owner that died leaves them to others
+        when the counter's tensor runs out of columns and is made anew — an event, as the owner's new layout is)."""
+        self.position_tensor(seen, base.device)
+        got = self._position[base.device]
+        flat, riders, key, n = got[2], got[3], (id(owner), tag), base.numel()
+        r = riders.get(key)
+        if r is None or r[0]() is not owner or r[1] is not base:
+            if got[4] + n > flat.numel():  # no free column left: the live riders (and this one) in a new tensor
+                live = {k: v for k, v in riders.items() if v[0]() is not None and k != key}
+                new = flat.new_empty(2 * (1 + sum(v[1].numel() for v in live.values()) + n))
+                new[:1].copy_(flat[:1])
+                flat, got[1], got[2], got[4] = new, new[0], new, 1
+                riders = got[3] = {}
+                for k, (ref, b, _) in live.items():
+                    torch.add(b.reshape(-1), got[1], out=flat[got[4]: got[4] + b.numel()])
+                    riders[k] = (ref, b, got[4])
+                    got[4] += b.numel()
+            torch.add(base.reshape(-1), got[1], out=flat[got[4]: got[4] + n])
+            r = riders[key] = (weakref.ref(owner), base, got[4])
+            got[4] += n
+        return flat[r[2]: r[2] + n].view(base.shape)
 
     def position_before(self, seen: int, delta: int, device: torch.device) -> torch.Tensor:
         """``position_tensor(seen) - delta``, a 0-dim device tensor computed once per step for all layers (e.g. the
@@ -355,7 +388,7 @@ class MethodCache:
         """The cache's own per-step tensors (the position counter, the per-step offsets, the shared held masks of
         fixed-shape decode steps) and the per-prompt state its method declares (``KVMethod.state_bytes``): what
         the allocation check (``owned.allocation``) expects besides the stores and the policies."""
-        step = [t for _, t in self._position.values()] + [v[2] for v in self._offsets.values()]
+        step = [v[2] for v in self._position.values()] + [v[2] for v in self._offsets.values()]
         step += [m for m, _ in self._masks.values()]
         # attended counts a policy gave as device tensors, resolved when read (``attended_stats``)
         for row in self._attended_pending:

@@ -142,6 +142,14 @@ def rows_attention_op():
     return torch.ops.luka_bench.rows_attention
 
 
+def segments_attention_op():
+    """``torch.ops.luka_bench.segments_attention`` (built with ``attention_mass``, the same source), or None when the
+    kernel is disabled or could not be built: a packed layer's decode step is then one SDPA over its rows."""
+    if disabled() or attention_mass_op() is None:
+        return None
+    return torch.ops.luka_bench.segments_attention
+
+
 def lychee_index_ops(device: torch.device, dtype: torch.dtype):
     """``(lychee_index_add, lychee_table, lychee_pool)`` from ``torch.ops.luka_bench`` (built with
     ``attention_mass``, the same source) for an fp32 index on the CPU with the kernels on, else None: ``lychee``

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from luka_bench.device import host_to_device
+from luka_bench.device import host_side, host_to_device
+from luka_bench.methods import cpu_kernel
 from luka_bench.methods.attention import kv_rows
 
 MASK_BLOCK_ELEMENTS = 1 << 22  # a multi-token chunk's mask is made for this many (query, key) pairs at a time
@@ -74,6 +75,7 @@ class PackedHeads:
         self.base_bias: torch.Tensor | None = None
         self.base_leave: torch.Tensor | None = None  # [B * Hw] the flat bias entry leaving a window at a step
         self.bias_name: str | None = None  # the store's additive per-token bias aux this packing carries (Razor)
+        self.seg: torch.Tensor | None = None  # [3, B * H] on the host: each segment's first kv row, bias entry, slots
 
     # -- building ------------------------------------------------------------------------------------------------
     @classmethod
@@ -212,14 +214,13 @@ class PackedHeads:
                 self.minus_inf, self.win_r, self.win_j)
 
     # -- the forward ---------------------------------------------------------------------------------------------
-    def append(self, k: torch.Tensor, v: torch.Tensor, seen: int, counter: torch.Tensor | None) -> None:
-        """Write ``k``/``v`` [B, H, L, D] after each segment's held tokens (``spare`` must allow L). ``counter``:
-        the step's position as a device tensor (a decode step: no host number in the ops) or None."""
+    def append(self, k: torch.Tensor, v: torch.Tensor, seen: int, slot: torch.Tensor | None) -> None:
+        """Write ``k``/``v`` [B, H, L, D] after each segment's held tokens (``spare`` must allow L). ``slot``: a
+        decode step's slots, ``base`` + the step's position as a device tensor (no host number in the ops), or None."""
         B, H, L, d = k.shape
         kf, vf = self.kv[0].view(-1, d), self.kv[1].view(-1, d)
-        if L == 1 and counter is not None and self.top <= seen + 1:
-            # one add and three indexed writes (keys, values, the bias), whatever the layout
-            slot = self.base + counter
+        if L == 1 and slot is not None and self.top <= seen + 1:
+            # three indexed writes (keys, values, the bias), whatever the layout
             self.kv[0].index_put_((self.at_b, self.at_r, slot), k[:, :, 0])
             self.kv[1].index_put_((self.at_b, self.at_r, slot), v[:, :, 0])
             self.bias.index_put_((self.at_b, self.at_r, self.at_j, slot), self.zero)
@@ -234,12 +235,13 @@ class PackedHeads:
                 self.bias.view(-1).index_fill_(0, ((self.base_bias + seen)[:, None] + stale).view(-1), float("-inf"))
         self.top = seen + L
 
-    def slide(self, seen: int, counter: torch.Tensor | None) -> None:
-        """Windows: the slots that left a window head's window since the last slide stop being held (-inf)."""
+    def slide(self, seen: int, leave: torch.Tensor | None) -> None:
+        """Windows: the slots that left a window head's window since the last slide stop being held (-inf). ``leave``:
+        at a decode step, the slot leaving each window, ``base_leave`` + the step's position as a device tensor."""
         if not any(w is not None for w in self.windows) or seen == self.slid:
             return
-        if seen == self.slid + 1 and counter is not None and self.base_leave is not None:
-            self.bias.index_put_((self.at_b, self.win_r, self.win_j, self.base_leave + counter), self.minus_inf)
+        if seen == self.slid + 1 and leave is not None and self.base_leave is not None:
+            self.bias.index_put_((self.at_b, self.win_r, self.win_j, leave), self.minus_inf)
         else:
             at = []
             for b in range(self.B):
@@ -258,7 +260,7 @@ class PackedHeads:
         """Attention of ``query`` [B, Hq, Lq, D] over each head's own segment; the last ``chunk`` (= Lq) tokens of
         every segment are the queries' own (causal among them). Returns [B, Hq, Lq, Dv]."""
         if query.shape[2] == 1:
-            return step_attention(query, self.kv, self.bias, self.H, scaling)
+            return step_attention(query, self.kv, self.bias, self.H, scaling, self.seg)
         b, hq, lq, d = query.shape
         R, H, W = self.R, self.H, self.W
         g, hr = hq // H, H // R
@@ -293,6 +295,8 @@ class PackedHeads:
         f_minus = [[self.off[b][h] + self.f0[b][h] - self.seen0 for h in range(self.H)] for b in range(self.B)]
         dev = kv.device
         self.kv, self.bias, self.pos, self.W = kv, bias, pos, W
+        self.seg = segment_table([[((b * self.R + h // g) * W + self.off[b][h], (b * self.H + h) * W + self.off[b][h],
+                                    self.cap[b][h]) for h in range(self.H)] for b in range(self.B)])
         self.base_kv = _dev([(b * self.R + h // g) * W + f_minus[b][h] for b in range(self.B) for h in range(self.H)],
                             dev)
         self.base_bias = _dev([(b * self.H + h) * W + f_minus[b][h] for b in range(self.B) for h in range(self.H)], dev)
@@ -336,13 +340,30 @@ class PackedHeads:
         return out
 
 
+def segment_table(rows: list[list[tuple[int, int, int]]]) -> torch.Tensor:
+    """``rows[b][h]`` = (the segment's first row of the flattened storage, its first entry of the flattened bias, its
+    slots): the host table [3, B * H] that ``segments_attention`` reads (host data, on the host whatever the device)."""
+    with host_side():
+        return torch.tensor([x for row in rows for x in row], dtype=torch.long).view(-1, 3).t().contiguous()
+
+
 def step_attention(query: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, heads: int,
-                   scaling: float) -> torch.Tensor:
+                   scaling: float, seg: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step over packed rows: query [B, Hq, 1, D] over ``kv`` [2, B, R, W, D] with the additive ``bias``
-    [B, R, H / R, W] (H = ``heads`` KV heads) expanded over each KV head's query heads: one SDPA. [B, Hq, 1, Dv]"""
+    [B, R, H / R, W] (H = ``heads`` KV heads) expanded over each KV head's query heads: one SDPA. [B, Hq, 1, Dv]
+
+    On the CPU in fp32 with the kernels on, given the segments' table ``seg`` (``segment_table``) of contiguous
+    storage: one C++ call instead (``segments_attention``), each KV head's query heads over its own segment only, a
+    work item per (row, KV head). The SDPA scores every segment of a packed row for every query head (3x the keys on
+    a row of SmolLM2's 3 KV heads) and the CPU's runs a row of one head group as one work item, on one thread."""
     b, hq, _, d = query.shape
     R, W = kv.shape[2], kv.shape[3]
     g, hr = hq // heads, heads // R
+    if seg is not None and query.dtype == kv.dtype == bias.dtype == torch.float32 and \
+            cpu_kernel.cpu_fast(kv.device) and kv.is_contiguous() and bias.is_contiguous():
+        op = cpu_kernel.segments_attention_op()
+        if op is not None:
+            return op(query.reshape(b, heads, g, d), kv.view(2, -1, d), bias.view(-1), seg, scaling).view(b, hq, 1, d)
     bias = bias if bias.dtype == query.dtype else bias.to(query.dtype)
     mask = bias if g == 1 else bias[:, :, :, None, :].expand(b, R, hr, g, W).reshape(b, R, hr * g, W)
     out = F.scaled_dot_product_attention(query.reshape(b, R, hr * g, d), kv[0], kv[1], attn_mask=mask, scale=scaling)
@@ -415,10 +436,10 @@ def append_store(store, key_states: torch.Tensor, value_states: torch.Tensor) ->
     p, L = store.packed, key_states.shape[2]
     if p.spare(store.seen) < L:
         p = store.packed = p.relayout(store.seen, store.declared_room(p.longest(store.seen)) + L)
-    counter = None
-    if L == 1 and store.cache.phase == "decode":
-        counter = store.cache.position_tensor(store.seen, key_states.device)
-    p.append(key_states, value_states, store.seen, counter)
+    slot = None
+    if L == 1 and store.cache.phase == "decode":  # riding the cache's position counter: no add of its own
+        slot = store.cache.riding(p, "slot", p.base, store.seen)
+    p.append(key_states, value_states, store.seen, slot)
     store.seen += L
     _recount(store)
 
@@ -426,8 +447,9 @@ def append_store(store, key_states: torch.Tensor, value_states: torch.Tensor) ->
 def slide_store(store) -> None:
     """``KVStore.slide_windows`` (a decode step: one indexed write, no host sync)."""
     p = store.packed
-    counter = None
-    if store.cache.phase == "decode" and p.top == store.seen and p.slid == store.seen - 1:
-        counter = store.cache.position_tensor(store.seen - 1, p.kv.device)
-    p.slide(store.seen, counter)
+    leave = None
+    if store.cache.phase == "decode" and p.top == store.seen and p.slid == store.seen - 1 and \
+            p.base_leave is not None:
+        leave = store.cache.riding(p, "leave", p.base_leave, store.seen - 1)
+    p.slide(store.seen, leave)
     _recount(store)

@@ -303,13 +303,14 @@ class RowStack:
         # layers not stacked because a row cannot say yet how its next step goes (ClusterKV before it clusters its
         # prompt, at the first decode step): stacked as soon as every row can (``serves``)
         self.pending: list[int] = []
+        packed_cols = []
         for i in range(len(caches[0].stores)):
             stores = [c.stores[i] for c in caches]
             if any(s.packed is not None for s in stores):  # head-wise budgets packed (``stacked_packed.py``)
                 first = stores[0].policy
                 if all((s.packed is None or packed_decode(s)) and type(s.policy) is type(first)
                        and s.policy.method == first.method for s in stores) and packings_agree(stores):
-                    self.layers[i] = StackedPacked(self, stores)
+                    packed_cols.append((i, stores))
                 continue
             mode = stack_as(stores)
             if mode is not None:
@@ -317,8 +318,14 @@ class RowStack:
             elif any(declares(stores[0].policy, f) for f in ("stacked_evict", "stacked_select")) and \
                     any(stack_mode(s) is None for s in stores):
                 self.pending.append(i)
-        # columns for the layouts' slots: a layout per layer, and a layer's next while its last is held
+        # columns for the layouts' slots: a layout per layer, and a layer's next while its last is held; then the
+        # stacked packed layers' slots (``StackedPacked._ride``), a run of columns each
         self.n_riders = len(self.layers) + 1
+        self.n_columns = self.n_riders
+        for i, stores in packed_cols:
+            self.layers[i] = StackedPacked(self, stores, 1 + self.n_columns)
+            self.n_columns += StackedPacked.columns(stores)
+        self.layers = dict(sorted(self.layers.items()))
 
     @classmethod
     def for_rows(cls, caches: list) -> "RowStack":
@@ -397,8 +404,8 @@ class RowStack:
             self.ctr.add_(1)
             self.moved = self.at
         else:
-            B, w = len(seen), 1 + self.n_riders
-            self.ctr = host_to_device([x for s in seen for x in [s] + [0] * self.n_riders], device).view(B, w)
+            B, w = len(seen), 1 + self.n_columns
+            self.ctr = host_to_device([x for s in seen for x in [s] + [0] * self.n_columns], device).view(B, w)
             self.pos = self.ctr[:, :1]
             self.riders = [None] * self.n_riders
         self.pos_seen = seen

@@ -4,11 +4,13 @@ heads, RazorAttention's compressed heads) decoded as one (issue 60 on issue 61's
 Each row keeps its own ``PackedHeads`` (its segments, offsets, room and windows: what it would have alone); the
 rows' packings are copied into one storage ``[2, B, R, W, D]`` (W the widest row's, a narrower row's extra slots
 -inf in its bias) and each row's packing becomes a view of its row (``PackedHeads.adopt``), so that a decode step is
-what one row's is, for all rows at once: the step's slots (each row's bases + each row's position: one add), keys,
-values and bias written by three ``index_put_``, one SDPA, and where heads hold windows one more add and
-``index_put_`` for the slots leaving them. A row whose segments' room runs out is packed again alone (as its append
-would) and the rows stacked anew: an event, amortised as a store's growth. On release each row gets storage of its
-own width again, its slots where the stack left them.
+what one row's is, for all rows at once: the step's slots (each row's bases + each row's position, columns of the
+rows' position counter that its one add per step moves on: ``RowStack.positions``), keys, values and bias written
+by three ``index_put_``, one SDPA (on the CPU in fp32: one C++ call over each head's own segment,
+``packed.step_attention``), and where heads hold windows one more ``index_put_`` for the slots leaving them. A row
+whose segments' room runs out is packed again alone (as its append would) and the rows stacked anew: an event,
+amortised as a store's growth. On release each row gets storage of its own width again, its slots where the stack
+left them.
 
 A layer is stacked this way where every row's packing has the same head groups, windows, bias and dtype, and its
 policy decodes exactly over the packing (``exact_decode``, or ``stacked_packed`` for a policy whose step is exact
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .packed import _recount, step_attention
+from .packed import _recount, segment_table, step_attention
 from .stack_rules import declares, exact_decode, own_storage, stack_mode
 
 
@@ -60,8 +62,10 @@ class StackedPacked:
 
     mode = "packed"
 
-    def __init__(self, stack, stores: list):
+    def __init__(self, stack, stores: list, col: int):
         self.stack = stack
+        self.col = col  # its columns of the rows' position counter: H for the slots, then the window heads' leaving
+        self._ctr = self._base = None  # the counter whose columns hold the slots of these bases (``_ride``)
         self.stores = stores
         self.policy = stores[0].policy
         self.seen = [s.seen for s in stores]
@@ -84,9 +88,12 @@ class StackedPacked:
         kv = first.kv.new_zeros(2, B, R, W, d)
         bias = first.bias.new_full((B, R, hr, W), float("-inf"))
         pos = first.pos.new_zeros(B, R, W)
-        bases, self.views = [], []
+        bases, self.views, segs = [], [], []
         for b, s in enumerate(self.stores):
             p = s.packed
+            off, cap = (p.off[0], p.cap[0]) if p is not None else \
+                ([h % hr * self.cap for h in range(H)], [self.cap] * H)
+            segs.append([((b * R + h // hr) * W + off[h], (b * H + h) * W + off[h], cap[h]) for h in range(H)])
             if p is not None:
                 self._own.setdefault(id(p), p.W)
                 kv[:, b:b + 1, :, : p.W] = p.kv
@@ -112,10 +119,29 @@ class StackedPacked:
             self.views.append(view)
         self.packings = [s.packed for s in self.stores]
         self.kv, self.bias, self.pos = kv, bias, pos
+        self.seg = segment_table(segs)  # each row's segments in the stack (``segments_attention`` on the CPU)
         self.base = torch.cat(bases)  # [B, H]: each segment's slot of its token at position 0
         self.at_b = torch.arange(B, device=kv.device).view(B, 1)
         self.at_r, self.at_j, self.zero = first.at_r, first.at_j, first.zero
         self.leave = torch.cat([p.base_leave for p in self.packings]) if first.base_leave is not None else None
+
+    @staticmethod
+    def columns(stores: list) -> int:
+        """The position counter's columns a stacked packed layer of these rows rides on (``RowStack``)."""
+        first = next(s.packed for s in stores if s.packed is not None)
+        return first.H + sum(w is not None for w in first.windows)  # (the rows' packings agree on their windows)
+
+    def _ride(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's slots [B, H] (each row's bases + its position) and the window heads' slots leaving [B, Hw]:
+        columns of the rows' position counter, moved on with the positions by its one add per step; written (one
+        add) when the counter was made anew (the rows' positions jumped) or the stack was laid out again."""
+        ctr, H = self.stack.ctr, self.base.shape[1]
+        cols = ctr[:, self.col: self.col + H + (0 if self.leave is None else self.leave.shape[1])]
+        if self._ctr is not ctr or self._base is not self.base:
+            bases = self.base if self.leave is None else torch.cat([self.base, self.leave], 1)
+            torch.add(bases, self.stack.pos, out=cols)
+            self._ctr, self._base = ctr, self.base
+        return cols[:, :H], (None if self.leave is None else cols[:, H:])
 
     def holds(self) -> bool:
         """Every row's store still has the storage the stack viewed, at the length the stack left it."""
@@ -132,7 +158,7 @@ class StackedPacked:
             self._own.pop(id(p), None)
         if full or any(s.packed is None and s.n + 1 > self.cap for s in self.stores):
             self._home()
-        slot = self.base + self.stack.pos  # [B, H] + [B, 1]
+        slot, _ = self._ride()
         self.kv[0].index_put_((self.at_b, self.at_r, slot), k[:, :, 0])
         self.kv[1].index_put_((self.at_b, self.at_r, slot), v[:, :, 0])
         self.bias.index_put_((self.at_b, self.at_r, self.at_j, slot), self.zero)
@@ -152,9 +178,9 @@ class StackedPacked:
         """The rows' step: one SDPA over the stacked packings, then the slots leaving each window head's window
         (``PackedHeads.slide``'s device step, for all rows). [B, Hq, 1, Dv]"""
         first = next(p for p in self.packings if p is not None)
-        out = step_attention(query, self.kv, self.bias, first.H, scaling)
+        out = step_attention(query, self.kv, self.bias, first.H, scaling, self.seg)
         if self.leave is not None:  # (every row packed: a classic row joins packings without windows)
-            self.bias.index_put_((self.at_b, first.win_r, first.win_j, self.leave + self.stack.pos), first.minus_inf)
+            self.bias.index_put_((self.at_b, first.win_r, first.win_j, self._ride()[1]), first.minus_inf)
             for s in self.stores:
                 s.packed.slid = s.seen
                 _recount(s)

@@ -360,6 +360,162 @@ inline void group_dots(const float* __restrict q, const float* __restrict k, int
   for (int64_t g = 0; g < G; ++g) dots[g] = row_dot(q + g * D, k, D);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The sums of four 8-lane vectors: [sum a0, sum a1, sum a2, sum a3].
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// out[gi * 4 + j] = q_(g0 + gi) . k_j for NG query heads and four key rows (D % 8 == 0): each key vector loaded once
+// for the NG heads, the horizontal sums done four keys at a time.
+template <int NG>
+inline void dots_4keys(const float* __restrict q, const float* const* k, int64_t D, float* out) {
+  __m256 a[NG][4];
+  for (int gi = 0; gi < NG; ++gi)
+    for (int j = 0; j < 4; ++j) a[gi][j] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < D; e += 8) {
+    const __m256 k0 = _mm256_loadu_ps(k[0] + e), k1 = _mm256_loadu_ps(k[1] + e), k2 = _mm256_loadu_ps(k[2] + e),
+                 k3 = _mm256_loadu_ps(k[3] + e);
+    for (int gi = 0; gi < NG; ++gi) {
+      const __m256 qq = _mm256_loadu_ps(q + gi * D + e);
+      a[gi][0] = _mm256_fmadd_ps(qq, k0, a[gi][0]);
+      a[gi][1] = _mm256_fmadd_ps(qq, k1, a[gi][1]);
+      a[gi][2] = _mm256_fmadd_ps(qq, k2, a[gi][2]);
+      a[gi][3] = _mm256_fmadd_ps(qq, k3, a[gi][3]);
+    }
+  }
+  for (int gi = 0; gi < NG; ++gi) _mm_storeu_ps(out + gi * 4, hsum4(a[gi][0], a[gi][1], a[gi][2], a[gi][3]));
+}
+
+// acc[gi * D + d0 .. + 32] += sum_t p[gi][t] * v_t[d0 .. + 32] over the rows of one block (NG query heads, 32
+// value columns: the accumulators stay in registers over the block).
+template <int NG>
+inline void values_block(const float* const* v, const float* p, int64_t T, int64_t n, int64_t d0, int64_t D,
+                         float* acc) {
+  __m256 a[NG][4];
+  for (int gi = 0; gi < NG; ++gi)
+    for (int i = 0; i < 4; ++i) a[gi][i] = _mm256_loadu_ps(acc + gi * D + d0 + 8 * i);
+  for (int64_t t = 0; t < n; ++t) {
+    if (v[t] == nullptr) continue;
+    const float* r = v[t] + d0;
+    const __m256 v0 = _mm256_loadu_ps(r), v1 = _mm256_loadu_ps(r + 8), v2 = _mm256_loadu_ps(r + 16),
+                 v3 = _mm256_loadu_ps(r + 24);
+    for (int gi = 0; gi < NG; ++gi) {
+      const __m256 w = _mm256_broadcast_ss(p + gi * T + t);
+      a[gi][0] = _mm256_fmadd_ps(w, v0, a[gi][0]);
+      a[gi][1] = _mm256_fmadd_ps(w, v1, a[gi][1]);
+      a[gi][2] = _mm256_fmadd_ps(w, v2, a[gi][2]);
+      a[gi][3] = _mm256_fmadd_ps(w, v3, a[gi][3]);
+    }
+  }
+  for (int gi = 0; gi < NG; ++gi)
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + gi * D + d0 + 8 * i, a[gi][i]);
+}
+#endif
+
+// One (batch row, KV head)'s attention for rows_attention and segments_attention: the G query heads qb [G, D] over
+// the T key / value rows row(t) (row indices into K / V, rs floats apart) with the additive bias bi[t] (-inf: the row
+// is not read); o [G, D]. lg / acc / mx / inv / dots: the caller's scratch (G * T, G * D, G, G, 4 * G floats). With
+// AVX2 and D % 32 == 0 the logits are taken four keys at a time and the weighted values in blocks of 16 rows whose
+// values stay in the core's cache while 32 columns of two heads' sums stay in registers; the same sums otherwise,
+// one key at a time.
+constexpr int64_t VBLOCK = 16;
+template <typename Row>
+void head_attention(const float* qb, const float* K, const float* V, int64_t rs, Row row, const float* bi,
+                    int64_t T, int64_t G, int64_t D, float sc, float* o, std::vector<float>& lg,
+                    std::vector<float>& acc, std::vector<float>& mx, std::vector<float>& inv,
+                    std::vector<float>& dots) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  std::fill(mx.begin(), mx.end(), ninf);
+  int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const bool wide = D % 32 == 0;
+  if (wide) {  // the logits four keys at a time (a masked key's logit computed, then -inf)
+    for (; t + 4 <= T; t += 4) {
+      const float* k[4];
+      for (int j = 0; j < 4; ++j) {
+        k[j] = K + row(t + j) * rs;
+        if (t + j + AHEAD < T) prefetch_row(K + row(t + j + AHEAD) * rs, D);
+      }
+      for (int64_t g0 = 0; g0 < G; g0 += 2) {
+        if (G - g0 >= 2) dots_4keys<2>(qb + g0 * D, k, D, dots.data() + g0 * 4);
+        else dots_4keys<1>(qb + g0 * D, k, D, dots.data() + g0 * 4);
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int j = 0; j < 4; ++j) {
+          const float s = bi[t + j] > ninf ? dots[g * 4 + j] * sc + bi[t + j] : ninf;
+          lg[g * T + t + j] = s;
+          mx[g] = s > mx[g] ? s : mx[g];
+        }
+    }
+  }
+#endif
+  for (; t < T; ++t) {  // the logits: each key row read once for the group's query heads
+    if (!(bi[t] > ninf)) {
+      for (int64_t g = 0; g < G; ++g) lg[g * T + t] = ninf;
+      continue;
+    }
+    if (t + AHEAD < T) prefetch_row(K + row(t + AHEAD) * rs, D);
+    group_dots(qb, K + row(t) * rs, G, D, dots);
+    for (int64_t g = 0; g < G; ++g) {
+      const float s = dots[g] * sc + bi[t];
+      lg[g * T + t] = s;
+      mx[g] = s > mx[g] ? s : mx[g];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {  // exp(logit - max) in place, and its sum
+    float* r = lg.data() + g * T;
+    float l = 0.f;
+    int64_t x = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 m8 = _mm256_set1_ps(mx[g]);
+    __m256 l8 = _mm256_setzero_ps();
+    for (; x + 8 <= T; x += 8) {
+      const __m256 p = exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(r + x), m8));
+      _mm256_storeu_ps(r + x, p);
+      l8 = _mm256_add_ps(l8, p);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, l8);
+    for (int e = 0; e < 8; ++e) l += lanes[e];
+#endif
+    for (; x < T; ++x) { r[x] = exp_nonpos(r[x] - mx[g]); l += r[x]; }
+    inv[g] = 1.f / l;
+  }
+  std::fill(acc.begin(), acc.end(), 0.f);
+#if defined(__AVX2__) && defined(__FMA__)
+  if (wide) {  // the weighted values: a block of rows, read once from memory, then every head pair and column run
+    const float* vb[VBLOCK];
+    for (int64_t t0 = 0; t0 < T; t0 += VBLOCK) {
+      const int64_t n = std::min(VBLOCK, T - t0);
+      for (int64_t j = 0; j < n; ++j) {
+        vb[j] = bi[t0 + j] > ninf ? V + row(t0 + j) * rs : nullptr;
+        if (t0 + j + VBLOCK < T && bi[t0 + j + VBLOCK] > ninf) prefetch_row(V + row(t0 + j + VBLOCK) * rs, D);
+      }
+      for (int64_t g0 = 0; g0 < G; g0 += 2)
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+          if (G - g0 >= 2) values_block<2>(vb, lg.data() + g0 * T + t0, T, n, d0, D, acc.data() + g0 * D);
+          else values_block<1>(vb, lg.data() + g0 * T + t0, T, n, d0, D, acc.data() + g0 * D);
+        }
+    }
+  } else
+#endif
+  {
+    for (int64_t x = 0; x < T; ++x) {  // the weighted values: each value row read once
+      if (!(bi[x] > ninf)) continue;
+      if (x + AHEAD < T) prefetch_row(V + row(x + AHEAD) * rs, D);
+      const float* v = V + row(x) * rs;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = lg[g * T + x];
+        if (p != 0.f) axpy(p, v, acc.data() + g * D, D);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t e = 0; e < D; ++e) o[g * D + e] = acc[g * D + e] * inv[g];
+}
+
 at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& kv, const at::Tensor& idx_in,
                           const at::Tensor& bias, double scale) {
   TORCH_CHECK(q_in.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat &&
@@ -382,60 +538,57 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& kv, const at
   const float* Bi = bias.data_ptr<float>();
   float* O = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  const float ninf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * H, 1, [&](int64_t a, int64_t z) {
-    std::vector<float> lg(G * T), acc(G * D), mx(G), inv(G), dots(G);
+    std::vector<float> lg(G * T), acc(G * D), mx(G), inv(G), dots(4 * G);
     for (int64_t bh = a; bh < z; ++bh) {
-      const float* qb = Q + bh * G * D;
       const int64_t* ix = I + bh * T;
-      const float* bi = Bi + (bh / H) * b0 + (bh % H) * b1;
-      std::fill(mx.begin(), mx.end(), ninf);
-      for (int64_t t = 0; t < T; ++t) {  // the logits: each key row read once for the group's query heads
-        if (!(bi[t] > ninf)) {
-          for (int64_t g = 0; g < G; ++g) lg[g * T + t] = ninf;
-          continue;
-        }
-        if (t + AHEAD < T) prefetch_row(K + ix[t + AHEAD] * rs, D);
-        const float* k = K + ix[t] * rs;
-        group_dots(qb, k, G, D, dots);
-        for (int64_t g = 0; g < G; ++g) {
-          const float s = dots[g] * sc + bi[t];
-          lg[g * T + t] = s;
-          mx[g] = s > mx[g] ? s : mx[g];
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {  // exp(logit - max) in place, and its sum
-        float* row = lg.data() + g * T;
-        float l = 0.f;
-        int64_t t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        const __m256 m8 = _mm256_set1_ps(mx[g]);
-        __m256 l8 = _mm256_setzero_ps();
-        for (; t + 8 <= T; t += 8) {
-          const __m256 p = exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(row + t), m8));
-          _mm256_storeu_ps(row + t, p);
-          l8 = _mm256_add_ps(l8, p);
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, l8);
-        for (int e = 0; e < 8; ++e) l += lanes[e];
-#endif
-        for (; t < T; ++t) { row[t] = exp_nonpos(row[t] - mx[g]); l += row[t]; }
-        inv[g] = 1.f / l;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < T; ++t) {  // the weighted values: each value row read once
-        if (!(bi[t] > ninf)) continue;
-        if (t + AHEAD < T) prefetch_row(V + ix[t + AHEAD] * rs, D);
-        const float* v = V + ix[t] * rs;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = lg[g * T + t];
-          if (p != 0.f) axpy(p, v, acc.data() + g * D, D);
-        }
-      }
-      float* o = O + bh * G * D;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t e = 0; e < D; ++e) o[g * D + e] = acc[g * D + e] * inv[g];
+      head_attention(Q + bh * G * D, K, V, rs, [ix](int64_t x) { return ix[x]; },
+                     Bi + (bh / H) * b0 + (bh % H) * b1, T, G, D, sc, O + bh * G * D, lg, acc, mx, inv, dots);
+    }
+  });
+  return out;
+}
+
+// A decode query's exact attention over per-head segments of packed storage (packed.py: a layer whose KV heads hold
+// different numbers of tokens, each (batch row, KV head) a run of consecutive slots of its storage row). q [B, H, G,
+// D] fp32 (the query heads of each KV head), kv [2, N, D] (the storage's rows flattened; unit stride over D), bias
+// [M] fp32 (the packing's additive bias flattened: 0 held, -inf not read, or a carried bias), seg [3, B * H] int64:
+// each segment's first row of kv, its first entry of bias, its length. Returns out [B, H, G, D] = softmax(q . k *
+// scale + bias) @ v over each segment's slots only — where one SDPA over a packed row scores every segment of the row
+// for every query head and masks the others' (3x the keys on a row of 3 heads), in one work item per row.
+at::Tensor segments_attention(const at::Tensor& q_in, const at::Tensor& kv, const at::Tensor& bias,
+                              const at::Tensor& seg_in, double scale) {
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat &&
+                  bias.scalar_type() == at::kFloat && seg_in.scalar_type() == at::kLong,
+              "segments_attention: fp32 query, storage and bias, int64 segments");
+  TORCH_CHECK(q_in.dim() == 4 && kv.dim() == 3 && kv.size(0) == 2 && kv.stride(2) == 1 && bias.dim() == 1 &&
+                  bias.stride(0) == 1 && seg_in.dim() == 2 && seg_in.size(0) == 3,
+              "segments_attention: q [B, H, G, D], kv [2, N, D], bias [M], seg [3, B * H]");
+  const at::Tensor q = q_in.contiguous(), seg = seg_in.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), N = kv.size(1), M = bias.size(0);
+  TORCH_CHECK(kv.size(2) == D && seg.size(1) == B * H, "segments_attention: shapes do not match");
+  const int64_t* S = seg.data_ptr<int64_t>();
+  const int64_t BH = B * H;
+  int64_t T = 0;
+  for (int64_t x = 0; x < BH; ++x) {
+    TORCH_CHECK(S[x] >= 0 && S[2 * BH + x] > 0 && S[x] + S[2 * BH + x] <= N && S[BH + x] >= 0 &&
+                    S[BH + x] + S[2 * BH + x] <= M, "segments_attention: a segment out of the storage");
+    T = std::max(T, S[2 * BH + x]);
+  }
+  at::Tensor out = at::empty({B, H, G, D}, q.options());
+  const float* Q = q.data_ptr<float>();
+  const float* K = kv.data_ptr<float>();
+  const float* V = K + kv.stride(0);
+  const int64_t rs = kv.stride(1);
+  const float* Bi = bias.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, BH, 1, [&](int64_t a, int64_t z) {
+    std::vector<float> lg(G * T), acc(G * D), mx(G), inv(G), dots(4 * G);
+    for (int64_t bh = a; bh < z; ++bh) {
+      const int64_t first = S[bh];
+      head_attention(Q + bh * G * D, K, V, rs, [first](int64_t x) { return first + x; }, Bi + S[BH + bh],
+                     S[2 * BH + bh], G, D, sc, O + bh * G * D, lg, acc, mx, inv, dots);
     }
   });
   return out;
@@ -653,6 +806,7 @@ TORCH_LIBRARY(luka_bench, lib) {
           " Tensor slen, Tensor start_rows, Tensor rows, Tensor(a!) bias, int P, int L, bool ub, float[] unit_limit,"
           " int k_g, int[] R, int cmax, int C, int S, int[] fr, int[] n) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   lib.def("rows_attention(Tensor q, Tensor kv, Tensor idx, Tensor bias, float scale) -> Tensor");
+  lib.def("segments_attention(Tensor q, Tensor kv, Tensor bias, Tensor seg, float scale) -> Tensor");
   lib.def("lychee_index_add(Tensor x, Tensor lens, Tensor(a!) mu_c, Tensor(b!) r_c, Tensor(c!) cnt_c,"
           " Tensor(d!) tok_c, Tensor parent, Tensor(e!) mu_g, Tensor(f!) r_g, Tensor(g!) cnt_g, Tensor(h!) tok_g,"
           " Tensor(i!) assign, int M0) -> ()");
@@ -665,6 +819,7 @@ TORCH_LIBRARY_IMPL(luka_bench, CPU, lib) {
   lib.impl("attention_mass", &attention_mass);
   lib.impl("lychee_decode", &lychee_decode);
   lib.impl("rows_attention", &rows_attention);
+  lib.impl("segments_attention", &segments_attention);
   lib.impl("lychee_index_add", &lychee_index_add);
   lib.impl("lychee_table", &lychee_table);
   lib.impl("lychee_pool", &lychee_pool);
