@@ -110,31 +110,32 @@ class MethodCache:
             got[0] = seen
         return got[1]
 
-    def riding(self, owner, tag: str, base: torch.Tensor, seen: int) -> torch.Tensor:
+    def riding(self, owner, tag, base: torch.Tensor, seen: int) -> torch.Tensor:
         """``base + position_tensor(seen)`` (``base`` int64 on the counter's device, any shape) as a view of the
-        counter's own tensor, so that the one ``add_`` that moves the position on each step moves it too: a layer's
-        per-step slot indices without a per-layer add (a packed layer's decode slots and window slots,
-        ``packed.py``). Written (one op) when ``owner`` first asks with this ``tag`` and ``base``, and after the
-        position jumped; while the owner lives its columns are its own (an owner that died leaves them to others
-        when the counter's tensor runs out of columns and is made anew — an event, as the owner's new layout is)."""
+        counter's own tensor, so that the one ``add_`` that moves the position on each step moves it too: per-step
+        indices without an op of their own (a packed layer's decode slots and window slots, ``packed.py``). Written
+        (one op) when ``owner`` first asks with this ``tag`` (hashable) and ``base``, and after the position jumped.
+        When the counter's tensor runs out of columns it is made anew with the riders still in use (their owner
+        alive, asked this step or the last) — an event, as a rider's first step is."""
         self.position_tensor(seen, base.device)
         got = self._position[base.device]
         flat, riders, key, n = got[2], got[3], (id(owner), tag), base.numel()
         r = riders.get(key)
         if r is None or r[0]() is not owner or r[1] is not base:
-            if got[4] + n > flat.numel():  # no free column left: the live riders (and this one) in a new tensor
-                live = {k: v for k, v in riders.items() if v[0]() is not None and k != key}
+            if got[4] + n > flat.numel():  # no free column left: the riders in use (and this one) in a new tensor
+                live = {k: v for k, v in riders.items() if v[0]() is not None and v[3] >= seen - 1 and k != key}
                 new = flat.new_empty(2 * (1 + sum(v[1].numel() for v in live.values()) + n))
                 new[:1].copy_(flat[:1])
                 flat, got[1], got[2], got[4] = new, new[0], new, 1
                 riders = got[3] = {}
-                for k, (ref, b, _) in live.items():
+                for k, (ref, b, _, at) in live.items():
                     torch.add(b.reshape(-1), got[1], out=flat[got[4]: got[4] + b.numel()])
-                    riders[k] = (ref, b, got[4])
+                    riders[k] = [ref, b, got[4], at]
                     got[4] += b.numel()
             torch.add(base.reshape(-1), got[1], out=flat[got[4]: got[4] + n])
-            r = riders[key] = (weakref.ref(owner), base, got[4])
+            r = riders[key] = [weakref.ref(owner), base, got[4], seen]
             got[4] += n
+        r[3] = seen
         return flat[r[2]: r[2] + n].view(base.shape)
 
     def position_before(self, seen: int, delta: int, device: torch.device) -> torch.Tensor:
