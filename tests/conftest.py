@@ -276,3 +276,17 @@ class TailFeed:
     def remove(self):
         for h in self.handles:
             h.remove()
+
+
+def prefilled(a, model, prompts):
+    """One cache per prompt through the attached method ``a`` (``hf.attach``), each prompt prefilled alone with the
+    method's stand-in question: rows ready to be decoded together (``engine.forward_rows``) or alone."""
+    from luka_bench.engine import stand_in_question
+
+    caches = []
+    for p in prompts:
+        c = a.new_cache(reference_length=len(p), **stand_in_question(a.method, len(p)))
+        c.add_tokens(p)
+        model(torch.tensor([p]), past_key_values=c)
+        caches.append(c)
+    return caches

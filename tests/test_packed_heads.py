@@ -138,8 +138,10 @@ def test_the_cpu_segment_step_equals_the_sdpa_step(name, tiny_gqa3, tmp_path, mo
     (``segments_attention``); the SDPA over the whole packed row (what CUDA runs) is the reference: two rows of
     different lengths decoded stacked (``stacked_packed``) and one alone, 24 steps (a row packed again among them),
     the logits within 1e-5 — and the kernel is what ran, stacked and alone."""
-    from luka_bench.engine import forward, forward_rows, stand_in_question
+    from luka_bench.engine import forward, forward_rows
     from luka_bench.methods import cpu_kernel, packed as packed_mod
+
+    from conftest import prefilled
 
     if tiny_gqa3.model.device.type != "cpu" or cpu_kernel.segments_attention_op() is None:
         pytest.skip("the CPU kernel (built here, off under LUKA_BENCH_NO_KERNEL=1)")
@@ -158,12 +160,7 @@ def test_the_cpu_segment_step_equals_the_sdpa_step(name, tiny_gqa3, tmp_path, mo
 
     def decode():
         with attach(model, method) as a, torch.no_grad():
-            caches = []
-            for p in prompts:
-                c = a.new_cache(reference_length=len(p), **stand_in_question(a.method, len(p)))
-                c.add_tokens(p)
-                model(torch.tensor([p]), past_key_values=c)
-                caches.append(c)
+            caches = prefilled(a, model, prompts)
             alone = caches.pop()
             packed = all(s.packed is not None for c in caches for s in c.stores)
             rows = torch.stack([forward_rows(model, [t[j] for t in toks[:2]], caches) for j in range(24)])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from luka_bench.engine import forward, forward_rows, stand_in_question
+from luka_bench.engine import forward, forward_rows
 from luka_bench.host_sync import sync_method_config
 from luka_bench.launches import decode_launch_counts, stock_launch_counts, summary
 from luka_bench.methods.base import LayerInfo, LayerPolicy
@@ -17,7 +17,7 @@ from luka_bench.methods.hf import RowBatch, attach
 from luka_bench.methods.policies import layer_policy
 from luka_bench.methods.stacked import exact_decode, release_rows, stackable
 
-from conftest import CONF, tiny
+from conftest import CONF, prefilled, tiny
 
 pytestmark = pytest.mark.device  # LUKA_TEST_DEVICE=cuda runs them on the GPU (docs/gpu.md)
 
@@ -85,16 +85,6 @@ def test_a_subclass_that_decides_per_step_is_never_stacked():
     assert not exact_decode(Peeks(method, info))  # a hook overridden below LayerPolicy's declaration
     assert exact_decode(Declares(method, info))  # declared again where it was overridden
     assert not exact_decode(Overrides(method, info))
-
-
-def prefilled(a, model, prompts):
-    caches = []
-    for p in prompts:
-        c = a.new_cache(reference_length=len(p), **stand_in_question(a.method, len(p)))
-        c.add_tokens(p)
-        model(torch.tensor([p]), past_key_values=c)
-        caches.append(c)
-    return caches
 
 
 @pytest.mark.parametrize("name", sorted(STACKED | EVICTS | SELECTS))
