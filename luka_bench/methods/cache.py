@@ -75,7 +75,8 @@ class MethodCache:
         self._attended: tuple[list[float], list[float], list[float]] = ([], [], [])
         self._attended_pending: list[tuple] = []
         # device -> [value, 0-dim int64 counter (a view of ``flat``), flat int64 [1 + riders' columns], riders
-        # {key: (weakref to the owner, base, first column)}, next free column]: see position_tensor and riding
+        # {key: [weakref to the owner, base, first column, value last asked at]}, next free column]: see
+        # position_tensor and riding
         self._position: dict = {}
         self._offsets: dict = {}  # (key, device) -> (counter, value, tensor): see per_step
         self._masks: dict = {}  # (name, width, rows, dtype, device) -> [mask, held]: see held_mask
