@@ -292,14 +292,15 @@ class PackedHeads:
         of its own again. Only the flat row ids of a multi-token append depend on the width."""
         W = kv.shape[3]
         g = self.H // self.R
-        f_minus = [[self.off[b][h] + self.f0[b][h] - self.seen0 for h in range(self.H)] for b in range(self.B)]
-        dev = kv.device
+        heads = [(b, h) for b in range(self.B) for h in range(self.H)]
+        # each segment's first slot, flattened in the storage and in the bias
+        kv0 = [(b * self.R + h // g) * W + self.off[b][h] for b, h in heads]
+        bias0 = [(b * self.H + h) * W + self.off[b][h] for b, h in heads]
         self.kv, self.bias, self.pos, self.W = kv, bias, pos, W
-        self.seg = segment_table([[((b * self.R + h // g) * W + self.off[b][h], (b * self.H + h) * W + self.off[b][h],
-                                    self.cap[b][h]) for h in range(self.H)] for b in range(self.B)])
-        self.base_kv = _dev([(b * self.R + h // g) * W + f_minus[b][h] for b in range(self.B) for h in range(self.H)],
-                            dev)
-        self.base_bias = _dev([(b * self.H + h) * W + f_minus[b][h] for b in range(self.B) for h in range(self.H)], dev)
+        self.seg = segment_table([list(zip(kv0, bias0, (self.cap[b][h] for b, h in heads)))])
+        f = [self.f0[b][h] - self.seen0 for b, h in heads]  # a segment's slot of position 0, relative to its first
+        self.base_kv = _dev([x + y for x, y in zip(kv0, f)], kv.device)
+        self.base_bias = _dev([x + y for x, y in zip(bias0, f)], kv.device)
 
     # -- the classic layout, on demand -------------------------------------------------------------------------
     def _positions(self, seen: int) -> torch.Tensor:

@@ -516,6 +516,29 @@ void head_attention(const float* qb, const float* K, const float* V, int64_t rs,
     for (int64_t e = 0; e < D; ++e) o[g * D + e] = acc[g * D + e] * inv[g];
 }
 
+// The (batch row, KV head) driver of rows_attention and segments_attention: q [B, H, G, D] and kv [2, N, D] checked
+// by the caller, T the longest run read; item(bh) gives that head's (row function, bias pointer, length). Returns
+// out [B, H, G, D], one work item per (batch row, KV head).
+template <typename Item>
+at::Tensor heads_attention(const at::Tensor& q, const at::Tensor& kv, int64_t T, double scale, Item item) {
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  at::Tensor out = at::empty({B, H, G, D}, q.options());
+  const float* Q = q.data_ptr<float>();
+  const float* K = kv.data_ptr<float>();
+  const float* V = K + kv.stride(0);
+  const int64_t rs = kv.stride(1);
+  float* O = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * H, 1, [&](int64_t a, int64_t z) {
+    std::vector<float> lg(G * T), acc(G * D), mx(G), inv(G), dots(4 * G);
+    for (int64_t bh = a; bh < z; ++bh) {
+      const auto [row, bi, len] = item(bh);
+      head_attention(Q + bh * G * D, K, V, rs, row, bi, len, G, D, sc, O + bh * G * D, lg, acc, mx, inv, dots);
+    }
+  });
+  return out;
+}
+
 at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& kv, const at::Tensor& idx_in,
                           const at::Tensor& bias, double scale) {
   TORCH_CHECK(q_in.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat &&
@@ -524,29 +547,18 @@ at::Tensor rows_attention(const at::Tensor& q_in, const at::Tensor& kv, const at
   TORCH_CHECK(q_in.dim() == 4 && kv.dim() == 3 && kv.size(0) == 2 && kv.stride(2) == 1 && idx_in.dim() == 3 &&
                   bias.dim() == 4, "rows_attention: q [B, H, G, D], kv [2, N, D], idx [B, H, T], bias [B, H, 1, T]");
   const at::Tensor q = q_in.contiguous(), idx = idx_in.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), T = idx.size(2), N = kv.size(1);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), T = idx.size(2), N = kv.size(1);
   TORCH_CHECK(kv.size(2) == D && idx.size(0) == B && idx.size(1) == H && bias.size(0) == B && bias.size(1) == H &&
                   bias.size(3) >= T && bias.stride(3) == 1, "rows_attention: shapes do not match");
   const int64_t* I = idx.data_ptr<int64_t>();
   for (int64_t x = 0; x < B * H * T; ++x)
     TORCH_CHECK(I[x] >= 0 && I[x] < N, "rows_attention: a row out of the storage");
-  at::Tensor out = at::empty({B, H, G, D}, q.options());
-  const float* Q = q.data_ptr<float>();
-  const float* K = kv.data_ptr<float>();
-  const float* V = K + kv.stride(0);
-  const int64_t rs = kv.stride(1), b0 = bias.stride(0), b1 = bias.stride(1);
   const float* Bi = bias.data_ptr<float>();
-  float* O = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * H, 1, [&](int64_t a, int64_t z) {
-    std::vector<float> lg(G * T), acc(G * D), mx(G), inv(G), dots(4 * G);
-    for (int64_t bh = a; bh < z; ++bh) {
-      const int64_t* ix = I + bh * T;
-      head_attention(Q + bh * G * D, K, V, rs, [ix](int64_t x) { return ix[x]; },
-                     Bi + (bh / H) * b0 + (bh % H) * b1, T, G, D, sc, O + bh * G * D, lg, acc, mx, inv, dots);
-    }
+  const int64_t b0 = bias.stride(0), b1 = bias.stride(1);
+  return heads_attention(q, kv, T, scale, [&](int64_t bh) {
+    const int64_t* ix = I + bh * T;
+    return std::make_tuple([ix](int64_t x) { return ix[x]; }, Bi + (bh / H) * b0 + (bh % H) * b1, T);
   });
-  return out;
 }
 
 // A decode query's exact attention over per-head segments of packed storage (packed.py: a layer whose KV heads hold
@@ -565,7 +577,7 @@ at::Tensor segments_attention(const at::Tensor& q_in, const at::Tensor& kv, cons
                   bias.stride(0) == 1 && seg_in.dim() == 2 && seg_in.size(0) == 3,
               "segments_attention: q [B, H, G, D], kv [2, N, D], bias [M], seg [3, B * H]");
   const at::Tensor q = q_in.contiguous(), seg = seg_in.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), N = kv.size(1), M = bias.size(0);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), N = kv.size(1), M = bias.size(0);
   TORCH_CHECK(kv.size(2) == D && seg.size(1) == B * H, "segments_attention: shapes do not match");
   const int64_t* S = seg.data_ptr<int64_t>();
   const int64_t BH = B * H;
@@ -575,23 +587,11 @@ at::Tensor segments_attention(const at::Tensor& q_in, const at::Tensor& kv, cons
                     S[BH + x] + S[2 * BH + x] <= M, "segments_attention: a segment out of the storage");
     T = std::max(T, S[2 * BH + x]);
   }
-  at::Tensor out = at::empty({B, H, G, D}, q.options());
-  const float* Q = q.data_ptr<float>();
-  const float* K = kv.data_ptr<float>();
-  const float* V = K + kv.stride(0);
-  const int64_t rs = kv.stride(1);
   const float* Bi = bias.data_ptr<float>();
-  float* O = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, BH, 1, [&](int64_t a, int64_t z) {
-    std::vector<float> lg(G * T), acc(G * D), mx(G), inv(G), dots(4 * G);
-    for (int64_t bh = a; bh < z; ++bh) {
-      const int64_t first = S[bh];
-      head_attention(Q + bh * G * D, K, V, rs, [first](int64_t x) { return first + x; }, Bi + S[BH + bh],
-                     S[2 * BH + bh], G, D, sc, O + bh * G * D, lg, acc, mx, inv, dots);
-    }
+  return heads_attention(q, kv, T, scale, [&](int64_t bh) {
+    const int64_t first = S[bh];
+    return std::make_tuple([first](int64_t x) { return first + x; }, Bi + S[BH + bh], S[2 * BH + bh]);
   });
-  return out;
 }
 
 // LycheeCluster's new chunk keys on the CPU (lychee.LycheePolicy.pool at a lazy update, as one call): keys
