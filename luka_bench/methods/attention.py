@@ -142,20 +142,23 @@ def attend_rows(qg: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, bias: tor
     return F.scaled_dot_product_attention(qg, rows[0], rows[1], attn_mask=bias, scale=scaling)
 
 
-def group_logits(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+def group_logits(q: torch.Tensor, k: torch.Tensor, scaling: float, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Logits of grouped queries q [B, Hkv, g, Lq, D] against their KV head's keys k [B, Hkv, m, D]:
     [B, Hkv, g, Lq, m] float32. The group's query heads are folded into the rows of one matmul per KV head; a
     matmul broadcasting k over the group axis copies the keys g times first (one decode query over 4K keys: 6.9 ms
     against 0.37 ms here). One 3-D ``bmm`` over (batch x KV head): a 4-D ``matmul`` adds about as much again
-    in call overhead, which a decode step's small matmuls feel."""
+    in call overhead, which a decode step's small matmuls feel. ``mask``: an additive [B, Hkv, 1, m] (0 / -inf)
+    added to every query's logits — in float32 the GEMM's own input (no op of its own)."""
     b, h, g, lq, d = q.shape
     m = k.shape[2]
     qf, kf = q.reshape(b * h, g * lq, d), k.reshape(b * h, m, d).transpose(1, 2)  # 3-D: ~2x cheaper call
-    if q.dtype == torch.float32 and k.dtype == torch.float32:
+    if q.dtype == torch.float32 and k.dtype == torch.float32 and (mask is None or mask.dtype == torch.float32):
         # the scaling inside the GEMM (beta=0: the input is not read): one kernel instead of a matmul and a mul_
-        return torch.baddbmm(qf.new_empty(()).expand(b * h, g * lq, m), qf, kf, beta=0.0,
+        start = qf.new_empty(()) if mask is None else mask.reshape(b * h, 1, m)
+        return torch.baddbmm(start.expand(b * h, g * lq, m), qf, kf, beta=0.0 if mask is None else 1.0,
                              alpha=scaling).view(b, h, g, lq, m)
-    return torch.bmm(qf, kf).float().mul_(scaling).view(b, h, g, lq, m)
+    out = torch.bmm(qf, kf).float().mul_(scaling).view(b, h, g, lq, m)
+    return out if mask is None else out.add_(mask.view(b, h, 1, 1, m))
 
 
 def group_apply(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

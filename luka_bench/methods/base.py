@@ -310,6 +310,9 @@ class LayerPolicy:
     stacked_packed: bool = False
     stacked_free_position = 0  # an evicting stack's position on a free slot (StreamingLLM: the largest int64)
     stacked_free_state = 0.0  # a stack's per-token state (``aux``) on a free slot (H2O: +inf mass, never a victim)
+    # an evicting stack writes the step's position at the step's slot before the victims are chosen (False: only
+    # where the token ends up, as alone — StreamingLLM, whose victims never read the new token's slot)
+    stacked_slot_position = True
     stacked_attend = None  # (layer: stacked.StackedLayer, query, scaling) -> [B, Hq, 1, Dv]; None: exact attention
     stacked_after = None  # (layer, query) -> None: after every row's after_step (what an event remade, remade now)
 
@@ -326,7 +329,8 @@ class LayerPolicy:
         return None
 
     def stacked_victims(self, layer) -> torch.Tensor:
-        """The slot each stacked row drops this step, [B, Hkv] int64 (rows that keep their token are ignored)."""
+        """The slot each stacked row drops this step, [B, Hkv] int64 (rows that keep their token are ignored); or
+        (those slots counted from slot ``start``, ``start``): one offset for every row, no add to make them absolute."""
         raise NotImplementedError(f"{type(self).__name__} declares no stacked eviction")
 
     def stacked_note(self, store: "Store", evicted: bool) -> None:

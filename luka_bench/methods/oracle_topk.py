@@ -137,9 +137,7 @@ class OracleTopKPolicy(LayerPolicy):
         hkv, cap = layer.kv.shape[2], layer.kv.shape[3]
         if layer.plans[0] == "dense":
             return layer.exact_step(query, scaling, top=None)
-        lay = layer.layout  # each row's free slots: -inf, the rows' mask per KV head (made once per step)
-        bias = layer.stack.memo(("oracle_topk", id(lay)),
-                                lambda: lay.mask.view(b, 1, 1, cap).expand(b, hkv, 1, cap).reshape(b * hkv, 1, cap))
+        bias = layer.layout.mask.view(b * hkv, 1, cap)  # each row's free slots: -inf (the rows' mask per KV head)
         out, top = self._static_select(None, query, scaling, bias, (layer.kv[0], layer.kv[1]))
         for i, s in enumerate(layer.stores):
             s.policy.top, s.policy.n_read = top[i: i + 1], s.n

@@ -70,7 +70,7 @@ def read_pages_in_place(query: torch.Tensor, keys: torch.Tensor, values: torch.T
                         held: torch.Tensor, scaling: float) -> torch.Tensor:
     """Attention of each query head over its pages ``pid`` [B * Hkv, g, K] (ids among the ``width / ps`` pages of
     keys / values [B, Hkv, width, D]) in place: one SDPA, the group's query heads folded into the query axis, with
-    an additive mask -inf on the pages a query head does not read plus ``held`` [B or 1, 1, 1, pages, ps] (0 on the
+    an additive mask -inf on the pages a query head does not read plus ``held`` [B or 1, 1 or Hkv, 1, pages, ps] (0 on the
     held slots, -inf on the free ones). Equal to the gathered pages' attention up to the sum's order. [B, Hq, 1, Dv]"""
     b, hq, _, d = query.shape
     hkv, width = keys.shape[1], keys.shape[2]
@@ -225,7 +225,7 @@ class QuestPolicy(LayerPolicy):
         w = k * ps
         if reads_in_place(hkv, hq, layer.cap, w):
             out = read_pages_in_place(query, layer.kv[0], layer.kv[1], pid,
-                                      layer.layout.mask.view(b, 1, 1, layer.cap // ps, ps), scaling)
+                                      layer.layout.mask.view(b, hkv, 1, layer.cap // ps, ps), scaling)
             self._stacked_count(stores, pid, st, ns, b, hkv, g, k)
             return out
         pages = layer.kv.view(2, bh * (layer.cap // ps), ps * d)

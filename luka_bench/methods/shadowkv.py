@@ -278,7 +278,7 @@ class ShadowKVPolicy(LayerPolicy):
         front = ok.shape[2] + w
 
         def mask():  # the read prompt sets, then the stack's mask over the rows' slots: once per step for all layers
-            return torch.cat([lay.mask.new_zeros(b, 1, 1, front), lay.mask], dim=-1)
+            return torch.cat([lay.mask.new_zeros(b, 1, 1, front), lay.mask[:, :1]], dim=-1)  # (heads alike)
 
         out = sdpa(query, keys, values, scaling, layer.stack.memo(("shadowkv", front, id(lay)), mask))
         for i, s in enumerate(stores):

@@ -55,7 +55,7 @@ from .stacked_packed import StackedPacked, packed_decode, packings_agree
 class _Layout:
     """The rows' slots and mask shared by every stacked layer whose rows have the same lengths and width at a step."""
 
-    def __init__(self, ns: list[int], cap: int, dtype: torch.dtype, device: torch.device,
+    def __init__(self, ns: list[int], cap: int, heads: int, dtype: torch.dtype, device: torch.device,
                  ctr: torch.Tensor | None = None, col: int = 0):
         B = len(ns)
         self.ns, self.cap = list(ns), cap  # the rows' lengths before the step's write
@@ -64,8 +64,10 @@ class _Layout:
         self.rides = ctr  # the counter whose column ``slot`` is, or None
         self.slot = host_to_device(ns, device) if ctr is None else ctr[:, col]
         self.rows = torch.arange(B, device=device)
-        self.mask = torch.where(torch.arange(cap, device=device)[None, :] < self.slot[:, None], 0.0,
-                                float("-inf")).to(dtype).view(B, 1, 1, cap)
+        self.heads = torch.arange(heads, device=device)[None, :]
+        # [B, Hkv, 1, cap]: per KV head (a view per (row, head) for a GEMM's input; an SDPA broadcasts it)
+        self.mask = torch.where(torch.arange(cap, device=device)[None, None, :] < self.slot[:, None, None], 0.0,
+                                float("-inf")).to(dtype).expand(B, heads, cap).contiguous().view(B, heads, 1, cap)
         self.open = torch.zeros((), dtype=dtype, device=device)
         self.closed = torch.full((), float("-inf"), dtype=dtype, device=device)
         self.at: int | None = None  # the step whose slots it holds (None: fresh)
@@ -77,7 +79,8 @@ class _Layout:
         moved on by one already (a column of the stack's counter, advanced with the positions this step)."""
         if self.at is not None and not (moved and isinstance(delta, int)):  # moved on: only a row that stayed
             self.slot.add_(delta)  # (given as -1 then) goes back by one
-        self.mask.view(self.mask.shape[0], -1).index_put_((self.rows, self.slot), self.open)
+        self.mask.view(self.mask.shape[0], self.mask.shape[1], -1).index_put_((self.rows[:, None], self.heads,
+                                                                               self.slot[:, None]), self.open)
         self.ns, self.at = list(ns), at
 
 
@@ -155,12 +158,14 @@ class StackedLayer:
             cap = int(self.cap * self.stores[0].GROWTH) + 16
             self._home(-(-cap // grow) * grow)
         self.step_kv = (k, v)  # the step's keys and values, for a policy that mirrors them (LuKA's cover)
-        lay = self.layout = self.stack.layout(self, self.ns, self.cap, self.kv.dtype, self.kv.device)
+        lay = self.layout = self.stack.layout(self, self.ns, self.cap, self.kv.shape[2], self.kv.dtype,
+                                              self.kv.device)
         evict = self.mode == "evict"
         if evict:  # keys and values as one [B, Hkv, 2, D]: written here and again at the victims (``evict``)
             self.new = torch.stack((k[:, :, 0], v[:, :, 0]), dim=2)
             self.kv.movedim(0, 3)[lay.rows, :, lay.slot] = self.new
-            self.pos[lay.rows, :, lay.slot] = self.stack.pos
+            if self.policy.stacked_slot_position:
+                self.pos[lay.rows, :, lay.slot] = self.stack.pos
         else:
             self.kv[0][lay.rows, :, lay.slot] = k[:, :, 0]
             self.kv[1][lay.rows, :, lay.slot] = v[:, :, 0]
@@ -213,28 +218,34 @@ class StackedLayer:
         cap], each row's free slots 0; the output [B, Hq, 1, Dv]) — ``attention_with_mass``'s decode pass, masked."""
         b, hq, _, d = query.shape
         hkv = self.kv.shape[2]
-        logits = group_logits(query.view(b, hkv, hq // hkv, 1, d), self.kv[0], scaling)
-        w = torch.softmax(logits.add_(self.layout.mask.view(b, 1, 1, 1, -1)), dim=-1)
+        logits = group_logits(query.view(b, hkv, hq // hkv, 1, d), self.kv[0], scaling, self.layout.mask)
+        w = torch.softmax(logits, dim=-1)
         return w, group_apply(w, self.kv[1]).view(b, hq, 1, -1)
 
     def evict(self) -> None:
         """Each row whose plan drops a token this step: the new token written into the victim's slot (keys, values,
         position, state), its length back by one. Rows that keep it get it written onto its own slot."""
         plans = self.plans
-        if not any(plans):
-            return
         lay = self.layout
+        if not any(plans):
+            if not self.policy.stacked_slot_position:  # its position where it stays
+                self.pos[lay.rows, :, lay.slot] = self.stack.pos
+            return
         B, h = self.kv.shape[1], self.kv.shape[2]
-        victims = self.policy.stacked_victims(self)  # [B, Hkv]
+        victims, start = self.policy.stacked_victims(self), 0  # [B, Hkv], counted from slot ``start``
+        if isinstance(victims, tuple):
+            victims, start = victims
         here = lay.slot[:, None].expand(B, h)
-        if not all(plans):
-            victims = torch.where(self.stack.constant(plans, torch.bool, self.kv.device)[:, None], victims, here)
+        if not all(plans):  # a row that keeps its token writes it onto its own slot
+            mine = here if not start else self.stack.memo(("slot_from", start, id(lay)), lambda: here - start)
+            victims = torch.where(self.stack.constant(plans, torch.bool, self.kv.device)[:, None], victims, mine)
         bi, hi = lay.rows[:, None], self.heads
         index = (bi, hi, victims)
-        self.kv.movedim(0, 3).index_put_(index, self.new)  # [B, Hkv, cap, 2, D]
-        self.pos.index_put_(index, self.stack.pos.expand(B, h))
+        width = self.cap - start  # the writes through views from slot ``start`` on
+        self.kv.movedim(0, 3).narrow(2, start, width).index_put_(index, self.new)  # [B, Hkv, cap, 2, D]
+        self.pos.narrow(2, start, width).index_put_(index, self.stack.pos.expand(B, h))
         for t in self.aux.values():
-            t.index_put_(index, t[bi, hi, here])
+            t.narrow(2, start, width).index_put_(index, t[bi, hi, here])
         for b, s in enumerate(self.stores):
             if plans[b]:
                 s.n -= 1
@@ -351,12 +362,12 @@ class RowStack:
                 and all(layer.holds() for layer in self.layers.values())
                 and not any(stack_as([c.stores[i] for c in caches]) for i in self.pending))
 
-    def layout(self, layer: StackedLayer, ns: list[int], cap: int, dtype: torch.dtype,
+    def layout(self, layer: StackedLayer, ns: list[int], cap: int, heads: int, dtype: torch.dtype,
                device: torch.device) -> _Layout:
         """The layout of a layer's step whose rows are at lengths ``ns``: shared by every layer at the same lengths and
         width this step; else the layer's own from the last step moved on (each row the same or one slot further),
         else a fresh one."""
-        key = (tuple(ns), cap, dtype, device)
+        key = (tuple(ns), cap, heads, dtype, device)
         got = self._layouts.get(key)
         if got is not None and got.at == self.at:
             return got
@@ -374,7 +385,7 @@ class RowStack:
                 lay = old
         if lay is None:
             col = self.ride(ns, device)
-            lay = _Layout(ns, cap, dtype, device, None if col is None else self.ctr, 1 + (col or 0))
+            lay = _Layout(ns, cap, heads, dtype, device, None if col is None else self.ctr, 1 + (col or 0))
             if col is not None:
                 self.riders[col] = lay
             lay.advance(ns, self.at, None)

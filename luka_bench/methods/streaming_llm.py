@@ -67,6 +67,9 @@ class StreamingPolicy(ScorerPolicy):
     # -- stacked rows of a batch (``stacked.py``): exact attention, then each row's oldest of the window --------------
     stacked_evict = True
     stacked_free_position = torch.iinfo(torch.long).max  # a free slot is never the oldest: no mask for the victims
+    # the step's slot is never the oldest either (a free slot's position until a row keeps its token there): its
+    # position written where the token ends up only, as alone
+    stacked_slot_position = False
 
     def stacked_plan(self, store):
         if self.method.positions != "original":
@@ -84,7 +87,7 @@ class StreamingPolicy(ScorerPolicy):
         pos = layer.pos[:, 0]
         if len(sinks) == 1:
             sink = sinks.pop()
-            oldest = pos[:, sink:].argmin(-1) + sink
+            return pos[:, sink:].argmin(-1)[:, None].expand(b, layer.kv.shape[2]), sink
         else:  # rows whose capacity is below the sinks (tiny budgets) keep fewer
             rows = [min(self.method.sink, self.capacity(s)) for s in layer.stores]
             lo = layer.stack.constant(rows, torch.long, pos.device)[:, None]
