@@ -128,14 +128,17 @@ class H2OPolicy(ScorerPolicy):
         return True if self._slot_step(store) else None
 
     def stacked_attend(self, layer, query, scaling):
-        """The rows' attention and masses (free slots get none), added to each row's accumulated mass: the new
-        token's entry zeroed first, so that it is the step's mass (as ``attend``'s copy)."""
+        """The rows' attention and masses (free slots get none), added to each row's accumulated mass. The new
+        token's entry is left as it is (what the slot held plus the step's mass; +inf on a slot never used): the
+        stack's eviction writes the step's mass alone where the token ends up (``layer.sources``, as ``attend``'s
+        copy), and until then its slot is in the recent window (its position is the step's)."""
         w, out = layer.weights(query, scaling)
-        acc, lay = layer.aux[MASS], layer.layout
-        acc[lay.rows, :, lay.slot] = 0.0
+        acc = layer.aux[MASS]
         if self.method.decay is not None:
             acc.mul_(self.method.decay)
-        acc.add_(w.sum(dim=(2, 3)))
+        mass = w.sum(dim=(2, 3))
+        acc.add_(mass)
+        layer.sources[MASS] = mass
         return out
 
     stacked_free_state = float("inf")  # a free slot's mass in the stack: never the least (no mask for the victims)

@@ -97,6 +97,9 @@ class StackedLayer:
         self.layout: _Layout | None = None
         self.pos: torch.Tensor | None = None  # "evict": the rows' positions [B, Hkv, cap] (int64)
         self.aux: dict[str, torch.Tensor] = {}  # "evict", "select": the rows' per-token state, each [B, Hkv, cap]
+        # "evict": a state's values after the step where the policy's step left its ``aux`` entry at the step's slot
+        # unfinished (H2O: the step's mass added to whatever the slot held), read there for the new token's state
+        self.sources: dict[str, torch.Tensor] = {}
         self.state: dict = {}  # what the policy's stacked step keeps for these rows (remade with the storage)
         self.kept: dict = {}  # what it keeps for these rows whatever the storage's width (made once)
         grow = max(s.policy.storage_multiple for s in stores)
@@ -227,9 +230,12 @@ class StackedLayer:
         position, state), its length back by one. Rows that keep it get it written onto its own slot."""
         plans = self.plans
         lay = self.layout
+        sources, self.sources = self.sources, {}
         if not any(plans):
             if not self.policy.stacked_slot_position:  # its position where it stays
                 self.pos[lay.rows, :, lay.slot] = self.stack.pos
+            for name, src in sources.items():
+                self.aux[name][lay.rows, :, lay.slot] = src[lay.rows, :, lay.slot]
             return
         B, h = self.kv.shape[1], self.kv.shape[2]
         victims, start = self.policy.stacked_victims(self), 0  # [B, Hkv], counted from slot ``start``
@@ -244,8 +250,8 @@ class StackedLayer:
         width = self.cap - start  # the writes through views from slot ``start`` on
         self.kv.movedim(0, 3).narrow(2, start, width).index_put_(index, self.new)  # [B, Hkv, cap, 2, D]
         self.pos.narrow(2, start, width).index_put_(index, self.stack.pos.expand(B, h))
-        for t in self.aux.values():
-            t.narrow(2, start, width).index_put_(index, t[bi, hi, here])
+        for name, t in self.aux.items():
+            t.narrow(2, start, width).index_put_(index, sources.get(name, t)[bi, hi, here])
         for b, s in enumerate(self.stores):
             if plans[b]:
                 s.n -= 1
