@@ -315,6 +315,9 @@ class LayerPolicy:
     stacked_slot_position = True
     stacked_attend = None  # (layer: stacked.StackedLayer, query, scaling) -> [B, Hq, 1, Dv]; None: exact attention
     stacked_after = None  # (layer, query) -> None: after every row's after_step (what an event remade, remade now)
+    # (layer) -> None: before the stack's storage is made anew or given back to the rows (what the policy's stacked
+    # step kept for the rows, written back to their stores: LuKA clustered's importance in cover coordinates)
+    stacked_release = None
 
     def decodes_exactly(self, store: "Store") -> bool:
         """For a class whose decode step depends on the layer (so it cannot declare ``exact_decode``): True where this

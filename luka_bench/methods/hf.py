@@ -315,6 +315,8 @@ def _before_forward(module, args, kwargs):
         return _rows_forward(cache, ids, x, {k: v for k, v in kwargs.items() if k not in ("input_ids", "inputs_embeds")})
     if not isinstance(cache, MethodCache):
         return None
+    if getattr(cache, "_row_stack", None) is not None:  # a row of stacked rows fed alone: its storage its own first
+        cache._row_stack.dissolve()
     ids, x = _input_of(args, kwargs)
     if x.shape[0] != 1:  # rows of one length, unpadded (``_mask`` refuses padding), each decided on its own
         why = cache.method.batch_refusal()

@@ -449,11 +449,16 @@ class LuKAPolicy(LayerPolicy):
             idx = None
             p = torch.softmax(logit, -1)
         out = torch.bmm(p.to(cv.dtype), cv[:, : W + KS])
-        if self._needs_mass():  # each row's raw tail region (its cover slots from its pages on) into its mass
-            acc = layer.aux[MASS].view(bh, 1, -1)
-            tail = p.gather(2, st["tail_cover"]).mul_(st["tail_valid"])  # past a row's own region: 0
-            got = acc.gather(2, st["tail_slot"])
-            acc.scatter_(2, st["tail_slot"], got.baddbmm_(self.cover.ones(bh, g, p), tail))
+        if self._needs_mass():
+            # the raw tail's importance += its mass, as ``decode_step``, kept in cover coordinates for the rows
+            # (``st["acc"]``, each row's tail region as its store's entries when the stacked cover was made): one
+            # GEMV over the whole cover (the other entries never read); written back to the rows' stores when a
+            # row compresses, the covers are made again or the stack lets the rows go (``stacked_release``)
+            st["acc"].baddbmm_(self.cover.ones(bh, g, p), p[:, :, :W])
+            st["dirty"] = True
+            if any((s.policy.steps + 1) % m.compress_every == 0 and s.n - m.tail - s.policy.frontier >= S
+                   for s in layer.stores):  # a row's after_step compresses, reading its mass
+                self.stacked_release(layer)
         for i, s in enumerate(layer.stores):
             pol, fr, n = s.policy, s.policy.frontier, s.n
             pol._last_total = None
@@ -462,6 +467,14 @@ class LuKAPolicy(LayerPolicy):
             pol._att_count = float(s0 + n - fr + KS)
             pol.cover.n = s0 + pol.P[1] + n - fr  # its entries as alone (its own copy catches up when it syncs)
         return out.view(b, hq, 1, -1).to(query.dtype)
+
+    def stacked_release(self, layer):
+        """The rows' accumulated importance (``stacked_attend``) written back to their stores' entries."""
+        st = layer.state
+        if st.get("dirty"):
+            acc = layer.aux[MASS].view(-1)
+            acc.index_copy_(0, st["acc_store"], st["acc"].view(-1).index_select(0, st["acc_cover"]))
+            st["dirty"] = False
 
     def stacked_after(self, layer, query):
         """A row compressed in this step (its event): the stacked covers made again now, not in the next step."""
@@ -493,6 +506,7 @@ class LuKAPolicy(LayerPolicy):
             st["mask"][lay.rows, :, slot] = 0.0
             st["raw"] = ns
             return st
+        self.stacked_release(layer)  # the importance accumulated under the old covers back in the stores first
         S, s0 = self.method.page_size, self.method.sink
         B, hkv, d = len(stores), layer.kv.shape[2], layer.kv.shape[4]
         for s, p in zip(stores, pols):
@@ -531,18 +545,19 @@ class LuKAPolicy(LayerPolicy):
         st["page0"] = (first[:, None, None] + torch.arange(S, device=dev)[None, None, :])  # [B * Hkv, 1, S]
         if self._needs_mass():
             # cover slot s0 + P_b + j of row b <-> its store slot frontier_b + j, for j below its tail region's width
-            # (as ``decode_step``); past it (the widest row's region is longer) clamped into range and weighted 0
-            T = W - s0 - min(p.P[1] for p in pols)
-            j = torch.arange(T, device=dev)
-            const = layer.stack.constant
-            at = (const([s0 + p.P[1] for p in pols], torch.long, dev)[:, None] + j).clamp(max=W - 1)
-            fr = (const([p.frontier for p in pols], torch.long, dev)[:, None] + j).clamp(max=layer.cap - 1)
-            width = [min(p.cover.w - s0 - p.P[1], layer.cap - p.frontier) for p in pols]
-            ok = (j < const(width, torch.long, dev)[:, None]).float()
-            st["tail_cover"] = at.repeat_interleave(hkv, 0)[:, None, :].expand(B * hkv, query.shape[1] // hkv,
-                                                                               T).contiguous()
-            st["tail_slot"] = fr.repeat_interleave(hkv, 0)[:, None, :]
-            st["tail_valid"] = ok.repeat_interleave(hkv, 0)[:, None, :]
+            # (as ``decode_step``): the accumulator in cover coordinates starts from the stores' entries
+            cover_at, store_at = [], []
+            for i, p in enumerate(pols):
+                width = min(p.cover.w - s0 - p.P[1], layer.cap - p.frontier)
+                for h in range(hkv):
+                    c0, s0_ = (i * hkv + h) * W + s0 + p.P[1], (i * hkv + h) * layer.cap + p.frontier
+                    cover_at.extend(range(c0, c0 + width))
+                    store_at.extend(range(s0_, s0_ + width))
+            st["acc_cover"], st["acc_store"] = const(cover_at, torch.long, dev), const(store_at, torch.long, dev)
+            acc = layer.aux[MASS]
+            st["acc"] = acc.new_zeros(B * hkv, 1, W)
+            st["acc"].view(-1).index_copy_(0, st["acc_cover"], acc.view(-1).index_select(0, st["acc_store"]))
+            st["dirty"] = False
         st["lb"] = torch.full((B * hkv, g, W + KS + 1), NEG, dtype=torch.float32, device=dev)  # last column -inf
         return st
 

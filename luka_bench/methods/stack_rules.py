@@ -8,7 +8,8 @@ from .base import LayerPolicy
 # the policy hooks a decode step reaches: overriding any of them below the class that declared ``exact_decode`` voids
 # the declaration (a subclass that decides per step is never stacked by mistake)
 DECODE_HOOKS = ("attend", "step", "after_step", "attended", "attended_count", "attended_extra", "extra_entries")
-EVICT_HOOKS = DECODE_HOOKS + ("stacked_plan", "stacked_attend", "stacked_victims", "stacked_note", "stacked_after")
+EVICT_HOOKS = DECODE_HOOKS + ("stacked_plan", "stacked_attend", "stacked_victims", "stacked_note", "stacked_after",
+                              "stacked_release")
 
 
 def exact_decode(policy: LayerPolicy) -> bool:

@@ -108,6 +108,8 @@ class StackedLayer:
     def _home(self, cap: int) -> None:
         """Storage ``cap`` wide holding every row's tokens; each store's storage becomes a view of its row (an
         evicting layer's positions and per-token state too)."""
+        if self.state and self.policy.stacked_release is not None:
+            self.policy.stacked_release(self)
         first = self.stores[0]._kv
         _, _, h, _, d = first.shape
         B = len(self.stores)
@@ -261,6 +263,8 @@ class StackedLayer:
     def release(self) -> None:
         """Each row that still views this storage gets its own again: its held tokens and its decode room (an
         evicting layer's positions and state too; the slots from its length on zeroed in the state)."""
+        if self.mode != "exact" and self.policy.stacked_release is not None:
+            self.policy.stacked_release(self)
         for s, view in zip(self.stores, self.views):
             if s._kv is view:
                 width = own_storage(s, view, self.cap)
