@@ -503,7 +503,11 @@ class LuKAPolicy(LayerPolicy):
             cov = st["kv"]
             cov[0][lay.rows, :, slot] = k[:, :, 0]
             cov[1][lay.rows, :, slot] = v[:, :, 0]
-            st["mask"][lay.rows, :, slot] = 0.0
+            mask = st["mask"]  # shared by the layers whose covers are laid out alike: opened once per step
+
+            def open_slots():
+                mask[lay.rows, :, slot] = 0.0
+            layer.stack.memo(("luka_open", id(mask)), open_slots)
             st["raw"] = ns
             return st
         self.stacked_release(layer)  # the importance accumulated under the old covers back in the stores first
@@ -522,10 +526,15 @@ class LuKAPolicy(LayerPolicy):
         dev = kv.device
         const = layer.stack.constant
         ar = torch.arange(W, device=dev)
-        mask = torch.where(ar < const(lens, torch.long, dev)[:, None], 0.0, NEG).to(query.dtype)
+        bases = [s0 + p.P[1] - p.frontier for p in pols]
+        # the free slots' -inf: one tensor for every layer whose covers are laid out alike this step (the same
+        # lengths, width and slots' bases), opened at the step's slots once per step for all of them
+        mask = layer.stack.kept(
+            ("luka_mask", tuple(lens), W, tuple(bases), hkv, query.dtype, dev),
+            lambda: torch.where(ar < const(lens, torch.long, dev)[:, None], 0.0, NEG).to(query.dtype)[:, None]
+            .expand(B, hkv, W).contiguous())
         npages = layer.stack.constant([p.P[1] for p in pols], torch.long, dev).repeat_interleave(hkv)[:, None]
-        st.update(key=key, kv=kv, W=W, P=P, raw=list(ns), mask=mask[:, None, :].expand(B, hkv, W).contiguous(),
-                  bases=[s0 + p.P[1] - p.frontier for p in pols])
+        st.update(key=key, kv=kv, W=W, P=P, raw=list(ns), mask=mask, bases=bases)
         g = query.shape[1] // hkv
         # the softmax's layout per row: its cover (W_b entries), its children (taken from W on), then -inf (the
         # buffer's last column); and back: a row's entries past its cover (not its own) read a -inf entry (0)

@@ -313,6 +313,7 @@ class RowStack:
         self._layouts: dict = {}
         self._memo: dict = {}
         self._memo_at = -1
+        self._kept: dict = {}
         self.layers: dict[int, StackedLayer] = {}
         self.pos: torch.Tensor | None = None
         self.pos_seen: list[int] = []
@@ -410,6 +411,17 @@ class RowStack:
         if key not in self._memo:
             self._memo[key] = make()
         return self._memo[key]
+
+    def kept(self, key, make):
+        """``make()``, kept across steps for every layer asking with the same hashable ``key`` while some layer asked
+        for it this step or the last (a buffer that layers laid out alike share and update once per step)."""
+        got = self._kept.get(key)
+        if got is None:
+            if len(self._kept) >= 16:
+                self._kept = {k: v for k, v in self._kept.items() if v[1] >= self.at - 1}
+            got = self._kept[key] = [make(), self.at]
+        got[1] = self.at
+        return got[0]
 
     def constant(self, values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A small host list (per-row plans, slot moves) as a device tensor, made anew at every step that asks (the
