@@ -278,7 +278,8 @@ def test_stacked_quest_never_reads_a_page_a_row_does_not_hold(monkeypatch, lm64)
     import luka_bench.methods.quest as Q
 
     bound = Q.page_bound
-    monkeypatch.setattr(Q, "page_bound", lambda q, hi, lo: -bound(q, hi, lo) - 1.0)
+    monkeypatch.setattr(Q, "page_bound", lambda q, hi, lo, start=None: -bound(q, hi, lo) - 1.0 + (
+        0.0 if start is None else start))  # (the pages past a row's own: -inf, the stack's ``start``)
     test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone(SELECTING[0], lm64)
 
 

@@ -63,14 +63,19 @@ def segment_pool(x: torch.Tensor, seg: torch.Tensor, starts: torch.Tensor, lens:
     return sums / lens.to(x.dtype).view(1, 1, -1, 1)
 
 
-def page_bound(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+def page_bound(q: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
     """sum_d max(q_d * hi_d, q_d * lo_d) for queries q [R, g, D] (the query heads of each row's group, R = batch x
     KV heads) and each page's per-channel box ``hi`` / ``lo`` [R, P, D]: [R, g, P] fp32. With the box the page's
     min/max this is Quest's upper bound of q.k over the page; with ArkVale's shrunk box (``lo`` / ``hi``) it is its
     digest score, no bound. As two GEMMs, relu(q).hi + min(q, 0).lo (the positive part of q takes the upper end,
-    the negative part the lower): no [R, g, P, D] product is made, as ``PagedKeys.bound`` makes."""
+    the negative part the lower): no [R, g, P, D] product is made, as ``PagedKeys.bound`` makes. ``start``: an
+    additive fp32 [R, 1, P] (0 / -inf: pages that do not count) taken as the first GEMM's input (no op of its own)."""
     q = q.float()
-    score = torch.bmm(q.clamp(min=0), hi.float().transpose(1, 2))
+    if start is None:
+        score = torch.bmm(q.clamp(min=0), hi.float().transpose(1, 2))
+    else:
+        score = torch.baddbmm(start.expand(q.shape[0], q.shape[1], hi.shape[1]), q.clamp(min=0),
+                              hi.float().transpose(1, 2))
     return torch.baddbmm(score, q.clamp(max=0), lo.float().transpose(1, 2))
 
 

@@ -70,8 +70,8 @@ def read_pages_in_place(query: torch.Tensor, keys: torch.Tensor, values: torch.T
                         held: torch.Tensor, scaling: float) -> torch.Tensor:
     """Attention of each query head over its pages ``pid`` [B * Hkv, g, K] (ids among the ``width / ps`` pages of
     keys / values [B, Hkv, width, D]) in place: one SDPA, the group's query heads folded into the query axis, with
-    an additive mask -inf on the pages a query head does not read plus ``held`` [B or 1, 1 or Hkv, 1, pages, ps] (0 on the
-    held slots, -inf on the free ones). Equal to the gathered pages' attention up to the sum's order. [B, Hq, 1, Dv]"""
+    an additive mask -inf on the pages a query head does not read plus ``held`` [B or 1, 1 or Hkv, 1, pages, ps] (0
+    on the held slots, -inf on the free ones). Equal to the gathered pages' attention up to the sum's order. [B, Hq, 1, Dv]"""
     b, hq, _, d = query.shape
     hkv, width = keys.shape[1], keys.shape[2]
     g, pages = hq // hkv, held.shape[-2]
@@ -219,7 +219,7 @@ class QuestPolicy(LayerPolicy):
         cs = [(n - 1) // ps for n in ns]
         k = quest_pages(ns[0], ps, self.method.token_budget)
         st = self._stacked_fit(layer, cs, k, g)
-        score = page_bound(query.reshape(bh, g, d), st["max"], st["min"]).add_(st["closed"])  # [B * Hkv, g, P]
+        score = page_bound(query.reshape(bh, g, d), st["max"], st["min"], st["closed"])  # [B * Hkv, g, P]
         top = torch.topk(score, k - 1, dim=-1).indices
         pid = torch.cat([top, st["last"]], dim=-1)  # + each row's last page: [B * Hkv, g, K]
         w = k * ps
@@ -234,7 +234,8 @@ class QuestPolicy(LayerPolicy):
 
         def mask():
             lim = layer.stack.constant(held, torch.long, query.device).view(b, 1, 1, 1)
-            return torch.where(torch.arange(w, device=query.device) < lim, 0.0, float("-inf")).to(query.dtype)
+            at = layer.stack.kept(("quest_slots", w, query.device), lambda: torch.arange(w, device=query.device))
+            return torch.where(at < lim, layer.layout.open, layer.layout.closed).to(query.dtype)
 
         out = sdpa(query, kv[0], kv[1], scaling, layer.stack.memo(("quest", tuple(held), w, query.dtype), mask))
         self._stacked_count(stores, pid, st, ns, b, hkv, g, k)
