@@ -200,7 +200,23 @@ def test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone(case, l
     rows_equal_alone(method, lm64, want)
 
 
-def rows_equal_alone(method, lm64, want: set[str]) -> None:
+FP32 = [c for c in EVICTING + SELECTING if c[0] in ("h2o", "tova", "streaming_llm")] + \
+    [next(c for c in SELECTING if c[0] == n) for n in ("quest", "luka_clustered", "shadowkv", "oracle_topk")]
+
+
+@pytest.mark.parametrize("case", FP32, ids=str)
+def test_stacked_rows_in_float32_keep_what_each_row_keeps_alone(case):
+    """The test above in float32, where the stacked steps take their own fast paths (the rows' mask as a GEMM's input,
+    ShadowKV's landmark scores in one GEMM, LuKA's importance in cover coordinates): logits within 1e-6 (a row alone
+    and in a stack differ in float32's last bits, full attention's too) and every row holds, per layer and KV head,
+    the positions it holds alone."""
+    name, overrides = case
+    method = instantiate(sync_method_config(name, overrides), _convert_="all")
+    lm = tiny("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+    rows_equal_alone(method, lm, {"evict"} if case in EVICTING else {"select"}, atol=1e-6)
+
+
+def rows_equal_alone(method, lm64, want: set[str], atol: float = 1e-9) -> None:
     """The test above for ``method``, whose stacked layers at step 30 are of the kinds ``want`` (and "exact")."""
     g = torch.Generator().manual_seed(2)
     # every row holds at least 16 tokens: over fewer, torch's CPU softmax takes its scalar path, whose exp differs
@@ -235,9 +251,9 @@ def rows_equal_alone(method, lm64, want: set[str]) -> None:
                 assert modes - {"exact"} == want - {"exact"} and len(caches[0]._row_stack.layers) == 3, modes
         release_rows(caches)
         for r in range(3):
-            torch.testing.assert_close(torch.stack(got[r]).view(40, -1), solo[r].view(40, -1), rtol=0, atol=1e-9)
+            torch.testing.assert_close(torch.stack(got[r]).view(40, -1), solo[r].view(40, -1), rtol=0, atol=atol)
         torch.testing.assert_close(torch.stack(clone_out).view(5, -1), solo[1].view(40, -1)[20:25], rtol=0,
-                                   atol=1e-9)
+                                   atol=atol)
         assert [c.stores[0].seen for c in caches] == [240, 203, 180]
         assert [kept(c) for c in caches] == solo_kept
         if not want & {"evict", "packed"}:  # nothing dropped

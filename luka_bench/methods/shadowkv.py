@@ -261,8 +261,15 @@ class ShadowKVPolicy(LayerPolicy):
         g, cs = hq // hkv, m.chunk
         sets = m.token_budget // cs
         w = sets * cs
-        logits = torch.matmul(query.view(b, hkv, g, d), st["lm"].transpose(-1, -2))  # [B, Hkv, g, Cl]
-        score = torch.softmax(logits.float() * scaling + st["lm_mask"], dim=-1).amax(dim=2)
+        lm = st["lm"]  # [B, Hkv, Cl, D]
+        if query.dtype == lm.dtype == torch.float32:  # the scaling and the mask past a row's own in one GEMM
+            cl = lm.shape[2]
+            logits = torch.baddbmm(st["lm_mask"].view(b * hkv, 1, cl).expand(b * hkv, g, cl), query.view(b * hkv, g, d),
+                                   lm.view(b * hkv, cl, d).transpose(1, 2), alpha=scaling)
+            score = torch.softmax(logits, dim=-1).view(b, hkv, g, cl).amax(dim=2)
+        else:
+            logits = torch.matmul(query.view(b, hkv, g, d), lm.transpose(-1, -2))  # [B, Hkv, g, Cl]
+            score = torch.softmax(logits.float() * scaling + st["lm_mask"], dim=-1).amax(dim=2)
         top = torch.topk(score, sets, dim=-1).indices
         pos = (st["lm_base"].gather(2, top)[..., None] + self._ar).view(b, hkv, w)
         u = st["U"][st["rows"], pos].view(b * hkv, w, self.rank)  # U [B, longest n0, r]: by (row, position)
