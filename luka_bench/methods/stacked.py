@@ -76,11 +76,15 @@ class _Layout:
     def advance(self, ns: list[int], at: int, delta, moved: bool = False) -> None:
         """Move to step ``at`` (rows at lengths ``ns``, each the last step's or one more: ``delta`` [B] of 0/1, or 1
         for all) and open the step's slots in the mask: once per step for all its layers. ``moved``: the slots were
-        moved on by one already (a column of the stack's counter, advanced with the positions this step)."""
-        if self.at is not None and not (moved and isinstance(delta, int)):  # moved on: only a row that stayed
-            self.slot.add_(delta)  # (given as -1 then) goes back by one
-        self.mask.view(self.mask.shape[0], self.mask.shape[1], -1).index_put_((self.rows[:, None], self.heads,
-                                                                               self.slot[:, None]), self.open)
+        moved on by one already (a column of the stack's counter, advanced with the positions this step). Rows that
+        all stayed at their slots (``delta`` 0: an evicting layer's rows at their capacity) cost no op: the slots
+        are where they were and open already."""
+        still = self.at is not None and not moved and isinstance(delta, int) and delta == 0
+        if self.at is not None and not (moved and isinstance(delta, int)) and not still:  # moved on: only a row
+            self.slot.add_(delta)  # that stayed (given as -1 then) goes back by one
+        if not still:
+            self.mask.view(self.mask.shape[0], self.mask.shape[1], -1).index_put_((self.rows[:, None], self.heads,
+                                                                                   self.slot[:, None]), self.open)
         self.ns, self.at = list(ns), at
 
 
@@ -377,8 +381,10 @@ class RowStack:
                device: torch.device) -> _Layout:
         """The layout of a layer's step whose rows are at lengths ``ns``: shared by every layer at the same lengths and
         width this step; else the layer's own from the last step moved on (each row the same or one slot further),
-        else a fresh one."""
-        key = (tuple(ns), cap, heads, dtype, device)
+        else a fresh one — riding the positions' counter where the rows move on every step (an exact or selecting
+        layer), its own slots where they mostly stay (an evicting layer at its capacity: no op then)."""
+        ride = layer.mode != "evict"
+        key = (tuple(ns), cap, heads, dtype, device, ride)
         got = self._layouts.get(key)
         if got is not None and got.at == self.at:
             return got
@@ -391,11 +397,12 @@ class RowStack:
             fits = old.rides is None or (old.rides is self.ctr and old.at == self.at - 1)
             if set(delta) <= {0, 1} and fits:
                 moved = old.rides is not None and self.moved == self.at  # then a row that stayed goes back by one
-                d = 1 if set(delta) == {1} else self.constant([x - int(moved) for x in delta], torch.long, device)
+                d = 1 if set(delta) == {1} else 0 if set(delta) == {0} and not moved else \
+                    self.constant([x - int(moved) for x in delta], torch.long, device)
                 old.advance(ns, self.at, d, moved)
                 lay = old
         if lay is None:
-            col = self.ride(ns, device)
+            col = self.ride(ns, device) if ride else None
             lay = _Layout(ns, cap, heads, dtype, device, None if col is None else self.ctr, 1 + (col or 0))
             if col is not None:
                 self.riders[col] = lay
