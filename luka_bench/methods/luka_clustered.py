@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from luka_bench.methods import cpu_kernel
 from luka_bench.methods.base import KVMethod, LayerPolicy, setting
 from luka_bench.methods.luka_cover import Cover
 from luka_bench.methods.pages import page_means
@@ -431,8 +432,14 @@ class LuKAPolicy(LayerPolicy):
         if K:
             mass = torch.softmax(logit, -1)[..., s0: s0 + st["P"]].sum(1) + st["pages"]  # a row's pages only
             idx = torch.sort(mass, dim=-1, descending=True, stable=True).indices[..., :K]  # [B * Hkv, K]
-            rows = torch.add(st["page0"], idx.unsqueeze(-1), alpha=S).view(-1)  # the pages' tokens, stacked storage
-            cov.view(2, bh, -1, d)[:, :, W: W + KS] = kv_rows(layer.kv.view(2, -1, d), rows).view(2, bh, KS, d)
+            dst = cov.view(2, bh, -1, d)[:, :, W: W + KS]
+            if cpu_kernel.cpu_fast(query.device):  # the pages' rows, one index_select and a copy (as ``gather_pages``)
+                rows = torch.add(st["page0"], idx.unsqueeze(-1), alpha=S).view(-1)  # the pages' tokens, stacked
+                dst.copy_(kv_rows(layer.kv.view(2, -1, d), rows).view(2, bh, KS, d))
+            else:  # one gather of whole pages [2, B * Hkv, pages, S * D] of the stacked storage straight into place
+                count = (layer.cap - s0) // S
+                src = layer.kv.view(2, bh, -1, d)[:, :, s0: s0 + count * S].view(2, bh, count, S * d)
+                torch.gather(src, 2, idx.view(1, bh, K, 1).expand(2, -1, -1, S * d), out=dst.view(2, bh, K, S * d))
             cl = torch.baddbmm(self.cover.zero(query), q, ck[:, W: W + KS].transpose(1, 2), beta=0.0, alpha=scaling,
                                **({"out": lb[:, :, W: W + KS]} if f32 else {}))
             pidx = (idx + s0 if s0 else idx).unsqueeze(1).expand(-1, g, -1)
