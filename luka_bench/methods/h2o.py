@@ -131,7 +131,7 @@ class H2OPolicy(ScorerPolicy):
         """The rows' attention and masses (free slots get none), added to each row's accumulated mass. The new
         token's entry is left as it is (what the slot held plus the step's mass; +inf on a slot never used): the
         stack's eviction writes the step's mass alone where the token ends up (``layer.sources``, as ``attend``'s
-        copy), and until then its slot is in the recent window (its position is the step's)."""
+        copy), and until then its slot reads as a free one (``stacked_slot_position``)."""
         w, out = layer.weights(query, scaling)
         acc = layer.aux[MASS]
         if self.method.decay is not None:
@@ -142,11 +142,15 @@ class H2OPolicy(ScorerPolicy):
         return out
 
     stacked_free_state = float("inf")  # a free slot's mass in the stack: never the least (no mask for the victims)
+    # the step's slot is a free slot's (+inf mass, position 0: the least key of all) until the token ends up there:
+    # never the victim, and its position written only where the token ends up, as alone (``stacked_attend`` leaves
+    # a slot's mass as it was plus the step's: +inf stays +inf)
+    stacked_slot_position = False
 
     def stacked_victims(self, layer):
         """``evict``'s victim for every row: its recent window (each row's own; its first position made once per
-        step for every layer of the same windows) and free slots (their mass +inf, ``stacked_free_state``; the
-        step's slot is the new token's, recent) read as +inf mass."""
+        step for every layer of the same windows) read as +inf mass; free slots, the step's slot among them, hold
+        +inf mass at position 0 (``stacked_free_state``, ``stacked_slot_position``): the least key, never chosen."""
         recent = tuple(self.split(ScorerPolicy.capacity(self, s))[1] - 1 for s in layer.stores)
         stack = layer.stack
         first = stack.memo(("h2o_first_recent", recent), lambda: (
