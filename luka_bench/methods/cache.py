@@ -162,17 +162,18 @@ class MethodCache:
         return got[2]
 
     def held_mask(self, name: str, width: int, held: int, slot: torch.Tensor | None, rows: int,
-                  dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+                  dtype: torch.dtype, device: torch.device, offset: int = 0) -> torch.Tensor:
         """An additive mask [rows, 1, width]: 0 on the first ``held`` slots, -inf on the rest — for a policy that
         attends over a buffer of fixed width whose slots fill one per decode step (the free ones masked, so that
         consecutive steps have the same shapes). Shared by every layer that asks for the same ``name`` and width in
         a step (their buffers are laid out alike): the step's new slot (``slot``, the device tensor [1] of the slot
-        ``held - 1``) is opened by one ``index_fill_`` per step for all the layers, not one per layer; any other
-        change of ``held`` remakes it (an event step)."""
+        ``held - 1``, counted from slot ``offset``: opened through a view from there, so that a store's own slot
+        serves a mask whose buffer puts other entries first, with no add) is opened by one ``index_fill_`` per step
+        for all the layers, not one per layer; any other change of ``held`` remakes it (an event step)."""
         key = (name, width, rows, dtype, device)
         got = self._masks.get(key)
         if got is not None and got[1] == held - 1 and slot is not None:
-            got[0].index_fill_(2, slot, 0.0)
+            (got[0] if not offset else got[0][..., offset:]).index_fill_(2, slot, 0.0)
             got[1] = held
         elif got is None or got[1] != held:
             if len(self._masks) >= 8:  # layouts of earlier events
@@ -474,7 +475,10 @@ class Step:
 
     def held_mask(self, store: KVStore, name: str, width: int, held: int, rows: int,
                   dtype: torch.dtype) -> torch.Tensor:
-        return self.cache.held_mask(name, width, held, self.slot(store, held - store.n), rows, dtype, self.device)
+        offset = held - store.n  # where the store's slot 0 sits in the mask: from there through a view (no add)
+        if offset > 0:
+            return self.cache.held_mask(name, width, held, self.slot(store), rows, dtype, self.device, offset)
+        return self.cache.held_mask(name, width, held, self.slot(store, offset), rows, dtype, self.device)
 
 
 def policy_attention(store: KVStore, query: torch.Tensor, scaling: float) -> torch.Tensor:
