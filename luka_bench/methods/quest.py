@@ -71,7 +71,8 @@ def read_pages_in_place(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     """Attention of each query head over its pages ``pid`` [B * Hkv, g, K] (ids among the ``width / ps`` pages of
     keys / values [B, Hkv, width, D]) in place: one SDPA, the group's query heads folded into the query axis, with
     an additive mask -inf on the pages a query head does not read plus ``held`` [B or 1, 1 or Hkv, 1, pages, ps] (0
-    on the held slots, -inf on the free ones). Equal to the gathered pages' attention up to the sum's order. [B, Hq, 1, Dv]"""
+    on the held slots, -inf on the free ones). Equal to the gathered pages' attention up to the sum's order.
+    [B, Hq, 1, Dv]"""
     b, hq, _, d = query.shape
     hkv, width = keys.shape[1], keys.shape[2]
     g, pages = hq // hkv, held.shape[-2]
