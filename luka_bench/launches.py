@@ -27,7 +27,9 @@ divided by the number of layers, embedding and LM head included (the same in eve
 stock is the method's alone). Stock is plain transformers: the same model with ``sdpa`` attention and a
 ``DynamicCache``, no luka_bench code. ``python -m luka_bench.launches`` prints, per method, the median over 24
 steady-state steps without an event and, for steps with events (entropy_ols flushes, lychee index updates, LuKA
-clustered's segmentation/compression), their extra launches per event (an event: one layer taking that step).
+clustered's segmentation/compression), their extra launches per event (an event: one layer taking that step),
+and the mean over every step, events included (rows whose events fall on different steps: entropy_ols's flushes at
+8 ragged rows leave no step without one).
 ``tests/test_launches.py`` holds the budgets.
 
 The count is of the portable path, the one CUDA runs: the decode steps are counted with the CPU-only fused
@@ -239,13 +241,16 @@ def decode_launch_counts(model, method, prompt_len: int, steps: int, seed: int =
 def summary(rows, stock: list[int], layers: int) -> dict:
     """Per layer: ``stock`` (median stock launches / layers), ``extra`` (median launches of the steps without an
     event / layers - stock), ``event_extra`` (launches of the event steps over that median, per event; None if
-    no step had one), ``steps_with_events``."""
+    no step had one), ``steps_with_events``, ``mean_extra`` (the mean over every step, events included / layers -
+    stock: what rows whose events fall on different steps pay per step — at 8 ragged rows entropy_ols has no step
+    without one)."""
     base = statistics.median(stock) / layers
     plain = [n for n, ev, _, _ in rows if not ev]
     med = statistics.median(plain) if plain else float("nan")
     ev_rows = [(n, ev) for n, ev, _, _ in rows if ev]
     per_event = (sum(n - med for n, _ in ev_rows) / sum(ev for _, ev in ev_rows)) if ev_rows else None
-    return {"stock": base, "extra": med / layers - base, "event_extra": per_event, "steps_with_events": len(ev_rows)}
+    return {"stock": base, "extra": med / layers - base, "event_extra": per_event, "steps_with_events": len(ev_rows),
+            "mean_extra": statistics.mean(n for n, _, _, _ in rows) / layers - base}
 
 
 def extra_ops(rows, stock_ops: Counter, layers: int) -> Counter:
@@ -304,8 +309,10 @@ def main(argv=None) -> int:
     sops = stock_ops(lm.model, a.prompt) if a.ops else None
     print(f"launches per layer per decode step ({a.arch}, {a.layers} layers, prompt {a.prompt}, batch {a.batch}"
           f"{' of different lengths, one cache per row' if a.ragged else ''}, "
-          f"median of {a.steps} steps); stock (sdpa + DynamicCache): {statistics.median(stock) / a.layers:g}")
-    print(f"{'method':16s} {'stock/layer':>11s} {'extra/layer':>11s} {'per event':>10s} {'event steps':>11s}")
+          f"median of {a.steps} steps; all steps: their mean, events included); stock (sdpa + DynamicCache): "
+          f"{statistics.median(stock) / a.layers:g}")
+    print(f"{'method':16s} {'stock/layer':>11s} {'extra/layer':>11s} {'per event':>10s} {'event steps':>11s} "
+          f"{'all steps':>9s}")
     for name in names:
         method = instantiate(sync_method_config(name), _convert_="all")
         if a.batch > 1 and not a.ragged and method.batch_refusal():
@@ -315,7 +322,8 @@ def main(argv=None) -> int:
                                     ragged=a.ragged)
         s = summary(rows, stock, a.layers)
         ev = "-" if s["event_extra"] is None else f"{s['event_extra']:.1f}"
-        print(f"{name:16s} {s['stock']:11g} {s['extra']:11g} {ev:>10s} {s['steps_with_events']:11d}")
+        print(f"{name:16s} {s['stock']:11g} {s['extra']:11g} {ev:>10s} {s['steps_with_events']:11d} "
+              f"{s['mean_extra']:9.2f}")
         if a.ops:
             for op, v in sorted(extra_ops(rows, sops, a.layers).items(), key=lambda kv: -abs(kv[1])):
                 print(f"    {v:+6g}  {op}")
