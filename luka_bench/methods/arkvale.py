@@ -245,8 +245,9 @@ class ArkValePolicy(LayerPolicy):
         w = m.page_budget * ps
         rows = ((pid[:, None, :] if self.per_layer else pid) + st["off"]).view(-1)
         kv = kv_rows(layer.kv.view(2, -1, ps * d), rows).view(2, b, hkv, w, d)
-        # each row's open page open up to its slot of the step (once per step for all layers)
-        out = sdpa(query, kv[0], kv[1], scaling, layer.held_upto(("arkvale", st["key"]), st["at"]).view(b, 1, 1, w))
+        # each row's open page open up to its slot of the step: entry j reads slot j - before (``st["before"]``)
+        mask = layer.stack.step_mask(layer.layout, st["before"], w, query.dtype, query.device)
+        out = sdpa(query, kv[0], kv[1], scaling, mask.view(b, 1, 1, w))
         r1 = pid.shape[0] // b
         for i, row in enumerate(stores):
             row.policy.pid, row.policy.n_read = pid[i * r1: (i + 1) * r1], row.n
@@ -294,10 +295,8 @@ class ArkValePolicy(LayerPolicy):
             cand = torch.where((j >= m.sink_pages) & (j < ends), 0.0, NEG)  # [B, C]
             tails = host_to_device([c - m.window_pages + 1 for c in cs], dev).view(b, 1, 1)
             tail = (tails + torch.arange(m.window_pages, device=dev)).expand(b, r1, m.window_pages)
-            before = host_to_device([(m.page_budget - 1 - c) * ps for c in cs], dev).view(b, 1)
             st.update(cs=list(cs), key=(layer.cap, tuple(cs)), cand=cand.repeat_interleave(r1, dim=0),
-                      tail=tail.reshape(b * r1, m.window_pages),
-                      at=torch.arange(m.page_budget * ps, device=dev) - before)
+                      tail=tail.reshape(b * r1, m.window_pages), before=[(m.page_budget - 1 - c) * ps for c in cs])
         return st
 
     # -- what the last step read -------------------------------------------------------------------------------

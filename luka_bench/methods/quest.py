@@ -231,14 +231,10 @@ class QuestPolicy(LayerPolicy):
             return out
         pages = layer.kv.view(2, bh * (layer.cap // ps), ps * d)
         kv = kv_rows(pages, (pid + st["off"]).view(-1)).view(2, b, hq, w, d)
-        held = [(k - 1) * ps + n - c * ps for n, c in zip(ns, cs)]  # the slots read that hold a token, per row
-
-        def mask():
-            lim = layer.stack.constant(held, torch.long, query.device).view(b, 1, 1, 1)
-            at = layer.stack.kept(("quest_slots", w, query.device), lambda: torch.arange(w, device=query.device))
-            return torch.where(at < lim, layer.layout.open, layer.layout.closed).to(query.dtype)
-
-        out = sdpa(query, kv[0], kv[1], scaling, layer.stack.memo(("quest", tuple(held), w, query.dtype), mask))
+        # the slots read that hold a token, per row: (k - 1) * ps + n - c * ps, one more each step (the step's token's
+        # entry, the row's slot moved by its closed pages' offset, opened once per step for all layers)
+        mask = layer.stack.step_mask(layer.layout, [(k - 1 - c) * ps for c in cs], w, query.dtype, query.device)
+        out = sdpa(query, kv[0], kv[1], scaling, mask.view(b, 1, 1, w))
         self._stacked_count(stores, pid, st, ns, b, hkv, g, k)
         return out
 

@@ -318,6 +318,7 @@ class RowStack:
         self._memo: dict = {}
         self._memo_at = -1
         self._kept: dict = {}
+        self._step_masks: dict = {}
         self.layers: dict[int, StackedLayer] = {}
         self.pos: torch.Tensor | None = None
         self.pos_seen: list[int] = []
@@ -346,7 +347,7 @@ class RowStack:
                 self.pending.append(i)
         # columns for the layouts' slots: a layout per layer, and a layer's next while its last is held; then the
         # stacked packed layers' slots (``StackedPacked._ride``), a run of columns each
-        self.n_riders = len(self.layers) + 1
+        self.n_riders = len(self.layers) + 3  # and two for the entries of masks that open one entry per step
         self.n_columns = self.n_riders
         for i, stores in packed_cols:
             self.layers[i] = StackedPacked(self, stores, 1 + self.n_columns)
@@ -430,6 +431,38 @@ class RowStack:
         got[1] = self.at
         return got[0]
 
+    def step_mask(self, lay: _Layout, offsets: list[int], width: int, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+        """An additive mask [B, width] over a region each row reads: 0 on its entries up to ``lay.slot + offsets[b]``
+        (the step's token's entry), -inf after — for rows that each move on one entry per step (a selecting layer:
+        Quest's pages read, ArkVale's). Kept across steps for every layer asking with the same offsets, layout and
+        width: made once (where the offsets change, a page closing: an event), then opened at each row's new entry
+        once per step for all those layers, the entries a column of the positions' counter (``ride``: moved on by
+        the step's one add, no op of their own)."""
+        key = (tuple(offsets), width, dtype, device)
+        rec = self._step_masks.get(key)
+        if rec is not None and rec["lay"] is lay and rec["at"] == self.at:
+            return rec["mask"]
+        if rec is not None and rec["lay"] is lay and rec["at"] == self.at - 1 and rec["ctr"] is self.ctr \
+                and self.moved == self.at:
+            mask = rec["mask"]
+            mask[lay.rows, rec["entry"]] = lay.open
+            rec["at"] = self.at
+            return mask
+        if len(self._step_masks) >= 8:
+            self._step_masks = {k: v for k, v in self._step_masks.items() if v["at"] >= self.at - 1}
+        rec = self._step_masks[key] = {"lay": lay, "at": self.at, "ctr": self.ctr}
+        values = [n + o for n, o in zip(lay.ns, offsets)]
+        col = self.ride(values, device) if lay.rides is not None else None
+        if col is None:  # no column: the entries a tensor of their own, made again each step by the caller's key
+            rec["entry"], rec["ctr"] = host_to_device(values, device), None
+        else:
+            self.riders[col] = rec
+            rec["entry"] = self.ctr[:, 1 + col]
+        at = self.kept(("step_mask_slots", width, device), lambda: torch.arange(width, device=device))
+        rec["mask"] = torch.where(at[None, :] <= rec["entry"][:, None], lay.open, lay.closed).to(dtype)
+        return rec["mask"]
+
     def constant(self, values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A small host list (per-row plans, slot moves) as a device tensor, made anew at every step that asks (the
         same ops every step; on the CPU no kernel, on CUDA one small copy)."""
@@ -460,6 +493,7 @@ class RowStack:
             return None
         live = {id(layer.layout) for layer in self.layers.values() if isinstance(layer, StackedLayer)}
         live |= {id(lay) for lay in self._layouts.values()}
+        live |= {id(rec) for rec in self._step_masks.values() if rec["at"] >= self.at - 1}
         for j, lay in enumerate(self.riders):
             if lay is None or id(lay) not in live:
                 self.ctr[:, 1 + j].copy_(host_to_device(ns, device))
