@@ -454,7 +454,7 @@ class RowStack:
         rec = self._step_masks[key] = {"lay": lay, "at": self.at, "ctr": self.ctr}
         values = [n + o for n, o in zip(lay.ns, offsets)]
         col = self.ride(values, device) if lay.rides is not None else None
-        if col is None:  # no column: the entries a tensor of their own, made again each step by the caller's key
+        if col is None:  # no free column: the entries a tensor of their own, and the mask made again each step
             rec["entry"], rec["ctr"] = host_to_device(values, device), None
         else:
             self.riders[col] = rec
