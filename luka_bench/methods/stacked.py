@@ -79,12 +79,13 @@ class _Layout:
         moved on by one already (a column of the stack's counter, advanced with the positions this step). Rows that
         all stayed at their slots (``delta`` 0: an evicting layer's rows at their capacity) cost no op: the slots
         are where they were and open already."""
-        still = self.at is not None and not moved and isinstance(delta, int) and delta == 0
-        if self.at is not None and not (moved and isinstance(delta, int)) and not still:  # moved on: only a row
-            self.slot.add_(delta)  # that stayed (given as -1 then) goes back by one
-        if not still:
-            self.mask.view(self.mask.shape[0], self.mask.shape[1], -1).index_put_((self.rows[:, None], self.heads,
-                                                                                   self.slot[:, None]), self.open)
+        if self.at is not None and isinstance(delta, int) and delta == 0 and not moved:  # all stayed: nothing to do
+            self.ns, self.at = list(ns), at
+            return
+        if self.at is not None and not (moved and isinstance(delta, int)):  # moved on: only a row that stayed
+            self.slot.add_(delta)  # (given as -1 then) goes back by one
+        self.mask.view(self.mask.shape[0], self.mask.shape[1], -1).index_put_((self.rows[:, None], self.heads,
+                                                                               self.slot[:, None]), self.open)
         self.ns, self.at = list(ns), at
 
 
