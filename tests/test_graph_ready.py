@@ -147,13 +147,16 @@ def test_rows_of_different_lengths_keep_the_steady_state(name, llama):
     _assert_steady(name, rows, 2, after_alike=True)
 
 
-@pytest.mark.parametrize("name", ["full", "snapkv"])
-def test_stacked_rows_keep_the_steady_state(name, llama):
-    """The stacked layers (``methods/stacked.py``) of rows of different lengths: after the step that made the stack
-    (and grew it: a fresh prefill's storage has no room), consecutive steps dispatch the same ops on the same shapes
-    — the rows' slots and the positions advanced in place, no Python number in the ops — with no host sync."""
-    rows = _row_steps(llama.model, instantiate(sync_method_config(name), _convert_="all"), llama.tokenizer, rows=3)
-    _assert_steady(name, rows, 3)
+def test_stacked_exact_rows_of_a_graph_ready_policy_keep_the_steady_state(llama):
+    """The stacked exact layers (``methods/stacked.py``) of rows of different lengths whose policy is graph-ready
+    (``StaticExactPolicy``: Quest with every layer a ``full_layers`` one): after the step that made the stack (and
+    grew it: a fresh prefill's storage has no room), consecutive steps dispatch the same ops on the same shapes — the
+    rows' slots and the positions advanced in place, no Python number in the ops — with no host sync. (An exact
+    policy that is not graph-ready alone — full attention's, SnapKV's — is not with rows either: its rows are
+    right-aligned and read up to their last slot, the launches of one row's step.)"""
+    method = instantiate(sync_method_config("quest", {"full_layers": 2}), _convert_="all")
+    rows = _row_steps(llama.model, method, llama.tokenizer, rows=3)
+    _assert_steady("quest (every layer exact)", rows, 3)
 
 
 @torch.no_grad()

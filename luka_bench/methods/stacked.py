@@ -8,13 +8,17 @@ exact ``full_layers`` of any method) needs no per-row decision, so its rows are 
 
 - **storage**: one tensor ``[2, B, Hkv, cap, D]`` (keys and values) rectangular at the widest row; each row's store
   keeps a view of its row as its own storage (``KVStore._kv``), so the rows' held tokens are not copied twice and
-  every per-row figure (held tokens, positions, ``held_bytes``) is the row's as alone. A row's slots from its length
-  on are free (zero; masked);
-- **a decode step**: each row's new keys and values written at the row's own slot (one indexed write per layer for
-  all rows; the slots a column of the stack's counter, moved on by the one add per step that moves the positions
-  on: ``RowStack.positions``, ``ride``), then one SDPA over the rows with an additive mask ``[B, 1, 1, cap]`` (-inf
-  on a row's free slots, opened at the step's slots once per step for every layer of the same layout). The launches
-  per layer are batch 1's, whatever the rows' lengths, and one per step for the whole model (the mask's opening);
+  every per-row figure (held tokens, positions, ``held_bytes``) is the row's as alone. The rows are
+  **right-aligned** (``aligned``): each row's tokens end at the longest row's length, the slots before a row's first
+  closed by a mask ``[B, 1, 1, cap]`` made once; a row's store views its row from its first slot on;
+- **a decode step**: every row's new keys and values written at the rows' one slot (two copies, as one row's), then
+  one SDPA over the rows reading the slots up to it (a view, as one row reads its held slots): the launches per
+  layer are batch 1's, whatever the rows' lengths. An exact policy that is graph-ready alone (``static_decode``:
+  ``StaticExactPolicy``, the ``full_layers`` of the graph-ready methods) stays so with rows: its rows' tokens start
+  at slot 0, each row writes at its own slot (a column of the stack's counter, moved on by the one add per step that
+  moves the positions on: ``RowStack.positions``, ``ride``) and the SDPA reads the whole storage with each row's
+  free slots masked (``_Layout``: opened at the step's slots once per step for every layer of the same layout), no
+  Python number in the ops;
 - **bookkeeping** per row is host arithmetic (lengths, the positions' pending run, the peak and attended notes).
 
 A layer whose policy evicts **at most one token per row per step** (``stacked_evict``: H2O, TOVA, StreamingLLM) is
@@ -107,8 +111,14 @@ class StackedLayer:
         self.sources: dict[str, torch.Tensor] = {}
         self.state: dict = {}  # what the policy's stacked step keeps for these rows (remade with the storage)
         self.kept: dict = {}  # what it keeps for these rows whatever the storage's width (made once)
+        # an exact layer whose policy is not graph-ready (``static_decode``: a step at a Python slot over the held
+        # slots, as one row's) has its rows right-aligned (``_home``); a graph-ready one's rows ride the counter
+        self.aligned = mode == "exact" and not any(s.policy.static_decode for s in stores)
+        self.fill = 0  # aligned: the rows' common slot of the next step (each row's tokens end there)
+        self.open_mask: torch.Tensor | None = None  # aligned: -inf before each row's first slot (None: none)
         grow = max(s.policy.storage_multiple for s in stores)
-        self._home(-(-max(s._k.shape[2] for s in stores) // grow) * grow)
+        shift = [max(self.ns) - n if self.aligned else 0 for n in self.ns]
+        self._home(-(-max(o + s._k.shape[2] for o, s in zip(shift, stores)) // grow) * grow)
 
     def _home(self, cap: int) -> None:
         """Storage ``cap`` wide holding every row's tokens; each store's storage becomes a view of its row (an
@@ -129,9 +139,16 @@ class StackedLayer:
         aux = {} if self.mode == "exact" else {name: a.new_full((B, h, cap), self.policy.stacked_free_state)
                                                for name, a in self.stores[0]._aux.items()}
         self.views = []
+        # an aligned layer's rows right-aligned: each row's tokens end at the longest row's length, so every row
+        # writes its step at one slot (a copy, as one row does) and reads the slots up to it (a view): no per-row
+        # slot, and a mask that closes only the slots before each row's first (made here, never touched per step)
+        aligned = self.aligned
+        right = max(s.n for s in self.stores) if aligned else 0
+        offsets = [right - s.n for s in self.stores] if aligned else [0] * B
         for b, s in enumerate(self.stores):
-            kv[:, b:b + 1, :, : s.n] = s._kv[:, :, :, : s.n]
-            view = kv[:, b:b + 1]
+            o = offsets[b]
+            kv[:, b:b + 1, :, o: o + s.n] = s._kv[:, :, :, : s.n]
+            view = kv[:, b:b + 1, :, o:]
             table = s._positions.table
             for name, a in aux.items():
                 a[b:b + 1, :, : s.n] = s._aux[name][:, :, : s.n]
@@ -139,14 +156,19 @@ class StackedLayer:
             if evict:
                 pos[b:b + 1, :, : s.n] = table[:, :, : s.n]
                 s._positions.table = pos[b:b + 1]
-            elif table is not None and table.shape[2] != cap:
-                wide = table.new_empty(1, h, cap)
+            elif table is not None and table.shape[2] != cap - o:
+                wide = table.new_empty(1, h, cap - o)
                 wide[:, :, : s.n] = table[:, :, : s.n]
                 s._positions.table = wide
             s._kv, s._k, s._v = view, view[0], view[1]
             s.static_slot = s.static_kv = None
             self.views.append(view)
         self.kv, self.cap = kv, cap
+        self.fill = right
+        self.open_mask = None
+        if aligned and any(offsets):
+            before = torch.arange(cap, device=kv.device)[None, :] < host_to_device(offsets, kv.device)[:, None]
+            self.open_mask = torch.where(before, float("-inf"), 0.0).to(kv.dtype).view(B, 1, 1, cap)
         self.heads = torch.arange(h, device=kv.device)[None, :]
         self.aux = aux
         if evict:
@@ -163,10 +185,21 @@ class StackedLayer:
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """A decode step's keys and values [B, Hkv, 1, D]: each row's at its own slot (an evicting layer's position
         too); the rows' lengths move on; an evicting layer's plans for the step (``stacked_plan``, per row)."""
-        if max(self.ns) + 1 > self.cap:  # the widest row's room ran out: grown as a store grows (amortised)
+        if (self.fill if self.aligned else max(self.ns)) + 1 > self.cap:  # the room ran out: grown as a store grows
             grow = max(s.policy.storage_multiple for s in self.stores)
             cap = int(self.cap * self.stores[0].GROWTH) + 16
             self._home(-(-cap // grow) * grow)
+        if self.aligned:  # every row's step at the rows' one slot: two copies, as one row's
+            self.kv[0][:, :, self.fill] = k[:, :, 0]
+            self.kv[1][:, :, self.fill] = v[:, :, 0]
+            self.fill += 1
+            for b, s in enumerate(self.stores):
+                s._positions.append_run(s.n, 1, s.seen, s._k)
+                s.n += 1
+                s.seen += 1
+                s._aux_zero_from = max(s._aux_zero_from, s.n)
+                self.ns[b] = s.n
+            return
         self.step_kv = (k, v)  # the step's keys and values, for a policy that mirrors them (LuKA's cover)
         lay = self.layout = self.stack.layout(self, self.ns, self.cap, self.kv.shape[2], self.kv.dtype,
                                               self.kv.device)
@@ -194,6 +227,10 @@ class StackedLayer:
         """The rows' decode step: an exact layer's (or an evicting layer's whose policy keeps no scores) one SDPA over
         the rows, each query over its own row's held slots; an evicting policy's ``stacked_attend`` otherwise; then
         the evictions (``evict``). [B, Hq, 1, D]."""
+        if self.aligned:  # the slots up to the rows' last (a view), the slots before a row's first closed
+            w = self.fill
+            mask = None if self.open_mask is None else self.open_mask[..., :w]
+            return masked_attention(query, self.kv[0][:, :, :w], self.kv[1][:, :, :w], mask, scaling)
         if self.mode != "exact" and getattr(self.policy, "stacked_attend", None) is not None:
             out = self.policy.stacked_attend(self, query, scaling)
         else:
@@ -272,7 +309,7 @@ class StackedLayer:
             self.policy.stacked_release(self)
         for s, view in zip(self.stores, self.views):
             if s._kv is view:
-                width = own_storage(s, view, self.cap)
+                width = own_storage(s, view, view.shape[3])
                 for name, a in list(s._aux.items()):
                     mine = a[:, :, :width].clone()
                     mine[:, :, s.n:] = 0
