@@ -33,8 +33,9 @@ EVICTS = {"h2o", "luka_lined", "tova", "streaming_llm", "h2o_outer"}
 # and the ones whose every layer reads a selection and drops nothing (``stacked_select``; their full_layers exact)
 SELECTS = {"quest", "oracle_topk", "luka_clustered", "lychee", "clusterkv", "arkvale", "shadowkv"}
 # the per-step configs whose ragged rows launch no more than one row (lychee: the row ids' and mask's recent part
-# written once per step into buffers its layers share, ``lychee_stacked.RowTables.shared``)
-RAGGED_AS_ONE = {"lychee"}
+# written once per step into buffers its layers share, ``lychee_stacked.RowTables.shared``; the head-wise ones: their
+# packed layers' slots ride the positions' counter, their exact and bias layers' rows right-aligned)
+RAGGED_AS_ONE = {"lychee", "duo_attention", "razor_attention"}
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +261,7 @@ def rows_equal_alone(method, lm64, want: set[str], atol: float = 1e-9) -> None:
             assert [c.stores[0].n - n0 for c, n0 in zip(caches, held)] == [40, 40, 40]
 
 
-@pytest.mark.parametrize("name", sorted(STACKED | EVICTS | SELECTS))
+@pytest.mark.parametrize("name", sorted(STACKED | EVICTS | SELECTS | RAGGED_AS_ONE))
 def test_a_ragged_batch_launches_what_one_row_does_where_every_layer_is_stacked(name):
     """Per step, 8 rows of different lengths launch what one row does where every layer decodes exactly (the rows
     right-aligned: one slot for all, written by a copy and read up to by a view, as one row's); an

@@ -178,12 +178,19 @@ class RazorPolicy(LayerPolicy):
         return "bias" if self.dropped and store.packed is None else None  # (its bias made at the compression)
 
     def stacked_attend(self, layer, query, scaling):
-        """``attend``'s decode step for every row: one SDPA, each row's bias plus its free slots' -inf."""
+        """``attend``'s decode step for every row: one SDPA, each row's bias (and -inf on the slots it does not hold).
+        The rows are right-aligned (``StackedLayer.aligned``: the policy decides nothing per step), so the bias with
+        the slots before each row's first closed is made once per storage (the decode's tokens' bias 0) and read up
+        to the rows' last slot: a view, as one row's."""
         b, hq, _, d = query.shape
         hkv = layer.kv.shape[2]
-        mask = torch.add(layer.aux[BIAS].to(query.dtype)[:, :, None, :], layer.layout.mask)  # [B, Hkv, 1, cap]
-        out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), layer.kv[0], layer.kv[1],
-                                             attn_mask=mask, scale=scaling)
+        if "mask" not in layer.state:
+            bias = layer.aux[BIAS].to(query.dtype)[:, :, None, :]
+            layer.state["mask"] = bias if layer.open_mask is None else bias + layer.open_mask  # [B, Hkv, 1, cap]
+        w = layer.fill
+        out = F.scaled_dot_product_attention(query.view(b, hkv, hq // hkv, d), layer.kv[0][:, :, :w],
+                                             layer.kv[1][:, :, :w], attn_mask=layer.state["mask"][..., :w],
+                                             scale=scaling)
         return out.view(b, hq, 1, out.shape[-1])
 
     def __init__(self, method: "RazorAttention", info: LayerInfo):

@@ -111,9 +111,10 @@ class StackedLayer:
         self.sources: dict[str, torch.Tensor] = {}
         self.state: dict = {}  # what the policy's stacked step keeps for these rows (remade with the storage)
         self.kept: dict = {}  # what it keeps for these rows whatever the storage's width (made once)
-        # an exact layer whose policy is not graph-ready (``static_decode``: a step at a Python slot over the held
-        # slots, as one row's) has its rows right-aligned (``_home``); a graph-ready one's rows ride the counter
-        self.aligned = mode == "exact" and not any(s.policy.static_decode for s in stores)
+        # an exact or selecting layer whose policy is not graph-ready (``static_decode``: a step at a Python slot over
+        # the held slots, as one row's) has its rows right-aligned (``_home``); a graph-ready one's rows ride the
+        # counter
+        self.aligned = mode in ("exact", "select") and not any(s.policy.static_decode for s in stores)
         self.fill = 0  # aligned: the rows' common slot of the next step (each row's tokens end there)
         self.open_mask: torch.Tensor | None = None  # aligned: -inf before each row's first slot (None: none)
         grow = max(s.policy.storage_multiple for s in stores)
@@ -151,8 +152,8 @@ class StackedLayer:
             view = kv[:, b:b + 1, :, o:]
             table = s._positions.table
             for name, a in aux.items():
-                a[b:b + 1, :, : s.n] = s._aux[name][:, :, : s.n]
-                s._aux[name] = a[b:b + 1]
+                a[b:b + 1, :, o: o + s.n] = s._aux[name][:, :, : s.n]
+                s._aux[name] = a[b:b + 1, :, o:]
             if evict:
                 pos[b:b + 1, :, : s.n] = table[:, :, : s.n]
                 s._positions.table = pos[b:b + 1]
@@ -189,29 +190,23 @@ class StackedLayer:
             grow = max(s.policy.storage_multiple for s in self.stores)
             cap = int(self.cap * self.stores[0].GROWTH) + 16
             self._home(-(-cap // grow) * grow)
+        self.step_kv = (k, v)  # the step's keys and values, for a policy that mirrors them (LuKA's cover)
+        evict = self.mode == "evict"
         if self.aligned:  # every row's step at the rows' one slot: two copies, as one row's
             self.kv[0][:, :, self.fill] = k[:, :, 0]
             self.kv[1][:, :, self.fill] = v[:, :, 0]
             self.fill += 1
-            for b, s in enumerate(self.stores):
-                s._positions.append_run(s.n, 1, s.seen, s._k)
-                s.n += 1
-                s.seen += 1
-                s._aux_zero_from = max(s._aux_zero_from, s.n)
-                self.ns[b] = s.n
-            return
-        self.step_kv = (k, v)  # the step's keys and values, for a policy that mirrors them (LuKA's cover)
-        lay = self.layout = self.stack.layout(self, self.ns, self.cap, self.kv.shape[2], self.kv.dtype,
-                                              self.kv.device)
-        evict = self.mode == "evict"
-        if evict:  # keys and values as one [B, Hkv, 2, D]: written here and again at the victims (``evict``)
-            self.new = torch.stack((k[:, :, 0], v[:, :, 0]), dim=2)
-            self.kv.movedim(0, 3)[lay.rows, :, lay.slot] = self.new
-            if self.policy.stacked_slot_position:
-                self.pos[lay.rows, :, lay.slot] = self.stack.pos
         else:
-            self.kv[0][lay.rows, :, lay.slot] = k[:, :, 0]
-            self.kv[1][lay.rows, :, lay.slot] = v[:, :, 0]
+            lay = self.layout = self.stack.layout(self, self.ns, self.cap, self.kv.shape[2], self.kv.dtype,
+                                                  self.kv.device)
+            if evict:  # keys and values as one [B, Hkv, 2, D]: written here and again at the victims (``evict``)
+                self.new = torch.stack((k[:, :, 0], v[:, :, 0]), dim=2)
+                self.kv.movedim(0, 3)[lay.rows, :, lay.slot] = self.new
+                if self.policy.stacked_slot_position:
+                    self.pos[lay.rows, :, lay.slot] = self.stack.pos
+            else:
+                self.kv[0][lay.rows, :, lay.slot] = k[:, :, 0]
+                self.kv[1][lay.rows, :, lay.slot] = v[:, :, 0]
         for b, s in enumerate(self.stores):
             if not evict:
                 s._positions.append_run(s.n, 1, s.seen, s._k)
@@ -227,10 +222,8 @@ class StackedLayer:
         """The rows' decode step: an exact layer's (or an evicting layer's whose policy keeps no scores) one SDPA over
         the rows, each query over its own row's held slots; an evicting policy's ``stacked_attend`` otherwise; then
         the evictions (``evict``). [B, Hq, 1, D]."""
-        if self.aligned:  # the slots up to the rows' last (a view), the slots before a row's first closed
-            w = self.fill
-            mask = None if self.open_mask is None else self.open_mask[..., :w]
-            return masked_attention(query, self.kv[0][:, :, :w], self.kv[1][:, :, :w], mask, scaling)
+        if self.mode == "exact" and self.aligned:  # the slots up to the rows' last (a view), those before a row's
+            return self.exact_step(query, scaling)  # first closed
         if self.mode != "exact" and getattr(self.policy, "stacked_attend", None) is not None:
             out = self.policy.stacked_attend(self, query, scaling)
         else:
@@ -245,6 +238,10 @@ class StackedLayer:
         for s in self.stores:
             for name, value in cleared.items():
                 setattr(s.policy, name, value)
+        if self.aligned:  # the slots up to the rows' last (a view), those before a row's first closed
+            w = self.fill
+            mask = None if self.open_mask is None else self.open_mask[..., :w]
+            return masked_attention(query, self.kv[0][:, :, :w], self.kv[1][:, :, :w], mask, scaling)
         return masked_attention(query, self.kv[0], self.kv[1], self.layout.mask, scaling)
 
     def held_upto(self, key, at: torch.Tensor) -> torch.Tensor:
