@@ -39,6 +39,7 @@ from typing import ClassVar
 
 import torch
 
+from luka_bench.methods import entropy_ols_stacked
 from luka_bench.methods.base import KVMethod, LayerPolicy, MethodConfigError, setting
 from luka_bench.methods.attention import attention_with_extra, kept_indices
 from luka_bench.methods.entropy_ols_fit import (fit_linear_entries, fit_ols_entries, log_partition, merged_stats,
@@ -52,6 +53,20 @@ class EntropyOLSPolicy(LayerPolicy):
     # its compaction reads only this layer's store and the reference queries its attend kept: it runs inside the
     # forward that ends the prefill, right after this layer's attention (one layer's full cache alive at a time)
     layer_local_prefill = True
+    aux_names = (MASS, ENT)
+
+    # rows of a batch decode a layer as one (``entropy_ols_stacked.py``): a step reads everything each row holds and
+    # drops nothing (a row's flushes run in its own ``after_step``, as alone)
+    stacked_select = True
+
+    def stacked_plan(self, store):
+        return "all" if entropy_ols_stacked.stackable(self, store) else None
+
+    def stacked_attend(self, layer, query, scaling):
+        return entropy_ols_stacked.stacked_attend(layer, query, scaling)
+
+    def stacked_release(self, layer) -> None:
+        entropy_ols_stacked.stacked_release(layer)
 
     def __init__(self, method: "EntropyOLS", info):
         super().__init__(method, info)
@@ -60,6 +75,7 @@ class EntropyOLSPolicy(LayerPolicy):
         self.la = self.lb = None            # linear mode: per-centroid map factors [B, Hkv, S, D, k], [.., k, Dv]
         self._qring: torch.Tensor | None = None  # the last n_ref queries [B, Hq, n_ref, D], a ring (``qbuf``)
         self._qn = 0  # queries pushed so far
+        self._qoff = 0  # the ring's turn: query i is at slot (i + _qoff) % n_ref (turned when rows are stacked)
         self._lbuf = self._ones_t = self._zero_t = None  # the decode step's scratch (``_decode_attend``)
         self.scaling = info.head_dim ** -0.5
         self.stats = {"flushes": 0.0, "binned_tokens": 0.0, "dropped_tokens": 0.0, "synthetic_made": 0.0}
@@ -192,9 +208,9 @@ class EntropyOLSPolicy(LayerPolicy):
         if ring is None:
             return None
         R = ring.shape[2]
-        if self._qn <= R:
+        if self._qn < R:
             return ring[:, :, : self._qn]
-        k = self._qn % R
+        k = (self._qn + self._qoff) % R
         return ring if k == 0 else torch.cat([ring[:, :, k:], ring[:, :, :k]], dim=2)
 
     def _qbuf_bytes(self) -> int:
@@ -208,9 +224,9 @@ class EntropyOLSPolicy(LayerPolicy):
             self._qring = query.new_empty(b, hq, R, d)
         if lq >= R:
             self._qring.copy_(query[:, :, lq - R:])
-            self._qn = R
+            self._qn, self._qoff = R, 0
             return
-        start = self._qn % R
+        start = (self._qn + self._qoff) % R
         first = min(lq, R - start)
         self._qring[:, :, start: start + first] = query[:, :, :first]
         if lq > first:

@@ -147,23 +147,10 @@ class StackedLayer:
         right = max(s.n for s in self.stores) if aligned else 0
         offsets = [right - s.n for s in self.stores] if aligned else [0] * B
         for b, s in enumerate(self.stores):
-            o = offsets[b]
-            kv[:, b:b + 1, :, o: o + s.n] = s._kv[:, :, :, : s.n]
-            view = kv[:, b:b + 1, :, o:]
-            table = s._positions.table
-            for name, a in aux.items():
-                a[b:b + 1, :, o: o + s.n] = s._aux[name][:, :, : s.n]
-                s._aux[name] = a[b:b + 1, :, o:]
+            self.views.append(self._seat(kv, aux, b, offsets[b], s._kv, dict(s._aux)))
             if evict:
-                pos[b:b + 1, :, : s.n] = table[:, :, : s.n]
+                pos[b:b + 1, :, : s.n] = s._positions.table[:, :, : s.n]
                 s._positions.table = pos[b:b + 1]
-            elif table is not None and table.shape[2] != cap - o:
-                wide = table.new_empty(1, h, cap - o)
-                wide[:, :, : s.n] = table[:, :, : s.n]
-                s._positions.table = wide
-            s._kv, s._k, s._v = view, view[0], view[1]
-            s.static_slot = s.static_kv = None
-            self.views.append(view)
         self.kv, self.cap = kv, cap
         self.fill = right
         self.open_mask = None
@@ -177,11 +164,60 @@ class StackedLayer:
         self.layout = None  # a new width: a fresh layout at the next write
         self.state = {}
 
+    def _seat(self, kv: torch.Tensor, aux: dict, b: int, o: int, src: torch.Tensor, src_aux: dict) -> torch.Tensor:
+        """Row ``b``'s held tokens (``src`` [2, 1, Hkv, >= n, D], per-token state ``src_aux``) at slots ``o`` on of
+        the stacked ``kv`` and ``aux``; its store then views its row from slot ``o`` (a positions table of its own
+        as wide). Returns the view."""
+        s = self.stores[b]
+        n, cap = s.n, kv.shape[3]
+        kv[:, b:b + 1, :, o: o + n] = src[:, :, :, :n]
+        view = kv[:, b:b + 1, :, o:]
+        for name, a in aux.items():
+            a[b:b + 1, :, o: o + n] = src_aux[name][:, :, :n]
+            s._aux[name] = a[b:b + 1, :, o:]
+        table = s._positions.table
+        if self.mode != "evict" and table is not None and table.shape[2] != cap - o:
+            wide = table.new_empty(1, table.shape[1], cap - o)
+            wide[:, :, :n] = table[:, :, :n]
+            s._positions.table = wide
+        s._kv, s._k, s._v = view, view[0], view[1]
+        s.static_slot = s.static_kv = None
+        return view
+
     def holds(self) -> bool:
         """Every row's store still views this storage at the length the stack left it, and (an evicting layer) its
         next step can be stacked."""
         return (all(s._kv is v and s.n == n for s, v, n in zip(self.stores, self.views, self.ns))
                 and (self.mode == "exact" or plans_agree(self.stores, self.mode)))
+
+    def reseat(self) -> bool:
+        """An aligned layer whose rows dropped tokens in their own ``after_step`` (entropy_ols's flushes: the store
+        kept fewer tokens, in its view or in storage of its own): each such row seated again so that its tokens end
+        at the rows' one slot, its slots before them closed — an event of that row, not a new stack for every row.
+        True where the layer then holds (``holds``)."""
+        if not self.aligned or self.mode != "select" or self.policy.stacked_free_state != 0 or \
+                not plans_agree(self.stores, self.mode):
+            return False
+        moved = [b for b, (s, v, n) in enumerate(zip(self.stores, self.views, self.ns)) if s._kv is not v or s.n != n]
+        if any(s.n > self.fill or s.n == 0 or s._k.shape[0] != 1 or s.packed is not None or s._unheld
+               for s in (self.stores[b] for b in moved)):
+            return False
+        if self.state and self.policy.stacked_release is not None:
+            self.policy.stacked_release(self)
+        self.state = {}  # the policy's per-storage state made again at the next step
+        B = self.kv.shape[1]
+        if self.open_mask is None:
+            self.open_mask = self.kv.new_zeros(B, 1, 1, self.cap)
+        for b in moved:
+            s = self.stores[b]
+            src = s._kv[:, :, :, : s.n].clone()  # (it may overlap where it goes)
+            src_aux = {name: a[:, :, : s.n].clone() for name, a in s._aux.items()}
+            o = self.fill - s.n
+            self.views[b] = self._seat(self.kv, self.aux, b, o, src, src_aux)
+            s._aux_zero_from = s.n  # its slots from its length on: free (the stack's free state, 0 here)
+            self.open_mask[b, :, :, :o] = float("-inf")
+            self.ns[b] = s.n
+        return self.holds()
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """A decode step's keys and values [B, Hkv, 1, D]: each row's at its own slot (an evicting layer's position
@@ -410,7 +446,8 @@ class RowStack:
         # (a layer left out while a row could not say how its next step goes, that every row can now take: stacked
         # anew — ClusterKV clusters its prompt at the first decode step, each row alone, then stacks)
         return (len(caches) == len(self.rows) and all(r() is c for r, c in zip(self.rows, caches))
-                and all(layer.holds() for layer in self.layers.values())
+                and all(layer.holds() or (isinstance(layer, StackedLayer) and layer.reseat())
+                        for layer in self.layers.values())
                 and not any(stack_as([c.stores[i] for c in caches]) for i in self.pending))
 
     def layout(self, layer: StackedLayer, ns: list[int], cap: int, heads: int, dtype: torch.dtype,
