@@ -31,6 +31,11 @@ back by one and its next step writes at the same slot. A row whose step would ne
 leaves the layer unstacked for that step (``serves``). ``DECODE_HOOKS`` and the ``stacked_*`` hooks overridden below
 the declaring class void the declaration as for ``exact_decode``.
 
+A layer whose policy **selects** (``stacked_select``: reads a selection of what each row holds, drops nothing in the
+step) runs the policy's ``stacked_attend`` once for all rows; where that policy is not graph-ready alone (Razor's
+bias layers, entropy-OLS) its rows are right-aligned as an exact layer's, and a row that dropped tokens in its own
+``after_step`` (entropy-OLS's flushes) is seated again at its next step (``reseat``) rather than dissolving the stack.
+
 A layer whose KV heads hold different counts (head-wise budgets packed per head: AdaKV, DuoAttention,
 RazorAttention) is stacked as its rows' packings in one storage (``stacked_packed.py``); the declarations and checks
 above are in ``stack_rules.py``.
@@ -42,6 +47,7 @@ tokens and its decode room, as alone) and nothing the stack wrote is lost.
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -117,9 +123,16 @@ class StackedLayer:
         self.aligned = mode in ("exact", "select") and not any(s.policy.static_decode for s in stores)
         self.fill = 0  # aligned: the rows' common slot of the next step (each row's tokens end there)
         self.open_mask: torch.Tensor | None = None  # aligned: -inf before each row's first slot (None: none)
-        grow = max(s.policy.storage_multiple for s in stores)
         shift = [max(self.ns) - n if self.aligned else 0 for n in self.ns]
-        self._home(-(-max(o + s._k.shape[2] for o, s in zip(shift, stores)) // grow) * grow)
+        self._home(self._width(max(o + s._k.shape[2] for o, s in zip(shift, stores)), 1))
+
+    def _width(self, cap: int, align: int = 16) -> int:
+        """``cap`` rounded up to whole pages of every row's policy (``storage_multiple``) and, where the storage
+        grows, to ``align`` slots: a mask row's stride a multiple of 16 elements, which CUDA's memory-efficient SDPA
+        takes without padding a copy (the first storage is as wide as the rows' own: its growth, if the rows have
+        no room, comes at the first step, as a row's own would)."""
+        grow = math.lcm(align, *(s.policy.storage_multiple for s in self.stores))
+        return -(-cap // grow) * grow
 
     def _home(self, cap: int) -> None:
         """Storage ``cap`` wide holding every row's tokens; each store's storage becomes a view of its row (an
@@ -223,9 +236,7 @@ class StackedLayer:
         """A decode step's keys and values [B, Hkv, 1, D]: each row's at its own slot (an evicting layer's position
         too); the rows' lengths move on; an evicting layer's plans for the step (``stacked_plan``, per row)."""
         if (self.fill if self.aligned else max(self.ns)) + 1 > self.cap:  # the room ran out: grown as a store grows
-            grow = max(s.policy.storage_multiple for s in self.stores)
-            cap = int(self.cap * self.stores[0].GROWTH) + 16
-            self._home(-(-cap // grow) * grow)
+            self._home(self._width(int(self.cap * self.stores[0].GROWTH) + 16))
         self.step_kv = (k, v)  # the step's keys and values, for a policy that mirrors them (LuKA's cover)
         evict = self.mode == "evict"
         if self.aligned:  # every row's step at the rows' one slot: two copies, as one row's
