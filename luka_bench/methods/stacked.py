@@ -47,7 +47,6 @@ tokens and its decode room, as alone) and nothing the stack wrote is lost.
 """
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
@@ -124,14 +123,11 @@ class StackedLayer:
         self.fill = 0  # aligned: the rows' common slot of the next step (each row's tokens end there)
         self.open_mask: torch.Tensor | None = None  # aligned: -inf before each row's first slot (None: none)
         shift = [max(self.ns) - n if self.aligned else 0 for n in self.ns]
-        self._home(self._width(max(o + s._k.shape[2] for o, s in zip(shift, stores)), 1))
+        self._home(self._width(max(o + s._k.shape[2] for o, s in zip(shift, stores))))
 
-    def _width(self, cap: int, align: int = 16) -> int:
-        """``cap`` rounded up to whole pages of every row's policy (``storage_multiple``) and, where the storage
-        grows, to ``align`` slots: a mask row's stride a multiple of 16 elements, which CUDA's memory-efficient SDPA
-        takes without padding a copy (the first storage is as wide as the rows' own: its growth, if the rows have
-        no room, comes at the first step, as a row's own would)."""
-        grow = math.lcm(align, *(s.policy.storage_multiple for s in self.stores))
+    def _width(self, cap: int) -> int:
+        """``cap`` rounded up to whole pages of every row's policy (``storage_multiple``)."""
+        grow = max(s.policy.storage_multiple for s in self.stores)
         return -(-cap // grow) * grow
 
     def _home(self, cap: int) -> None:
