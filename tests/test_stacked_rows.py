@@ -360,3 +360,29 @@ def test_head_wise_layers_of_every_kind_stack_and_stay_the_rows_alone(lm64, tmp_
                            local=24, compression_ratio=0, heads_cache=None)
     rows_equal_alone(razor, lm64, {"packed", "select", "exact"})
 
+
+
+def test_entropy_ols_rows_stay_stacked_through_each_rows_flush():
+    """entropy-OLS's rows (float32: its stacked step, ``methods/entropy_ols_stacked.py``) flush at their own steps in
+    their own ``after_step``; the stack seats such a row again (``StackedLayer.reseat``) instead of making a new
+    stack for every row: one stack through every flush, every layer stacked at every step, and a steady step (no
+    flush) launches one row's step plus one multiply per layer (each row's own entropy normalisation)."""
+    lm = tiny("llama", num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+    method = instantiate(sync_method_config("entropy_ols", {"bin_size": 8, "rank": 2}), _convert_="all")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (180, 151, 122)]
+    with attach(lm.model, method, lm.tokenizer) as a, torch.no_grad():
+        caches = prefilled(a, lm.model, prompts)
+        flushes = lambda: sum(s.policy.stats["flushes"] for c in caches for s in c.stores)  # noqa: E731
+        before, stacks = flushes(), set()
+        for j in range(24):
+            forward_rows(lm.model, [int(x) for x in torch.randint(0, 256, (3,), generator=g)], caches)
+            stack = caches[0]._row_stack
+            stacks.add(id(stack))
+            assert {layer.mode for layer in stack.layers.values()} == {"select"} and len(stack.layers) == 3
+        assert flushes() - before >= 6 and len(stacks) == 1, (flushes() - before, len(stacks))
+        release_rows(caches)
+    one = summary(decode_launch_counts(lm.model, method, 400, 24, tokenizer=lm.tokenizer),
+                  stock_launch_counts(lm.model, 400, 24), 3)["extra"]
+    rows = decode_launch_counts(lm.model, method, 400, 24, tokenizer=lm.tokenizer, batch=2, ragged=True)
+    assert summary(rows, stock_launch_counts(lm.model, 400, 24, batch=2), 3)["extra"] <= one + 1, rows
