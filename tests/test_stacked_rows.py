@@ -188,17 +188,22 @@ SELECTING = [("quest", {"token_budget": 48, "page_size": 8, "full_layers": 0}),
              ("shadowkv", {"token_budget": 48, "chunk": 4, "local_chunks": 1, "outliers": 3, "full_layers": 1})]
 
 
-@pytest.mark.parametrize("case", [("full", {}), ("snapkv", {})] + EVICTING + SELECTING, ids=str)
+# entropy-OLS flushing at each row's own steps (bins of 8): in fp64 its stacked step is ``attention_with_extra``'s
+# explicit pass over the rows (``entropy_ols_stacked._general``, what bfloat16 runs on a GPU), as a row alone there
+FLUSHING = [("entropy_ols", {"bin_size": 8, "rank": 2}), ("entropy_ols", {"bin_size": 8, "rank": 2, "mode": "drop"})]
+
+
+@pytest.mark.parametrize("case", [("full", {}), ("snapkv", {})] + EVICTING + SELECTING + FLUSHING, ids=str)
 def test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone(case, lm64):
     """Rows decoded together; between batched steps row 0 takes a step alone (the stack dissolves and is made again),
     row 1 is cloned mid-decode and its clone goes on alone; many steps (the widest row's room runs out: the stack
     grows; an evicting method's rows reach their capacity growth at different steps, so some rows drop a token while
-    others keep theirs). Every row's logits equal the same tokens through its cache alone (fp64, 1e-9), and so do
-    the positions each row holds per layer and KV head."""
+    others keep theirs; entropy-OLS's rows flush at their own steps). Every row's logits equal the same tokens through
+    its cache alone (fp64, 1e-9), and so do the positions each row holds per layer and KV head."""
     name, overrides = case
     method = instantiate(sync_method_config(name, overrides), _convert_="all")
-    want = {"evict"} if case in EVICTING else {"select"} if case in SELECTING else {"exact"}
-    rows_equal_alone(method, lm64, want)
+    want = {"evict"} if case in EVICTING else {"select"} if case in SELECTING + FLUSHING else {"exact"}
+    rows_equal_alone(method, lm64, want, drops=case in FLUSHING)
 
 
 FP32 = [c for c in EVICTING + SELECTING if c[0] in ("h2o", "tova", "streaming_llm")] + \

@@ -60,7 +60,7 @@ class EntropyOLSPolicy(LayerPolicy):
     stacked_select = True
 
     def stacked_plan(self, store):
-        return "all" if entropy_ols_stacked.stackable(self, store) else None
+        return "all" if entropy_ols_stacked.stackable(self) else None
 
     def stacked_attend(self, layer, query, scaling):
         return entropy_ols_stacked.stacked_attend(layer, query, scaling)

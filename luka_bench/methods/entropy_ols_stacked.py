@@ -17,8 +17,10 @@ raw tokens end at one slot). The step is ``EntropyOLSPolicy._decode_attend`` for
 The rows' synthetic entries (keys, values, biases, masses) are stacked at the widest row's count; each row's policy
 holds views of its part, so its own figures (``S``, bytes) stay the row's. A row's flush or re-binning replaces its
 entries by tensors of its own: the stack notices (identity, on the host) and stacks them again at its next step.
-Leaving the stack (``stacked_release``), each row gets private copies. Float32 only, without the linear mode's
-maps (as ``_decode_attend``); otherwise a row plans no stacked step and the rows decode one by one.
+Leaving the stack (``stacked_release``), each row gets private copies. In float32 the step is the fast path's
+(``_fast``); in another dtype (bfloat16 on a GPU) it is ``attention_with_extra``'s explicit pass over the rows
+(``_general``), as a row alone runs it there. Not with the linear mode's per-centroid maps: a row then plans no
+stacked step and the rows decode one by one.
 """
 from __future__ import annotations
 
@@ -27,15 +29,15 @@ import math
 import torch
 
 from luka_bench.device import host_to_device
+from luka_bench.methods.attention import group_apply, group_logits
 
 PAD = -1e30  # the logit of a slot a row does not hold: exp(PAD - max) == 0 and 0 * PAD == 0 in float32
 
 
-def stackable(policy, store) -> bool:
-    """A row whose next decode step can run stacked: float32 storage, no per-centroid linear maps, and its
-    reference-query ring full (or none: budget 1)."""
-    return (store._kv is not None and store._kv.dtype == torch.float32 and policy.la is None
-            and (policy._qring is None or policy._qn >= policy._qring.shape[2]))
+def stackable(policy) -> bool:
+    """A row whose next decode step can run stacked: no per-centroid linear maps, and its reference-query ring full
+    (or none: budget 1)."""
+    return policy.la is None and (policy._qring is None or policy._qn >= policy._qring.shape[2])
 
 
 def _synthetic(layer, pols, st) -> None:
@@ -92,6 +94,25 @@ def stacked_attend(layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
     for p in pols:
         p.scaling = scaling
     _synthetic(layer, pols, st)
+    if query.dtype == torch.float32 and layer.kv.dtype == torch.float32:
+        out = _fast(layer, pols, st, query, scaling, mass_name, ent_name)
+    else:
+        out = _general(layer, pols, st, query, scaling, mass_name, ent_name)
+    if pols[0].method.budget < 1.0:  # the step's queries into the rows' rings, at their one slot
+        _ring(layer, pols, st, query)
+        at = st["at"]
+        st["ring"][:, :, at] = query[:, :, 0]
+        st["at"] = (at + 1) % st["ring"].shape[2]
+        for pol in pols:
+            pol._qn += 1
+    return out
+
+
+def _fast(layer, pols, st, query, scaling, mass_name, ent_name) -> torch.Tensor:
+    """``EntropyOLSPolicy._decode_attend`` for the rows (float32)."""
+    b, hq, _, d = query.shape
+    hkv = layer.kv.shape[2]
+    g, bh = hq // hkv, b * hkv
     W, S = layer.fill, st["smax"]
     N = W + S
     if "pad" not in st:  # the slots before each row's first raw token: PAD (made once per storage)
@@ -126,14 +147,41 @@ def stacked_attend(layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
     if S:
         st["sm"].view(bh, 1, S).baddbmm_(ones, p[:, :, W:])
         out = torch.baddbmm(out, p[:, :, W:], st["sv"].view(bh, S, -1))
-    if pols[0].method.budget < 1.0:  # the step's queries into the rows' rings, at their one slot
-        _ring(layer, pols, st, query)
-        at = st["at"]
-        st["ring"][:, :, at] = query[:, :, 0]
-        st["at"] = (at + 1) % st["ring"].shape[2]
-        for pol in pols:
-            pol._qn += 1
     return out.view(b, hq, 1, -1)
+
+
+def _general(layer, pols, st, query, scaling, mass_name, ent_name) -> torch.Tensor:
+    """``attention_with_extra``'s decode step (its explicit pass, ``attention._explicit_attention``) for the rows, in
+    the model's dtype (bfloat16 on a GPU): the same ops on the rows' stacked tensors, the slots before a row's
+    first raw token closed by the rows' mask added to the float32 logits (+0 elsewhere: the same values), each row's
+    own count of entries as the entropy's normaliser."""
+    b, hq, _, d = query.shape
+    hkv = layer.kv.shape[2]
+    g = hq // hkv
+    W, S = layer.fill, st["smax"]
+    q = query.view(b, hkv, g, 1, d)
+    if "mask" not in st:  # the slots before each row's first raw token: -inf, float32 (made once per storage)
+        om = layer.open_mask
+        st["mask"] = None if om is None else om.float()
+    mask = st["mask"]
+    logits = group_logits(q, layer.kv[0][:, :, :W], scaling,
+                          None if mask is None else mask[..., :W].expand(b, hkv, 1, W))
+    if S:
+        el = group_logits(q, st["sk"], scaling) + st["sb"][:, :, None, None, :].float()
+        logits = torch.cat([logits, el], dim=-1)
+    logp = torch.log_softmax(logits, dim=-1)
+    w = logp.exp()
+    h = -torch.where(w > 0, w * logp, torch.zeros_like(w)).sum(-1)  # [B, Hkv, g, 1]
+    seen = host_to_device([float(s.n + pol.S) for s, pol in zip(layer.stores, pols)], query.device,
+                          torch.float32).view(b, 1, 1, 1)  # each row's entries (held tokens and synthetic ones)
+    ent = (h / seen.log().clamp_min(1e-12)).mean(2) * (seen > 1).view(b, 1, 1)
+    layer.aux[ent_name][:, :, W - 1: W] = ent
+    o = group_apply(w[..., :W], layer.kv[1][:, :, :W])
+    if S:
+        o = o + group_apply(w[..., W:], st["sv"])
+        st["sm"] += w[..., W:].sum(dim=(2, 3))
+    layer.aux[mass_name][:, :, :W] += w[..., :W].sum(dim=(2, 3))
+    return o.view(b, hq, 1, o.shape[-1])
 
 
 def stacked_release(layer) -> None:
