@@ -208,7 +208,7 @@ def test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone(case, l
 
 FP32 = [c for c in EVICTING + SELECTING if c[0] in ("h2o", "tova", "streaming_llm")] + \
     [next(c for c in SELECTING if c[0] == n) for n in ("quest", "luka_clustered", "shadowkv", "oracle_topk")] + \
-    [("entropy_ols", {"bin_size": 8, "rank": 2}),  # stacked in float32 only (its fast path's): flushes at own steps
+    [("entropy_ols", {"bin_size": 8, "rank": 2}),  # its float32 fast path stacked: flushes at each row's steps
      ("entropy_ols", {"bin_size": 8, "rank": 2, "mode": "drop", "n_ref": 4}),
      ("entropy_ols", {"budget": 1.0})]  # nothing flushed, no reference queries kept
 
@@ -366,7 +366,6 @@ def test_head_wise_layers_of_every_kind_stack_and_stay_the_rows_alone(lm64, tmp_
     rows_equal_alone(razor, lm64, {"packed", "select", "exact"})
 
 
-
 def test_entropy_ols_rows_stay_stacked_through_each_rows_flush():
     """entropy-OLS's rows (float32: its stacked step, ``methods/entropy_ols_stacked.py``) flush at their own steps in
     their own ``after_step``; the stack seats such a row again (``StackedLayer.reseat``) instead of making a new
@@ -383,7 +382,7 @@ def test_entropy_ols_rows_stay_stacked_through_each_rows_flush():
         for j in range(24):
             forward_rows(lm.model, [int(x) for x in torch.randint(0, 256, (3,), generator=g)], caches)
             stack = caches[0]._row_stack
-            stacks.add(id(stack))
+            stacks.add(stack)  # (the objects, not their ids: a freed stack's id may be reused)
             assert {layer.mode for layer in stack.layers.values()} == {"select"} and len(stack.layers) == 3
         assert flushes() - before >= 6 and len(stacks) == 1, (flushes() - before, len(stacks))
         release_rows(caches)
