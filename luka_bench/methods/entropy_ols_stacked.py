@@ -45,8 +45,7 @@ def _synthetic(layer, pols, st) -> None:
     row's policy then views its part), made again where a row's entries are no longer the views it was given."""
     if st.get("views") is not None and all(p.sk is v for p, v in zip(pols, st["views"])):
         return
-    B, hkv, d = len(pols), layer.kv.shape[2], layer.kv.shape[4]
-    dv = layer.kv.shape[4]
+    B, hkv, d = len(pols), layer.kv.shape[2], layer.kv.shape[4]  # (keys and values of one width in the stack)
     smax = max(p.S for p in pols)
     st["smax"] = smax
     if smax == 0:
@@ -54,7 +53,7 @@ def _synthetic(layer, pols, st) -> None:
         return
     dev = layer.kv.device
     sk = layer.kv.new_zeros(B, hkv, smax, d)
-    sv = layer.kv.new_zeros(B, hkv, smax, dv)
+    sv = layer.kv.new_zeros(B, hkv, smax, d)
     sb = torch.full((B, hkv, smax), PAD, dtype=torch.float32, device=dev)
     sm = torch.zeros(B, hkv, smax, dtype=torch.float32, device=dev)
     for b, p in enumerate(pols):
@@ -88,9 +87,6 @@ def stacked_attend(layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
     pols = [s.policy for s in layer.stores]
     mass_name, ent_name = pols[0].aux_names
     st = layer.state
-    b, hq, _, d = query.shape
-    hkv = layer.kv.shape[2]
-    g, bh = hq // hkv, b * hkv
     for p in pols:
         p.scaling = scaling
     _synthetic(layer, pols, st)
