@@ -327,16 +327,19 @@ def attention_with_mass(store: HeldKV, query: torch.Tensor, scaling: float,
     return out.view(b, hq, lq, v.shape[-1]), mass
 
 
-def attention_with_extra(store: HeldKV, query: torch.Tensor, scaling: float,
+def attention_with_extra(store: HeldKV | None, query: torch.Tensor, scaling: float,
                          extra_k: torch.Tensor | None = None, extra_v: torch.Tensor | None = None,
                          extra_bias: torch.Tensor | None = None, causal: bool = True, chunk: int = 256,
-                         keys: torch.Tensor | None = None, values: torch.Tensor | None = None):
+                         keys: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                         mask: torch.Tensor | None = None, seen: torch.Tensor | None = None):
     """Exact attention over the held tokens plus ``S`` position-less *extra* entries with a per-entry logit bias
     (synthetic or summary key/value pairs held by a policy): logit ``q.k * scaling`` for a held token,
     ``q.k_e * scaling + b_e`` for an extra entry; one softmax over both (fp32). Extra entries summarise the past,
     so every query sees all of them. ``causal``: the last Lq held tokens are the query tokens (the usual case);
     False lets every query see every held token (replaying held-out queries over a compressed cache).
-    ``keys``/``values`` override the store's (same layout) for such replays.
+    ``keys``/``values`` override the store's (same layout) for such replays, or are the rows of a batch decoded as
+    one (``entropy_ols_stacked``; ``store`` None): then ``mask`` [B, Hkv, 1, n] (0 / -inf, float32) closes each row's
+    slots it does not hold and ``seen`` [B, 1, 1, 1] is each row's count of entries (one decode query each).
 
     Returns (out [B, Hq, Lq, Dv], mass [B, Hkv, n], extra_mass [B, Hkv, S], entropy [B, Hkv, Lq], extra_w):
     masses summed over queries and the query heads of each KV group, as ``attention_with_mass``; ``entropy`` the
@@ -352,14 +355,15 @@ def attention_with_extra(store: HeldKV, query: torch.Tensor, scaling: float,
     S = 0 if extra_k is None else extra_k.shape[2]
     q = query.view(b, hkv, g, lq, d)
     past = n - lq if causal else n
-    if S == 0 and causal and _blocked(query, lq):
+    if S == 0 and causal and mask is None and _blocked(query, lq):
         out, mass, h = _blocked_attention(query, k, v, scaling, past, entropy=True)
         seen = torch.arange(past + 1, n + 1, device=query.device, dtype=torch.float32)  # entries query i saw
         ent = (h.clamp_min(0.0) / seen.log().clamp_min(1e-12)).view(b, hkv, g, lq).mean(2) * (seen > 1)
         emass = ew = None
     else:
         out, mass, emass, ent, ew = _explicit_attention(q, k, v, scaling, past, chunk, causal=causal, entropy=True,
-                                                        extra=(extra_k, extra_v, extra_bias) if S else None)
+                                                        extra=(extra_k, extra_v, extra_bias) if S else None,
+                                                        mask=mask, seen=seen)
         out = out.view(b, hq, lq, v.shape[-1])
     if emass is None:  # no extra entries: their mass and weights are empty
         emass = torch.zeros(b, hkv, 0, dtype=torch.float32, device=query.device)
@@ -368,14 +372,16 @@ def attention_with_extra(store: HeldKV, query: torch.Tensor, scaling: float,
 
 
 def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, past: int, chunk: int,
-                        causal: bool = True, entropy: bool = False, extra: tuple | None = None):
+                        causal: bool = True, entropy: bool = False, extra: tuple | None = None,
+                        mask: torch.Tensor | None = None, seen: torch.Tensor | None = None):
     """The explicit-weights pass of ``attention_with_mass`` and ``attention_with_extra``: q [B, Hkv, g, Lq, D]
     over held keys/values [B, Hkv, n, D] (+ ``extra`` = (keys [B, Hkv, S, D], values, logit bias [B, Hkv, S] or
     None)), fp32 softmax for all heads at once, queries ``chunk`` at a time so a long chunk never holds the
     N x N weights; with ``causal`` query i sees the held tokens up to ``past + i`` only (halves a prefill's
     work). Returns (out [B, Hkv, g, Lq, Dv], mass [B, Hkv, n], extra mass [B, Hkv, S], normalised entropy
     [B, Hkv, Lq], extra weights [B, Hkv, g, Lq, S]) — see ``attention_with_extra``; None for the entropy
-    unless asked, for the extra ones without extra entries."""
+    unless asked, for the extra ones without extra entries. ``mask``, ``seen``: rows of a batch
+    (``attention_with_extra``)."""
     b, hkv, g, lq, _ = q.shape
     n, dev = k.shape[2], q.device
     extra_k, extra_v, extra_bias = extra if extra is not None else (None, None, None)
@@ -385,17 +391,21 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scali
         # mass and the copies into them (issue 36: three kernel launches fewer per layer and step; same values)
         w = torch.softmax(group_logits(q, k, scaling), dim=-1)
         return group_apply(w, v), w.sum(dim=(2, 3)), None, None, None
-    out = q.new_empty(b, hkv, g, lq, v.shape[-1])
-    mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=dev)
-    emass = torch.zeros(b, hkv, S, dtype=torch.float32, device=dev) if S else None
-    ew = torch.zeros(b, hkv, g, lq, S, dtype=torch.float32, device=dev) if S else None
-    ent = torch.zeros(b, hkv, lq, dtype=torch.float32, device=dev) if entropy else None
+    single = lq <= chunk and (not causal or past + lq >= n)  # one chunk seeing every key: its results are the outputs
+    if not single:
+        out = q.new_empty(b, hkv, g, lq, v.shape[-1])
+        mass = torch.zeros(b, hkv, n, dtype=torch.float32, device=dev)
+        emass = torch.zeros(b, hkv, S, dtype=torch.float32, device=dev) if S else None
+        ew = torch.zeros(b, hkv, g, lq, S, dtype=torch.float32, device=dev) if S else None
+        ent = torch.zeros(b, hkv, lq, dtype=torch.float32, device=dev) if entropy else None
+    rows = seen  # each row's entries, given (rows of a batch, one query each); else counted per chunk below
     for s in range(0, lq, chunk):
         qc = q[:, :, :, s: s + chunk]
         c = qc.shape[3]
         m = min(n, past + s + c) if causal else n  # keys visible to this chunk
-        logits = group_logits(qc, k[:, :, :m], scaling)  # [B, Hkv, g, c, m]
-        seen = torch.full((c,), float(m + S), device=dev) if entropy else None
+        logits = group_logits(qc, k[:, :, :m], scaling, None if mask is None else mask[..., :m])  # [B, Hkv, g, c, m]
+        if entropy and rows is None:
+            seen = torch.full((c,), float(m + S), device=dev)
         if causal and c > 1:
             qi = torch.arange(s, s + c, device=dev)
             visible = torch.arange(m, device=dev)[None, :] <= (past + qi)[:, None]
@@ -410,12 +420,19 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scali
             logp = torch.log_softmax(logits, dim=-1)
             w = logp.exp()
             h = -torch.where(w > 0, w * logp, torch.zeros_like(w)).sum(-1)  # [B, Hkv, g, c]
-            ent[:, :, s: s + c] = (h / seen.log().clamp_min(1e-12)).mean(2) * (seen > 1)
+            held = (seen > 1) if rows is None else (seen > 1).view(-1, 1, 1)
+            ent_c = (h / seen.log().clamp_min(1e-12)).mean(2) * held
         else:
             w = torch.softmax(logits, dim=-1)
         o = group_apply(w[..., :m], v[:, :, :m])
         if S:
             o = o + group_apply(w[..., m:], extra_v)
+        if single:  # the chunk's own results (the buffers below would hold them as 0 + x: the same values)
+            return (o, w[..., :m].sum(dim=(2, 3)), w[..., m:].sum(dim=(2, 3)) if S else None,
+                    ent_c if entropy else None, w[..., m:] if S else None)
+        if entropy:
+            ent[:, :, s: s + c] = ent_c
+        if S:
             emass += w[..., m:].sum(dim=(2, 3))
             ew[:, :, :, s: s + c] = w[..., m:]
         out[:, :, :, s: s + c] = o

@@ -154,31 +154,20 @@ class EntropyOLSPolicy(LayerPolicy):
         one exp for both; the entropy normalised and averaged over the group in one batched dot product
         (-sum p log p / (g log N)) written straight into the new token's slot; the masses added into their
         accumulators by ``baddbmm_`` (ones . P); the output as one GEMM plus one accumulating GEMM for the
-        synthetic values. Same values as the general path (``tests/test_entropy_ols.py``)."""
+        synthetic values (``entropy_ols_stacked.decode_pass``, the pass rows of a batch share). Same values as the
+        general path (``tests/test_entropy_ols.py``)."""
         b, hq, _, d = query.shape
         hkv = self.info.num_kv_heads
         g, bh = hq // hkv, b * hkv
         n, S = store.n, self.S
         N = n + S
         buf = self._logits(bh, g, N, query)
-        q = query.reshape(bh, g, d)
-        zero = self._const(query, 0.0)
-        torch.baddbmm(zero, q, store.keys.reshape(bh, n, d).transpose(1, 2), beta=0.0, alpha=scaling,
-                      out=buf[:, :, :n])
-        if S:
-            torch.baddbmm(self.sb.view(bh, 1, S), q, self.sk.reshape(bh, S, d).transpose(1, 2), alpha=scaling,
-                          out=buf[:, :, n:])
-        logp = torch.log_softmax(buf, dim=-1)
-        p = logp.exp()
-        alpha = -1.0 / (g * math.log(N)) if N > 1 else 0.0
-        torch.baddbmm(zero, p.view(bh, 1, g * N), logp.view(bh, g * N, 1), beta=0.0, alpha=alpha,
-                      out=store.aux(ENT, zero_new=False)[:, :, n - 1:].view(bh, 1, 1))
-        ones = self._ones(bh, g, p)
-        store.aux(MASS).view(bh, 1, n).baddbmm_(ones, p[:, :, :n])
-        out = torch.bmm(p[:, :, :n], store.values.reshape(bh, n, -1))
-        if S:
-            self.smass.view(bh, 1, S).baddbmm_(ones, p[:, :, n:])
-            out = torch.baddbmm(out, p[:, :, n:], self.sv.reshape(bh, S, -1))
+        extra = (self.sk.reshape(bh, S, d), self.sv.reshape(bh, S, -1), self.sb.view(bh, 1, S)) if S else None
+        out = entropy_ols_stacked.decode_pass(
+            query.reshape(bh, g, d), store.keys.reshape(bh, n, d), store.values.reshape(bh, n, -1), extra, buf,
+            self._const(query, 0.0), None, scaling, -1.0 / (g * math.log(N)) if N > 1 else 0.0,
+            store.aux(ENT, zero_new=False)[:, :, n - 1:].view(bh, 1, 1), store.aux(MASS).view(bh, 1, n),
+            self.smass.view(bh, 1, S) if S else None, self._ones(bh, g, query))
         return out.view(b, hq, 1, -1)
 
     def _logits(self, bh: int, g: int, N: int, like: torch.Tensor) -> torch.Tensor:

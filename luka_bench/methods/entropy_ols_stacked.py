@@ -29,7 +29,7 @@ import math
 import torch
 
 from luka_bench.device import host_to_device
-from luka_bench.methods.attention import group_apply, group_logits
+from luka_bench.methods.attention import attention_with_extra
 
 PAD = -1e30  # the logit of a slot a row does not hold: exp(PAD - max) == 0 and 0 * PAD == 0 in float32
 
@@ -79,7 +79,7 @@ def _ring(layer, pols, st, query) -> None:
         ring[b:b + 1] = torch.roll(p._qring, turn, dims=2) if turn else p._qring
         p._qoff = (p._qoff + turn) % R
         p._qring = ring[b:b + 1]
-    st.update(ring=ring, rings=[p._qring for p in pols], at=at)
+    st.update(ring=ring, rings=[p._qring for p in pols])
 
 
 def stacked_attend(layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -96,16 +96,48 @@ def stacked_attend(layer, query: torch.Tensor, scaling: float) -> torch.Tensor:
         out = _general(layer, pols, st, query, scaling, mass_name, ent_name)
     if pols[0].method.budget < 1.0:  # the step's queries into the rows' rings, at their one slot
         _ring(layer, pols, st, query)
-        at = st["at"]
-        st["ring"][:, :, at] = query[:, :, 0]
-        st["at"] = (at + 1) % st["ring"].shape[2]
+        ring, first = st["ring"], pols[0]
+        ring[:, :, (first._qn + first._qoff) % ring.shape[2]] = query[:, :, 0]  # every row's next slot: the same
         for pol in pols:
             pol._qn += 1
     return out
 
 
+def decode_pass(q, keys, values, extra, buf, zero, pad, scaling, factor, ent_out, mass, smass, ones):
+    """One decode query's pass over ``n`` held tokens and ``S`` synthetic entries, per (row x KV head) ``bh`` — the
+    float32 fast path of a row alone (``EntropyOLSPolicy._decode_attend``) and of rows stacked (``_fast``): both
+    sets of logits side by side in ``buf`` [bh, g, n + S] (the synthetic bias as the GEMM's input), one log-softmax
+    and one exp, the entropy -sum p log p x ``factor`` into ``ent_out`` [bh, 1, 1] (a float: the GEMM's own scalar;
+    a tensor [bh, 1, 1], each row's own: one multiply), the masses added into ``mass`` [bh, 1, n] and ``smass``
+    [bh, 1, S] by ``ones`` [bh, 1, g], the output as one GEMM plus one for the synthetic values. q [bh, g, d], keys
+    [bh, n, d], values [bh, n, dv], ``extra`` (keys [bh, S, d], values [bh, S, dv], bias [bh, 1, S]) or None; ``pad``
+    [bh, 1, n] added to the held logits (the rows' slots before their first: PAD) or None. [bh, g, dv]."""
+    bh, g, _ = q.shape
+    n = keys.shape[1]
+    N = buf.shape[2]
+    if pad is None:
+        torch.baddbmm(zero, q, keys.transpose(1, 2), beta=0.0, alpha=scaling, out=buf[:, :, :n])
+    else:
+        torch.baddbmm(pad, q, keys.transpose(1, 2), alpha=scaling, out=buf[:, :, :n])
+    if extra is not None:
+        torch.baddbmm(extra[2], q, extra[0].transpose(1, 2), alpha=scaling, out=buf[:, :, n:])
+    logp = torch.log_softmax(buf, dim=-1)
+    p = logp.exp()
+    if isinstance(factor, torch.Tensor):
+        torch.mul(torch.bmm(p.view(bh, 1, g * N), logp.view(bh, g * N, 1)), factor, out=ent_out)
+    else:
+        torch.baddbmm(zero, p.view(bh, 1, g * N), logp.view(bh, g * N, 1), beta=0.0, alpha=factor, out=ent_out)
+    mass.baddbmm_(ones, p[:, :, :n])
+    out = torch.bmm(p[:, :, :n], values)
+    if extra is not None:
+        smass.baddbmm_(ones, p[:, :, n:])
+        out = torch.baddbmm(out, p[:, :, n:], extra[1])
+    return out
+
+
 def _fast(layer, pols, st, query, scaling, mass_name, ent_name) -> torch.Tensor:
-    """``EntropyOLSPolicy._decode_attend`` for the rows (float32)."""
+    """``EntropyOLSPolicy._decode_attend`` for the rows (float32): ``decode_pass`` over the stacked tensors, the
+    rows' slots before their first at PAD, each row's own entropy factor."""
     b, hq, _, d = query.shape
     hkv = layer.kv.shape[2]
     g, bh = hq // hkv, b * hkv
@@ -119,65 +151,42 @@ def _fast(layer, pols, st, query, scaling, mass_name, ent_name) -> torch.Tensor:
     buf = st.get("buf")
     if buf is None or buf.shape[2] < N:
         buf = st["buf"] = torch.empty(bh, g, int(N * 1.25) + 64, dtype=torch.float32, device=query.device)
-    buf = buf[:, :, :N]
-    q = query.reshape(bh, g, d)
-    K, V = layer.kv[0][:, :, :W].reshape(bh, W, d), layer.kv[1][:, :, :W]
-    pad, zero, ones = st["pad"], st["zero"], st["ones"]
-    if pad is None:
-        torch.baddbmm(zero, q, K.transpose(1, 2), beta=0.0, alpha=scaling, out=buf[:, :, :W])
-    else:
-        torch.baddbmm(pad[:, :, :W], q, K.transpose(1, 2), alpha=scaling, out=buf[:, :, :W])
-    if S:
-        torch.baddbmm(st["sb"].view(bh, 1, S), q, st["sk"].view(bh, S, d).transpose(1, 2), alpha=scaling,
-                      out=buf[:, :, W:])
-    logp = torch.log_softmax(buf, dim=-1)
-    p = logp.exp()
     # each row's entropy factor -1 / (g log N_b), N_b its raw tokens and synthetic entries (as alone)
     held = [s.n + pol.S for s, pol in zip(layer.stores, pols)]
     factor = host_to_device([-1.0 / (g * math.log(n)) if n > 1 else 0.0 for n in held for _ in range(hkv)],
                             query.device, torch.float32).view(bh, 1, 1)
-    torch.mul(torch.bmm(p.view(bh, 1, g * N), logp.view(bh, g * N, 1)), factor,
-              out=layer.aux[ent_name][:, :, W - 1: W].view(bh, 1, 1))
-    layer.aux[mass_name][:, :, :W].view(bh, 1, W).baddbmm_(ones, p[:, :, :W])
-    out = torch.bmm(p[:, :, :W], V.reshape(bh, W, -1))
-    if S:
-        st["sm"].view(bh, 1, S).baddbmm_(ones, p[:, :, W:])
-        out = torch.baddbmm(out, p[:, :, W:], st["sv"].view(bh, S, -1))
+    extra = (st["sk"].view(bh, S, d), st["sv"].view(bh, S, -1), st["sb"].view(bh, 1, S)) if S else None
+    out = decode_pass(query.reshape(bh, g, d), layer.kv[0][:, :, :W].reshape(bh, W, d),
+                      layer.kv[1][:, :, :W].reshape(bh, W, -1), extra, buf[:, :, :N], st["zero"],
+                      None if st["pad"] is None else st["pad"][:, :, :W], scaling, factor,
+                      layer.aux[ent_name][:, :, W - 1: W].view(bh, 1, 1),
+                      layer.aux[mass_name][:, :, :W].view(bh, 1, W), st["sm"].view(bh, 1, S) if S else None,
+                      st["ones"])
     return out.view(b, hq, 1, -1)
 
 
 def _general(layer, pols, st, query, scaling, mass_name, ent_name) -> torch.Tensor:
-    """``attention_with_extra``'s decode step (its explicit pass, ``attention._explicit_attention``) for the rows, in
-    the model's dtype (bfloat16 on a GPU): the same ops on the rows' stacked tensors, the slots before a row's
-    first raw token closed by the rows' mask added to the float32 logits (+0 elsewhere: the same values), each row's
-    own count of entries as the entropy's normaliser."""
+    """``attention_with_extra``'s decode step for the rows, in the model's dtype (bfloat16 on a GPU): its explicit
+    pass over the rows' stacked tensors, the slots before a row's first raw
+    token closed by the rows' mask added to the float32 logits (+0 elsewhere: the same values), each row's own count
+    of entries as the entropy's normaliser; then the masses and the entropy into the rows' state, as alone."""
     b, hq, _, d = query.shape
     hkv = layer.kv.shape[2]
-    g = hq // hkv
     W, S = layer.fill, st["smax"]
-    q = query.view(b, hkv, g, 1, d)
     if "mask" not in st:  # the slots before each row's first raw token: -inf, float32 (made once per storage)
         om = layer.open_mask
         st["mask"] = None if om is None else om.float()
     mask = st["mask"]
-    logits = group_logits(q, layer.kv[0][:, :, :W], scaling,
-                          None if mask is None else mask[..., :W].expand(b, hkv, 1, W))
-    if S:
-        el = group_logits(q, st["sk"], scaling) + st["sb"][:, :, None, None, :].float()
-        logits = torch.cat([logits, el], dim=-1)
-    logp = torch.log_softmax(logits, dim=-1)
-    w = logp.exp()
-    h = -torch.where(w > 0, w * logp, torch.zeros_like(w)).sum(-1)  # [B, Hkv, g, 1]
     seen = host_to_device([float(s.n + pol.S) for s, pol in zip(layer.stores, pols)], query.device,
                           torch.float32).view(b, 1, 1, 1)  # each row's entries (held tokens and synthetic ones)
-    ent = (h / seen.log().clamp_min(1e-12)).mean(2) * (seen > 1).view(b, 1, 1)
+    out, mass, emass, ent, _ = attention_with_extra(
+        None, query, scaling, *((st["sk"], st["sv"], st["sb"]) if S else ()), keys=layer.kv[0][:, :, :W],
+        values=layer.kv[1][:, :, :W], mask=None if mask is None else mask[..., :W].expand(b, hkv, 1, W), seen=seen)
+    layer.aux[mass_name][:, :, :W].add_(mass)
     layer.aux[ent_name][:, :, W - 1: W] = ent
-    o = group_apply(w[..., :W], layer.kv[1][:, :, :W])
     if S:
-        o = o + group_apply(w[..., W:], st["sv"])
-        st["sm"] += w[..., W:].sum(dim=(2, 3))
-    layer.aux[mass_name][:, :, :W] += w[..., :W].sum(dim=(2, 3))
-    return o.view(b, hq, 1, o.shape[-1])
+        st["sm"] += emass
+    return out.view(b, hq, 1, out.shape[-1])
 
 
 def stacked_release(layer) -> None:
