@@ -309,6 +309,11 @@ class LayerPolicy:
     # layer over their packings stacked (``stacked_packed.py``). An ``exact_decode`` policy needs no declaration
     stacked_packed: bool = False
     stacked_free_position = 0  # an evicting stack's position on a free slot (StreamingLLM: the largest int64)
+    # ``stacked_victims`` gives a row that keeps its token this step (its plan False) its own slot, so that no
+    # choice per row follows it (H2O, TOVA)
+    stacked_keeps_in_place: bool = False
+    # free slot j's position is ``stacked_free_position + (width - j)``: the first free slot's the largest (H2O)
+    stacked_free_descending: bool = False
     stacked_free_state = 0.0  # a stack's per-token state (``aux``) on a free slot (H2O: +inf mass, never a victim)
     # an evicting stack writes the step's position at the step's slot before the victims are chosen (False: only
     # where the token ends up, as alone — StreamingLLM, whose victims never read the new token's slot)
@@ -335,6 +340,11 @@ class LayerPolicy:
         """The slot each stacked row drops this step, [B, Hkv] int64 (rows that keep their token are ignored); or
         (those slots counted from slot ``start``, ``start``): one offset for every row, no add to make them absolute."""
         raise NotImplementedError(f"{type(self).__name__} declares no stacked eviction")
+
+    def stacked_slot_positions(self, layer) -> torch.Tensor:
+        """What an evicting stack writes at the step's slots (``stacked_slot_position``) once the plans are known,
+        [B, 1] int64: the step's positions (a policy may mark there the rows that keep their token)."""
+        return layer.stack.pos
 
     def stacked_note(self, store: "Store", evicted: bool) -> None:
         """A row's host state after a stacked step (``evicted``: it dropped a token)."""

@@ -30,6 +30,10 @@ from luka_bench.methods.base import KVMethod, LayerPolicy, setting
 from luka_bench.methods.scorer import ScorerPolicy
 
 MASS = "h2o_mass"
+# a free slot's position in a stack of rows (``stacked_victims``): above any token's (positions < 2^31), below 2^32 -
+# the stack's width, so that a free slot's key (its position - 2^32 x the bits of +inf) stays below every older
+# held token's (its position - 2^32 x the bits of a finite mass: at least 2^32 more)
+FREE = 1 << 31
 RECENT_BUDGETS = ("inside", "on_top")
 
 
@@ -142,16 +146,23 @@ class H2OPolicy(ScorerPolicy):
         return out
 
     stacked_free_state = float("inf")  # a free slot's mass in the stack: never the least (no mask for the victims)
-    # the step's slot is a free slot's (+inf mass, position 0: the least key of all) until the token ends up there:
-    # never the victim, and its position written only where the token ends up, as alone (``stacked_attend`` leaves
-    # a slot's mass as it was plus the step's: +inf stays +inf)
+    # the step's slot is a free slot's (+inf mass) until the token ends up there: never the victim of a row that drops
+    # one, and its position written only where the token ends up, as alone (``stacked_attend`` leaves a slot's mass
+    # as it was plus the step's: +inf stays +inf). A free slot's position is above every token's, the first free
+    # slot's (the step's) the largest (``stacked_keeps_in_place``): a row that keeps its token reads every slot as
+    # recent, and the largest key is then the step's own slot — where its token stays, with no choice per row
     stacked_slot_position = False
+    stacked_free_position = FREE
+    stacked_keeps_in_place = True
+    stacked_free_descending = True
 
     def stacked_victims(self, layer):
         """``evict``'s victim for every row: its recent window (each row's own; its first position made once per
-        step for every layer of the same windows) read as +inf mass; free slots, the step's slot among them, hold
-        +inf mass at position 0 (``stacked_free_state``, ``stacked_slot_position``): the least key, never chosen."""
-        recent = tuple(self.split(ScorerPolicy.capacity(self, s))[1] - 1 for s in layer.stores)
+        step for every layer of the same windows) read as +inf mass, as are free slots, whose positions (above any
+        token's: ``FREE``) make theirs keys below every older token's. A row that keeps its token this step (its
+        plan False) reads every slot as recent: its largest key is then the step's own slot (the first free one)."""
+        recent = tuple(self.split(ScorerPolicy.capacity(self, s))[1] - 1 if plan else 1 << 62
+                       for s, plan in zip(layer.stores, layer.plans))
         stack = layer.stack
         first = stack.memo(("h2o_first_recent", recent), lambda: (
             stack.pos - stack.constant(recent, torch.long, stack.pos.device)[:, None])[:, :, None])

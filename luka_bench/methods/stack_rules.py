@@ -9,7 +9,7 @@ from .base import LayerPolicy
 # the declaration (a subclass that decides per step is never stacked by mistake)
 DECODE_HOOKS = ("attend", "step", "after_step", "attended", "attended_count", "attended_extra", "extra_entries")
 EVICT_HOOKS = DECODE_HOOKS + ("stacked_plan", "stacked_attend", "stacked_victims", "stacked_note", "stacked_after",
-                              "stacked_release")
+                              "stacked_release", "stacked_slot_positions")
 
 
 def exact_decode(policy: LayerPolicy) -> bool:

@@ -145,6 +145,8 @@ class StackedLayer:
                 s.settle_positions()
                 s._positions.materialize(s._k)
             pos = torch.full((B, h, cap), self.policy.stacked_free_position, dtype=torch.long, device=first.device)
+            if self.policy.stacked_free_descending:  # free slot j at stacked_free_position + (cap - j)
+                pos.add_(torch.arange(cap, 0, -1, device=first.device))
         # per-token state (H2O's masses, LuKA's accumulated mass) stacked beside the keys and values
         aux = {} if self.mode == "exact" else {name: a.new_full((B, h, cap), self.policy.stacked_free_state)
                                                for name, a in self.stores[0]._aux.items()}
@@ -245,8 +247,6 @@ class StackedLayer:
             if evict:  # keys and values as one [B, Hkv, 2, D]: written here and again at the victims (``evict``)
                 self.new = torch.stack((k[:, :, 0], v[:, :, 0]), dim=2)
                 self.kv.movedim(0, 3)[lay.rows, :, lay.slot] = self.new
-                if self.policy.stacked_slot_position:
-                    self.pos[lay.rows, :, lay.slot] = self.stack.pos
             else:
                 self.kv[0][lay.rows, :, lay.slot] = k[:, :, 0]
                 self.kv[1][lay.rows, :, lay.slot] = v[:, :, 0]
@@ -260,6 +260,8 @@ class StackedLayer:
         if self.mode != "exact":
             self.plans = [s.policy.stacked_plan(s) for s in self.stores]
             assert None not in self.plans, "a stacked row's step that cannot be stacked (``RowStack.serves``)"
+            if evict and self.policy.stacked_slot_position:
+                self.pos[self.layout.rows, :, self.layout.slot] = self.policy.stacked_slot_positions(self)
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """The rows' decode step: an exact layer's (or an evicting layer's whose policy keeps no scores) one SDPA over
@@ -326,7 +328,8 @@ class StackedLayer:
         if isinstance(victims, tuple):
             victims, start = victims
         here = lay.slot[:, None].expand(B, h)
-        if not all(plans):  # a row that keeps its token writes it onto its own slot
+        # a row that keeps its token writes it onto its own slot (the policy's victims already say so: no op)
+        if not all(plans) and not self.policy.stacked_keeps_in_place:
             mine = here if not start else self.stack.memo(("slot_from", start, id(lay)), lambda: here - start)
             victims = torch.where(self.stack.constant(plans, torch.bool, self.kv.device)[:, None], victims, mine)
         bi, hi = lay.rows[:, None], self.heads

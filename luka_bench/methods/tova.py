@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from luka_bench.methods.attention import exact_attention, group_apply, group_logits, top_indices
 from luka_bench.methods.base import KVMethod, LayerPolicy, setting
 from luka_bench.methods.scorer import ScorerPolicy
+from luka_bench.device import host_to_device
 from luka_bench.methods.stacked import masked_attention
 
 
@@ -132,15 +133,29 @@ class TOVAPolicy(ScorerPolicy):
     # token's (scores are sums of at most the query heads' weights: bits < 0x43800000 up to 256 heads, keys above
     # -4.9e18), so a free slot is never the victim without a mask
     stacked_free_position = -(3 << 61)
+    # a row that keeps its token this step gets it kept in its own slot by the victims' one argmax: its slot's
+    # position is written 3 x 2^61 higher (``stacked_slot_positions``; its key then above 2.0e18, every held token's
+    # below 2^31), or (``protect_last``, whose step writes the slot's score anyway) its score written -1 (bits below
+    # 0: its key above 4.6e18) where a row that drops one gets +inf
+    stacked_keeps_in_place = True
+
+    def stacked_slot_positions(self, layer):
+        plans, stack = layer.plans, layer.stack
+        if all(plans) or not any(plans) or self.method.protect_last:
+            return stack.pos
+        return stack.memo(("tova_keep", tuple(plans)), lambda: stack.pos + stack.constant(
+            [0 if p else 3 << 61 for p in plans], torch.long, stack.pos.device)[:, None])
 
     def stacked_victims(self, layer):
         """``_drop_one``'s victim for every row (the newest token a candidate, unless ``protect_last``); free slots
-        never (``stacked_free_position``)."""
+        never (``stacked_free_position``); a row that keeps its token: its own slot (``stacked_keeps_in_place``)."""
         scores, self._step_scores = self._step_scores, None
         lay = layer.layout
         b = lay.mask.shape[0]
         if self.method.protect_last:
-            scores[lay.rows, lay.slot] = float("inf")
+            plans = layer.plans
+            scores[lay.rows, lay.slot] = float("inf") if all(plans) else host_to_device(
+                [float("inf") if p else -1.0 for p in plans], scores.device, scores.dtype)
         key = torch.sub(layer.pos[:, 0], scores.view(torch.int32), alpha=1 << 32)
         return key.argmax(-1)[:, None].expand(b, layer.kv.shape[2])
 
