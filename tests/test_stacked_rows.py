@@ -276,10 +276,11 @@ def test_a_ragged_batch_launches_what_one_row_does_where_every_layer_is_stacked(
     """Per step, 8 rows of different lengths launch what one row does where every layer decodes exactly (the rows
     right-aligned: one slot for all, written by a copy and read up to by a view, as one row's); an
     evicting config's launches do not grow with the rows (8 rows against 2: at most the ops of a step where some
-    rows drop a token and others keep theirs — a ``where``; the slots of the rows that moved on, one add and one
-    opening of the mask per step for the layers of a layout (rows that all stay, 2 rows at their capacity, need
-    neither); StreamingLLM's kept rows' slots counted from its sinks once per step for every layer; and TOVA's exact
-    attention beside its weights)."""
+    rows drop a token and others keep theirs — StreamingLLM's ``where`` (H2O's and TOVA's victims keep such a row's
+    token in its own slot by themselves: ``stacked_keeps_in_place``); the slots of the rows that moved on, one add
+    and one opening of the mask per step for the layers of a layout (rows that all stay, 2 rows at their capacity,
+    need neither); StreamingLLM's kept rows' slots counted from its sinks once per step for every layer; and TOVA's
+    exact attention beside its weights and the ``where`` between them)."""
     lm = tiny("llama", num_hidden_layers=4)
     method = method_of(name)
     stock = stock_launch_counts(lm.model, 400, 24)
@@ -295,7 +296,7 @@ def test_a_ragged_batch_launches_what_one_row_does_where_every_layer_is_stacked(
     elif name in RAGGED_AS_ONE:
         assert many <= one["extra"], (name, one, many)
     else:
-        assert many - ragged(2) <= {"tova": 3, "streaming_llm": 1.25}.get(name, 1) + 0.5, (name, many)
+        assert many - ragged(2) <= {"tova": 2.25, "streaming_llm": 1.25}.get(name, 1) + 0.5, (name, many)
 
 
 def test_stacked_quest_never_reads_a_page_a_row_does_not_hold(monkeypatch, lm64):
