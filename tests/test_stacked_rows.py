@@ -296,7 +296,9 @@ def test_a_ragged_batch_launches_what_one_row_does_where_every_layer_is_stacked(
     elif name in RAGGED_AS_ONE:
         assert many <= one["extra"], (name, one, many)
     else:
-        assert many - ragged(2) <= {"tova": 2.25, "streaming_llm": 1.25}.get(name, 1) + 0.5, (name, many)
+        # (H2O's and TOVA's victims keep a keeping row's token in its own slot: a `where` more fails this)
+        allowed = {"tova": 2.75, "streaming_llm": 1.75}.get(name, 0.5 if name in EVICTS else 1.5)
+        assert many - ragged(2) <= allowed, (name, many)
 
 
 def test_stacked_quest_never_reads_a_page_a_row_does_not_hold(monkeypatch, lm64):
