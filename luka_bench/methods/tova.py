@@ -30,10 +30,10 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from luka_bench.device import host_to_device
 from luka_bench.methods.attention import exact_attention, group_apply, group_logits, top_indices
 from luka_bench.methods.base import KVMethod, LayerPolicy, setting
 from luka_bench.methods.scorer import ScorerPolicy
-from luka_bench.device import host_to_device
 from luka_bench.methods.stacked import masked_attention
 
 
