@@ -341,10 +341,11 @@ class LayerPolicy:
         (those slots counted from slot ``start``, ``start``): one offset for every row, no add to make them absolute."""
         raise NotImplementedError(f"{type(self).__name__} declares no stacked eviction")
 
-    def stacked_slot_positions(self, layer) -> torch.Tensor:
-        """What an evicting stack writes at the step's slots (``stacked_slot_position``) once the plans are known,
-        [B, 1] int64: the step's positions (a policy may mark there the rows that keep their token)."""
-        return layer.stack.pos
+    def stacked_slot_positions(self, layer) -> torch.Tensor | None:
+        """What an evicting stack writes at the step's slots once the plans are known, [B, 1] int64, or None (nothing):
+        the step's positions where ``stacked_slot_position`` (a policy may mark there the rows that keep their token,
+        TOVA, or write only such marks, StreamingLLM)."""
+        return layer.stack.pos if self.stacked_slot_position else None
 
     def stacked_note(self, store: "Store", evicted: bool) -> None:
         """A row's host state after a stacked step (``evicted``: it dropped a token)."""

@@ -260,8 +260,9 @@ class StackedLayer:
         if self.mode != "exact":
             self.plans = [s.policy.stacked_plan(s) for s in self.stores]
             assert None not in self.plans, "a stacked row's step that cannot be stacked (``RowStack.serves``)"
-            if evict and self.policy.stacked_slot_position:
-                self.pos[self.layout.rows, :, self.layout.slot] = self.policy.stacked_slot_positions(self)
+            marks = self.policy.stacked_slot_positions(self) if evict else None
+            if marks is not None:
+                self.pos[self.layout.rows, :, self.layout.slot] = marks
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """The rows' decode step: an exact layer's (or an evicting layer's whose policy keeps no scores) one SDPA over

@@ -70,6 +70,17 @@ class StreamingPolicy(ScorerPolicy):
     # the step's slot is never the oldest either (a free slot's position until a row keeps its token there): its
     # position written where the token ends up only, as alone
     stacked_slot_position = False
+    # a step where some rows keep their token and others drop one: the keeping rows' slots marked -1 (the least
+    # position of all: their own slot is then their victim, the token stays), the dropping rows' the free position
+    # (``stacked_slot_positions``: one write, where a `where` after the victims and an offset made them before)
+    stacked_keeps_in_place = True
+
+    def stacked_slot_positions(self, layer):
+        plans = layer.plans
+        if all(plans) or not any(plans):
+            return None
+        return layer.stack.constant([self.stacked_free_position if p else -1 for p in plans], torch.long,
+                                    layer.pos.device)[:, None]
 
     def stacked_plan(self, store):
         if self.method.positions != "original":
