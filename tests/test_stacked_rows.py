@@ -206,6 +206,14 @@ def test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone(case, l
     rows_equal_alone(method, lm64, want, drops=case in FLUSHING)
 
 
+def test_stacked_streaming_rows_keep_a_few_token_rows_token_within_its_sinks(lm64):
+    """StreamingLLM's rows where one row's prompt is shorter than its sinks: that row keeps every token (its own slot
+    within its sinks, where the other rows' victims are counted from) while the others drop one — each row as alone
+    (its victims marked at its own slot read from slot 0: ``StreamingPolicy.stacked_victims``)."""
+    method = instantiate(sync_method_config("streaming_llm", {"sink": 4}), _convert_="all")
+    rows_equal_alone(method, lm64, {"evict"}, lengths=(200, 163, 3))
+
+
 FP32 = [c for c in EVICTING + SELECTING if c[0] in ("h2o", "tova", "streaming_llm")] + \
     [next(c for c in SELECTING if c[0] == n) for n in ("quest", "luka_clustered", "shadowkv", "oracle_topk")] + \
     [("entropy_ols", {"bin_size": 8, "rank": 2}),  # its float32 fast path stacked: flushes at each row's steps
@@ -226,13 +234,15 @@ def test_stacked_rows_in_float32_keep_what_each_row_keeps_alone(case):
                      drops=name == "entropy_ols" and method.budget < 1)
 
 
-def rows_equal_alone(method, lm64, want: set[str], atol: float = 1e-9, drops: bool = False) -> None:
+def rows_equal_alone(method, lm64, want: set[str], atol: float = 1e-9, drops: bool = False,
+                     lengths: tuple[int, ...] = (200, 163, 140)) -> None:
     """The test above for ``method``, whose stacked layers at step 30 are of the kinds ``want`` (and "exact");
-    ``drops``: a selecting layer whose rows drop tokens in their own ``after_step`` (entropy_ols's flushes)."""
+    ``drops``: a selecting layer whose rows drop tokens in their own ``after_step`` (entropy_ols's flushes);
+    ``lengths``: the three rows' prompts."""
     g = torch.Generator().manual_seed(2)
     # every row holds at least 16 tokens: over fewer, torch's CPU softmax takes its scalar path, whose exp differs
     # from the vector path's in the last float32 bit (a row alone and the same row in a wider stack, ~1e-7)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (200, 163, 140)]
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
     toks = torch.randint(0, 256, (3, 40), generator=g).tolist()
     model64 = lm64.model
     with attach(model64, method, lm64.tokenizer) as a, torch.no_grad():
@@ -265,7 +275,7 @@ def rows_equal_alone(method, lm64, want: set[str], atol: float = 1e-9, drops: bo
             torch.testing.assert_close(torch.stack(got[r]).view(40, -1), solo[r].view(40, -1), rtol=0, atol=atol)
         torch.testing.assert_close(torch.stack(clone_out).view(5, -1), solo[1].view(40, -1)[20:25], rtol=0,
                                    atol=atol)
-        assert [c.stores[0].seen for c in caches] == [240, 203, 180]
+        assert [c.stores[0].seen for c in caches] == [n + 40 for n in lengths]
         assert [kept(c) for c in caches] == solo_kept
         if not want & {"evict", "packed"} and not drops:  # nothing dropped
             assert [c.stores[0].n - n0 for c, n0 in zip(caches, held)] == [40, 40, 40]

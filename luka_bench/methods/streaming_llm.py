@@ -92,20 +92,22 @@ class StreamingPolicy(ScorerPolicy):
 
     def stacked_victims(self, layer):
         """``_evict``'s victim for every row: the oldest held token after the sinks (free slots never: their position
-        in the stack is the largest int64, ``stacked_free_position``)."""
+        in the stack is the largest int64, ``stacked_free_position``); a row that keeps its token: its own slot (marked
+        -1, ``stacked_slot_positions``), counted from its sinks where it lies after them, else from slot 0."""
         b = layer.layout.mask.shape[0]
-        sinks = {min(self.method.sink, self.capacity(s)) for s in layer.stores}
+        rows = []
+        for s, plan in zip(layer.stores, layer.plans):
+            sink = min(self.method.sink, self.capacity(s))
+            rows.append(sink if plan or s.n - 1 >= sink else 0)  # (a keeping row's own slot is its n - 1)
         pos = layer.pos[:, 0]
-        if len(sinks) == 1:
-            sink = sinks.pop()
+        if len(set(rows)) == 1:
+            sink = rows[0]
             return pos[:, sink:].argmin(-1)[:, None].expand(b, layer.kv.shape[2]), sink
-        else:  # rows whose capacity is below the sinks (tiny budgets) keep fewer
-            rows = [min(self.method.sink, self.capacity(s)) for s in layer.stores]
-            lo = layer.stack.constant(rows, torch.long, pos.device)[:, None]
-            pos = pos.masked_fill(torch.arange(pos.shape[1], device=pos.device)[None, :] < lo,
-                                  torch.iinfo(torch.long).max)
-            oldest = pos.argmin(-1)
-        return oldest[:, None].expand(b, layer.kv.shape[2])
+        # rows whose capacity is below the sinks (tiny budgets) keep fewer; a keeping row within its sinks (a prompt
+        # of a few tokens) reads from slot 0
+        lo = layer.stack.constant(rows, torch.long, pos.device)[:, None]
+        pos = pos.masked_fill(torch.arange(pos.shape[1], device=pos.device)[None, :] < lo, torch.iinfo(torch.long).max)
+        return pos.argmin(-1)[:, None].expand(b, layer.kv.shape[2])
 
     def stacked_note(self, store, evicted: bool) -> None:
         if evicted:
