@@ -287,7 +287,7 @@ def test_a_ragged_batch_launches_what_one_row_does_where_every_layer_is_stacked(
     right-aligned: one slot for all, written by a copy and read up to by a view, as one row's); an
     evicting config's launches do not grow with the rows (8 rows against 2: at most the ops of a step where some
     rows drop a token and others keep theirs — the victims keep such a row's token in its own slot by themselves
-    (``stacked_keeps_in_place``; StreamingLLM by one write of its marks at the step's slots); the slots of the rows
+    (``LayerPolicy.stacked_victims``; StreamingLLM by one write of its marks at the step's slots); the slots of the rows
     that moved on, one add and one opening of the mask per step for the layers of a layout (rows that all stay, 2
     rows at their capacity, need neither); and TOVA's exact attention beside its weights and the ``where`` between
     them)."""

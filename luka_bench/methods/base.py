@@ -309,9 +309,6 @@ class LayerPolicy:
     # layer over their packings stacked (``stacked_packed.py``). An ``exact_decode`` policy needs no declaration
     stacked_packed: bool = False
     stacked_free_position = 0  # an evicting stack's position on a free slot (StreamingLLM: the largest int64)
-    # ``stacked_victims`` gives a row that keeps its token this step (its plan False) its own slot, so that no
-    # choice per row follows it (H2O, TOVA)
-    stacked_keeps_in_place: bool = False
     # free slot j's position is ``stacked_free_position + (width - j)``: the first free slot's the largest (H2O)
     stacked_free_descending: bool = False
     stacked_free_state = 0.0  # a stack's per-token state (``aux``) on a free slot (H2O: +inf mass, never a victim)
@@ -337,8 +334,11 @@ class LayerPolicy:
         return None
 
     def stacked_victims(self, layer) -> torch.Tensor:
-        """The slot each stacked row drops this step, [B, Hkv] int64 (rows that keep their token are ignored); or
-        (those slots counted from slot ``start``, ``start``): one offset for every row, no add to make them absolute."""
+        """The slot each stacked row drops this step, [B, Hkv] int64 — for a row that keeps its token (its plan
+        False), its own slot, the step's, where the stack then writes the token again (the victims' own argmax says
+        so: a free slot's position or a mark at the step's slots, ``stacked_slot_positions``; no choice per row
+        after it); or (those slots counted from slot ``start``, ``start``): one offset for every row, no add to make
+        them absolute."""
         raise NotImplementedError(f"{type(self).__name__} declares no stacked eviction")
 
     def stacked_slot_positions(self, layer) -> torch.Tensor | None:

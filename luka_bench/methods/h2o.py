@@ -149,11 +149,10 @@ class H2OPolicy(ScorerPolicy):
     # the step's slot is a free slot's (+inf mass) until the token ends up there: never the victim of a row that drops
     # one, and its position written only where the token ends up, as alone (``stacked_attend`` leaves a slot's mass
     # as it was plus the step's: +inf stays +inf). A free slot's position is above every token's, the first free
-    # slot's (the step's) the largest (``stacked_keeps_in_place``): a row that keeps its token reads every slot as
+    # slot's (the step's) the largest (``stacked_free_descending``): a row that keeps its token reads every slot as
     # recent, and the largest key is then the step's own slot — where its token stays, with no choice per row
     stacked_slot_position = False
     stacked_free_position = FREE
-    stacked_keeps_in_place = True
     stacked_free_descending = True
 
     def stacked_victims(self, layer):

@@ -328,11 +328,7 @@ class StackedLayer:
         victims, start = self.policy.stacked_victims(self), 0  # [B, Hkv], counted from slot ``start``
         if isinstance(victims, tuple):
             victims, start = victims
-        here = lay.slot[:, None].expand(B, h)
-        # a row that keeps its token writes it onto its own slot (the policy's victims already say so: no op)
-        if not all(plans) and not self.policy.stacked_keeps_in_place:
-            mine = here if not start else self.stack.memo(("slot_from", start, id(lay)), lambda: here - start)
-            victims = torch.where(self.stack.constant(plans, torch.bool, self.kv.device)[:, None], victims, mine)
+        here = lay.slot[:, None].expand(B, h)  # (a row that keeps its token: its victim is this, its own slot)
         bi, hi = lay.rows[:, None], self.heads
         index = (bi, hi, victims)
         width = self.cap - start  # the writes through views from slot ``start`` on

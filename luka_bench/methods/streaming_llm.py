@@ -73,7 +73,6 @@ class StreamingPolicy(ScorerPolicy):
     # a step where some rows keep their token and others drop one: the keeping rows' slots marked -1 (the least
     # position of all: their own slot is then their victim, the token stays), the dropping rows' the free position
     # (``stacked_slot_positions``: one write, where a `where` after the victims and an offset made them before)
-    stacked_keeps_in_place = True
 
     def stacked_slot_positions(self, layer):
         plans = layer.plans

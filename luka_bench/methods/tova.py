@@ -137,7 +137,6 @@ class TOVAPolicy(ScorerPolicy):
     # position is written 3 x 2^61 higher (``stacked_slot_positions``; its key then above 2.0e18, every held token's
     # below 2^31), or (``protect_last``, whose step writes the slot's score anyway) its score written -1 (bits below
     # 0: its key above 4.6e18) where a row that drops one gets +inf
-    stacked_keeps_in_place = True
 
     def stacked_slot_positions(self, layer):
         plans, stack = layer.plans, layer.stack
@@ -148,7 +147,7 @@ class TOVAPolicy(ScorerPolicy):
 
     def stacked_victims(self, layer):
         """``_drop_one``'s victim for every row (the newest token a candidate, unless ``protect_last``); free slots
-        never (``stacked_free_position``); a row that keeps its token: its own slot (``stacked_keeps_in_place``)."""
+        never (``stacked_free_position``); a row that keeps its token: its own slot (marked: ``stacked_slot_positions``)."""
         scores, self._step_scores = self._step_scores, None
         lay = layer.layout
         b = lay.mask.shape[0]
