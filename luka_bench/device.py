@@ -135,6 +135,7 @@ def release_memory() -> None:
 
 MMAP_THRESHOLD = 4 << 20  # bytes: an allocation at least this large is its own mapping, returned to the OS when freed
 _STEADY = [False]
+_TRIM = []  # glibc's malloc_trim, once the harness set the threshold itself (``steady_allocator``); else empty
 ALLOCATORS = ("steady", "system")
 
 
@@ -144,6 +145,7 @@ def steady_allocator() -> bool:
     ``LUKA_BENCH_MMAP_THRESHOLD`` changes it) with ``mallopt``. glibc otherwise raises its threshold to the size of
     each large block freed, up to 32 MB, so that later blocks of that size come from the heap, whose freed pages stay
     resident in an order-dependent way: identical processes peaked 6-43 % apart; with the threshold fixed, within 3 %.
+    Where it sets the threshold, ``trim_heap`` also trims the heap after each layer a prefill compresses.
     Its price: a CPU prefill's large temporaries are fresh mappings, ~1.15x its seconds at 2K tokens (decode unchanged;
     ``docs/speed.md``). Left alone where the process set glibc's own ``MALLOC_MMAP_THRESHOLD_`` (the memory
     benchmark's 64 KiB) and with ``LUKA_BENCH_ALLOCATOR=system``. ``LUKA_BENCH_MKL_CACHE=off`` also turns MKL's
@@ -166,6 +168,8 @@ def steady_allocator() -> bool:
             libc = ctypes.CDLL("libc.so.6")
             threshold = int(os.environ.get("LUKA_BENCH_MMAP_THRESHOLD", MMAP_THRESHOLD))
             done = bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
+            if done:
+                _TRIM.append(libc.malloc_trim)
         except (OSError, AttributeError):  # not glibc
             pass
     if os.environ.get("LUKA_BENCH_MKL_CACHE", "keep") != "off":
@@ -177,6 +181,18 @@ def steady_allocator() -> bool:
     except (OSError, AttributeError):  # no MKL inside torch's CPU library
         pass
     return done
+
+
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``) where the harness set the allocator
+    (``steady_allocator``); nothing otherwise. Called on the CPU after each layer of a prefill that compresses inside
+    its forward: a layer's kept keys and values (below the mmap threshold: heap blocks) land between its freed
+    temporaries, and the free pages left between them stayed resident in an order that varied from process to
+    process (the heap's free bytes after the last layer of StreamingLLM's 8K prefill 3-43 MB in six identical
+    processes, its in-use bytes identical to the KiB; trimmed, its five processes peaked within 0.1 %). A few ms a call
+    (3.5 ms in SnapKV's 8K prefill, 0.2 % of it; ``docs/speed.md``)."""
+    if _TRIM:
+        _TRIM[0](0)
 
 
 def memory_mark(device) -> int:

@@ -381,17 +381,19 @@ def test_the_steady_allocator_is_the_default_set_once_per_process_and_can_be_tur
 
     def fresh():
         monkeypatch.setattr(devices, "_STEADY", [False])
+        monkeypatch.setattr(devices, "_TRIM", [])
         calls.clear()
         return devices.steady_allocator()
 
     assert fresh() is True and calls == [("mallopt", (-3, 4 << 20))]  # the default: threshold only, MKL's cache kept
+    assert len(devices._TRIM) == 1  # and the heap trimmed after each layer a CPU prefill compresses (below)
     n = len(calls)
     assert devices.steady_allocator() is False and len(calls) == n  # once per process
     monkeypatch.setenv("LUKA_BENCH_ALLOCATOR", "system")
     assert fresh() is False and not calls
     monkeypatch.setenv("LUKA_BENCH_ALLOCATOR", "steady")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the process's own glibc setting wins (bench_memory.py)
-    assert fresh() is False and not calls
+    assert fresh() is False and not calls and not devices._TRIM
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     monkeypatch.setenv("LUKA_BENCH_MMAP_THRESHOLD", "65536")
     monkeypatch.setenv("LUKA_BENCH_MKL_CACHE", "off")
@@ -400,3 +402,27 @@ def test_the_steady_allocator_is_the_default_set_once_per_process_and_can_be_tur
     monkeypatch.setenv("LUKA_BENCH_ALLOCATOR", "default")
     with pytest.raises(OneLineError, match=r"LUKA_BENCH_ALLOCATOR='default' is unknown; allowed: steady .*system"):
         fresh()
+
+
+def test_a_cpu_prefill_that_compresses_each_layer_in_its_forward_trims_the_heap_after_each_layer(tiny_llama,
+                                                                                                 monkeypatch):
+    """``trim_heap`` (issue 61): where the harness set the allocator (``steady_allocator``), a CPU prefill whose layers
+    compress inside its forward hands the heap's free pages back after each layer — the kept keys and values land
+    between the layer's freed temporaries, and the pages left free between them stayed resident in an order that
+    varied from process to process; elsewhere (the allocator not the harness's, a method that does not compress in
+    the forward, a decode step) nothing is called."""
+    import luka_bench as lb
+
+    calls = []
+    ids = torch.randint(0, tiny_llama.model.config.vocab_size, (40,)).tolist()
+    layers = tiny_llama.model.config.num_hidden_layers
+    for name, trims in (("snapkv", layers), ("streaming_llm", layers), ("full", 0)):
+        monkeypatch.setattr(devices, "_TRIM", [lambda pad: calls.append(pad)])
+        calls.clear()
+        with lb.attach(tiny_llama.model, lb.method(name, **({} if name == "full" else {"budget": 0.5}))) as kv:
+            kv.generate(ids, max_new_tokens=3)
+        assert calls == [0] * trims, name  # once per layer of the prefill, none in the decode steps
+    monkeypatch.setattr(devices, "_TRIM", [])  # the process's own allocator setting: left alone
+    with lb.attach(tiny_llama.model, lb.method("snapkv", budget=0.5)) as kv:
+        kv.generate(ids, max_new_tokens=1)
+    assert calls == []

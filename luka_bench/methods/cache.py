@@ -13,6 +13,8 @@ import weakref
 
 import torch
 
+from luka_bench.device import trim_heap
+
 from .base import DeviceCount, KVMethod, LayerInfo, LayerPolicy
 from .policies import layer_policy
 from .store import KVStore
@@ -518,6 +520,8 @@ def finish_policy(store: KVStore, query: torch.Tensor, out: torch.Tensor, scalin
         # the next layer runs (``end_prefill`` then skips it)
         policy.after_prefill(store)
         store.compressed_in_forward = True
+        if query.device.type == "cpu":  # its freed temporaries' pages back to the OS: a peak that repeats
+            trim_heap()
     if cache.phase == "decode":
         if after_step and (policy.times_itself or type(policy).after_step is LayerPolicy.after_step):
             policy.after_step(store)
