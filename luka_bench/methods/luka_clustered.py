@@ -405,13 +405,13 @@ class LuKAPolicy(LayerPolicy):
         return self._nodes_refined(self.P[1]) if m.refine.rule != "none" else 0
 
     def stacked_attend(self, layer, query, scaling):
-        """``decode_step`` for every row: the rows' covers stacked ([2, B, Hkv, W + K * S, D], each row's valid
-        entries first, its free slots masked; made again when a row's pages change), the step's token written at
-        each row's cover slot, one logits GEMM, each row's top-K pages (its pages only) refined from the stacked
-        storage into the common scratch at W, one softmax and one output GEMM; the raw tail's importance added to
-        each row's accumulated mass. The softmax runs over each row's entries laid out as alone (its cover, then its
-        children, then -inf: ``arrange``), so its float32 sums are the row's alone. Each row's own cover catches up
-        from its store when it next syncs."""
+        """``decode_step`` for every row: the rows' covers stacked ([2, B, Hkv, W + K * S, D], each row's cover
+        right-aligned at W — -inf before it —, its free slots masked; made again when a row's pages change), the
+        step's token written at each row's cover slot, one logits GEMM, each row's top-K pages (its pages only)
+        refined from the stacked storage into the common scratch at W, one softmax and one output GEMM; the raw
+        tail's importance added to each row's accumulated mass. The softmax runs over -inf entries, then each row's
+        entries laid out as alone (its cover, then its children), so its float32 sums are the row's alone. Each
+        row's own cover catches up from its store when it next syncs."""
         m = self.method
         S, s0 = m.page_size, m.sink
         b, hq, _, d = query.shape
@@ -428,10 +428,13 @@ class LuKAPolicy(LayerPolicy):
                               **({"out": lb[:, :, :W]} if f32 else {}))
         logit = logit if f32 else lb[:, :, :W].copy_(logit)
         if m.summary_bias != "none":
-            logit[..., s0: s0 + st["P"]] += st["bias"]
+            logit += st["bias"]  # on each row's pages (0 elsewhere)
         if K:
-            mass = torch.softmax(logit, -1)[..., s0: s0 + st["P"]].sum(1) + st["pages"]  # a row's pages only
-            idx = torch.sort(mass, dim=-1, descending=True, stable=True).indices[..., :K]  # [B * Hkv, K]
+            # a row's pages only (-inf elsewhere); their cover slots in page order, so the stable sort's ties fall as
+            # alone, and K <= each row's pages (``stacked_plan``): the top K are pages
+            mass = torch.softmax(logit, -1).sum(1) + st["pages"]
+            at = torch.sort(mass, dim=-1, descending=True, stable=True).indices[..., :K]  # cover slots [B * Hkv, K]
+            idx = at - st["page_at"]  # the pages' indices
             dst = cov.view(2, bh, -1, d)[:, :, W: W + KS]
             if cpu_kernel.cpu_fast(query.device):  # the pages' rows, one index_select and a copy (as ``gather_pages``)
                 rows = torch.add(st["page0"], idx.unsqueeze(-1), alpha=S).view(-1)  # the pages' tokens, stacked
@@ -442,7 +445,7 @@ class LuKAPolicy(LayerPolicy):
                 torch.gather(src, 2, idx.view(1, bh, K, 1).expand(2, -1, -1, S * d), out=dst.view(2, bh, K, S * d))
             cl = torch.baddbmm(self.cover.zero(query), q, ck[:, W: W + KS].transpose(1, 2), beta=0.0, alpha=scaling,
                                **({"out": lb[:, :, W: W + KS]} if f32 else {}))
-            pidx = (idx + s0 if s0 else idx).unsqueeze(1).expand(-1, g, -1)
+            pidx = at.unsqueeze(1).expand(-1, g, -1)
             if m.refine.mass == "parent":
                 parent = logit.gather(-1, pidx)
                 cl4 = cl.float().view(bh, g, K, S)
@@ -450,8 +453,7 @@ class LuKAPolicy(LayerPolicy):
             if not f32 or m.refine.mass == "parent":
                 lb[:, :, W: W + KS] = cl
             logit.scatter_(-1, pidx, NEG)
-            mine = torch.softmax(lb.gather(2, st["arrange"]), -1)  # each row's entries as alone
-            p = mine.gather(2, st["unarrange"])
+            p = torch.softmax(lb[:, :, : W + KS], -1)  # each row's entries as alone, after its -inf lead
         else:
             idx = None
             p = torch.softmax(logit, -1)
@@ -501,7 +503,7 @@ class LuKAPolicy(LayerPolicy):
         ns = [s.n for s in stores]
         key = (tuple(p.P[1] for p in pols), layer.cap, K)
         fresh = now or st.get("key") != key or st["raw"] != [n - 1 for n in ns] or \
-            any(n + base > w for n, base, w in zip(ns, st["bases"], st["wb"]))  # a row's tail region is full
+            any(n + base > st["W"] for n, base in zip(ns, st["bases"]))  # a row's tail region is full
         if not fresh:
             lay = layer.layout
             k, v = layer.step_kv
@@ -525,48 +527,46 @@ class LuKAPolicy(LayerPolicy):
         W = max(p.cover.w for p in pols)
         P = max(p.P[1] for p in pols)
         KS = K * S
+        # each row's cover right-aligned at W (its W_b entries from W - W_b on: ``lead``), its children from W on:
+        # a row's softmax reads -inf entries, then its entries as alone — its sums its own (a lead of -inf leaves
+        # torch's softmax bit for bit on the CPU; a gap inside the row would not: ``results/summaries/batch``)
         kv = layer.kv.new_zeros(2, B, hkv, W + KS, d)
         lens = [p.cover.n for p in pols]
+        lead = [W - p.cover.w for p in pols]
         for i, p in enumerate(pols):
-            kv[0, i, :, : lens[i]] = p.cover.k[0, :, : lens[i]]
-            kv[1, i, :, : lens[i]] = p.cover.v[0, :, : lens[i]]
+            kv[0, i, :, lead[i]: lead[i] + lens[i]] = p.cover.k[0, :, : lens[i]]
+            kv[1, i, :, lead[i]: lead[i] + lens[i]] = p.cover.v[0, :, : lens[i]]
         dev = kv.device
         const = layer.stack.constant
         ar = torch.arange(W, device=dev)
-        bases = [s0 + p.P[1] - p.frontier for p in pols]
+        bases = [a + s0 + p.P[1] - p.frontier for a, p in zip(lead, pols)]
         # the free slots' -inf: one tensor for every layer whose covers are laid out alike this step (the same
-        # lengths, width and slots' bases), opened at the step's slots once per step for all of them
+        # lengths, leads, width and slots' bases), opened at the step's slots once per step for all of them
         mask = layer.stack.kept(
-            ("luka_mask", tuple(lens), W, tuple(bases), hkv, query.dtype, dev),
-            lambda: torch.where(ar < const(lens, torch.long, dev)[:, None], 0.0, NEG).to(query.dtype)[:, None]
-            .expand(B, hkv, W).contiguous())
-        npages = layer.stack.constant([p.P[1] for p in pols], torch.long, dev).repeat_interleave(hkv)[:, None]
+            ("luka_mask", tuple(lens), tuple(lead), W, tuple(bases), hkv, query.dtype, dev),
+            lambda: torch.where((ar >= const(lead, torch.long, dev)[:, None])
+                                & (ar < const([a + n for a, n in zip(lead, lens)], torch.long, dev)[:, None]), 0.0,
+                                NEG).to(query.dtype)[:, None].expand(B, hkv, W).contiguous())
         st.update(key=key, kv=kv, W=W, P=P, raw=list(ns), mask=mask, bases=bases)
-        g = query.shape[1] // hkv
-        # the softmax's layout per row: its cover (W_b entries), its children (taken from W on), then -inf (the
-        # buffer's last column); and back: a row's entries past its cover (not its own) read a -inf entry (0)
-        j = torch.arange(W + KS, device=dev)[None, :]
-        wb = const([p.cover.w for p in pols], torch.long, dev).repeat_interleave(hkv)[:, None]  # [B * Hkv, 1]
-        arrange = torch.where(j < wb, j, torch.where(j < wb + KS, W + j - wb, W + KS))
-        unarrange = torch.where(j < wb, j, torch.where(j < W, j + KS, wb + j - W))
-        st["arrange"] = arrange[:, None, :].expand(B * hkv, g, W + KS).contiguous()
-        st["unarrange"] = unarrange[:, None, :].expand(B * hkv, g, W + KS).contiguous()
-        st["wb"] = [p.cover.w for p in pols]
-        st["pages"] = torch.where(torch.arange(P, device=dev)[None, :] < npages, 0.0, NEG)  # [B * Hkv, P]
+        # each row's pages: cover slots lead + s0 ... lead + s0 + P_b - 1 (the first ``page_at``)
+        at0 = const([a + s0 for a in lead], torch.long, dev).repeat_interleave(hkv)[:, None]  # [B * Hkv, 1]
+        at1 = at0 + const([p.P[1] for p in pols], torch.long, dev).repeat_interleave(hkv)[:, None]
+        mine = (ar[None, :] >= at0) & (ar[None, :] < at1)
+        st["page_at"] = at0
+        st["pages"] = torch.where(mine, 0.0, NEG)  # [B * Hkv, W]
         if self.method.summary_bias != "none":
-            st["bias"] = torch.where(torch.arange(P, device=dev)[None, None, :] < npages[:, :, None],
-                                     self.method.bias(1), 0.0)
+            st["bias"] = torch.where(mine, self.method.bias(1), 0.0)[:, None, :]  # [B * Hkv, 1, W]
         # page 0's first token of each (row, KV head) in the stacked storage seen as [B * Hkv * cap] rows
         first = torch.arange(B * hkv, device=dev) * layer.cap + s0
         st["page0"] = (first[:, None, None] + torch.arange(S, device=dev)[None, None, :])  # [B * Hkv, 1, S]
         if self._needs_mass():
-            # cover slot s0 + P_b + j of row b <-> its store slot frontier_b + j, for j below its tail region's width
-            # (as ``decode_step``): the accumulator in cover coordinates starts from the stores' entries
+            # cover slot lead_b + s0 + P_b + j of row b <-> its store slot frontier_b + j, for j below its tail
+            # region's width (as ``decode_step``): the accumulator in cover coordinates starts from the stores' entries
             cover_at, store_at = [], []
             for i, p in enumerate(pols):
                 width = min(p.cover.w - s0 - p.P[1], layer.cap - p.frontier)
                 for h in range(hkv):
-                    c0, s0_ = (i * hkv + h) * W + s0 + p.P[1], (i * hkv + h) * layer.cap + p.frontier
+                    c0, s0_ = (i * hkv + h) * W + lead[i] + s0 + p.P[1], (i * hkv + h) * layer.cap + p.frontier
                     cover_at.extend(range(c0, c0 + width))
                     store_at.extend(range(s0_, s0_ + width))
             st["acc_cover"], st["acc_store"] = const(cover_at, torch.long, dev), const(store_at, torch.long, dev)
@@ -574,7 +574,7 @@ class LuKAPolicy(LayerPolicy):
             st["acc"] = acc.new_zeros(B * hkv, 1, W)
             st["acc"].view(-1).index_copy_(0, st["acc_cover"], acc.view(-1).index_select(0, st["acc_store"]))
             st["dirty"] = False
-        st["lb"] = torch.full((B * hkv, g, W + KS + 1), NEG, dtype=torch.float32, device=dev)  # last column -inf
+        st["lb"] = torch.full((B * hkv, query.shape[1] // hkv, W + KS), NEG, dtype=torch.float32, device=dev)
         return st
 
     @staticmethod
