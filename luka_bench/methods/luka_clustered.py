@@ -525,7 +525,6 @@ class LuKAPolicy(LayerPolicy):
         for s, p in zip(stores, pols):
             p._cover(s)  # each row's own cover in sync with its store (its tokens up to this step's)
         W = max(p.cover.w for p in pols)
-        P = max(p.P[1] for p in pols)
         KS = K * S
         # each row's cover right-aligned at W (its W_b entries from W - W_b on: ``lead``), its children from W on:
         # a row's softmax reads -inf entries, then its entries as alone — its sums its own (a lead of -inf leaves
@@ -547,7 +546,7 @@ class LuKAPolicy(LayerPolicy):
             lambda: torch.where((ar >= const(lead, torch.long, dev)[:, None])
                                 & (ar < const([a + n for a, n in zip(lead, lens)], torch.long, dev)[:, None]), 0.0,
                                 NEG).to(query.dtype)[:, None].expand(B, hkv, W).contiguous())
-        st.update(key=key, kv=kv, W=W, P=P, raw=list(ns), mask=mask, bases=bases)
+        st.update(key=key, kv=kv, W=W, raw=list(ns), mask=mask, bases=bases)
         # each row's pages: cover slots lead + s0 ... lead + s0 + P_b - 1 (the first ``page_at``)
         at0 = const([a + s0 for a in lead], torch.long, dev).repeat_interleave(hkv)[:, None]  # [B * Hkv, 1]
         at1 = at0 + const([p.P[1] for p in pols], torch.long, dev).repeat_interleave(hkv)[:, None]
