@@ -312,6 +312,10 @@ class LayerPolicy:
     # free slot j's position is ``stacked_free_position + (width - j)``: the first free slot's the largest (H2O)
     stacked_free_descending: bool = False
     stacked_free_state = 0.0  # a stack's per-token state (``aux``) on a free slot (H2O: +inf mass, never a victim)
+    # True where every layer of a row that starts from the same positions keeps the same tokens in the same slots (no
+    # per-layer scores: StreamingLLM): an evicting stack then chooses the victims once per step for all the layers
+    # whose rows' positions were alike, told on the host when they were stacked (``stacked.same_tokens_lineage``)
+    stacked_same_tokens: bool = False
     # an evicting stack writes the step's position at the step's slot before the victims are chosen (False: only
     # where the token ends up, as alone — StreamingLLM, whose victims never read the new token's slot)
     stacked_slot_position = True

@@ -47,6 +47,7 @@ tokens and its decode room, as alone) and nothing the stack wrote is lost.
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -110,6 +111,10 @@ class StackedLayer:
         self.ns = [s.n for s in stores]
         self.layout: _Layout | None = None
         self.pos: torch.Tensor | None = None  # "evict": the rows' positions [B, Hkv, cap] (int64)
+        # "evict" with ``stacked_same_tokens``: the id of the rows' positions as the host knew them when stacked
+        # (``same_tokens_lineage``: layers with the same lineage hold the same positions slot for slot, and keep them
+        # alike — the victims chosen once per step for all of them), or None
+        self.lineage: int | None = None
         self.aux: dict[str, torch.Tensor] = {}  # "evict", "select": the rows' per-token state, each [B, Hkv, cap]
         # "evict": a state's values after the step where the policy's step left its ``aux`` entry at the step's slot
         # unfinished (H2O: the step's mass added to whatever the slot held), read there for the new token's state
@@ -141,6 +146,8 @@ class StackedLayer:
         kv = first.new_zeros(2, B, h, cap, d)
         evict = self.mode == "evict"
         if evict:
+            if self.policy.stacked_same_tokens and not hasattr(self, "kv"):  # stacked now (a re-home keeps it)
+                self.lineage = self.stack.lineage_id(same_tokens_lineage(self.stores))
             for s in self.stores:
                 s.settle_positions()
                 s._positions.materialize(s._k)
@@ -347,15 +354,45 @@ class StackedLayer:
         evicting layer's positions and state too; the slots from its length on zeroed in the state)."""
         if self.mode != "exact" and self.policy.stacked_release is not None:
             self.policy.stacked_release(self)
-        for s, view in zip(self.stores, self.views):
+        for b, (s, view) in enumerate(zip(self.stores, self.views)):
+            s.stacked_lineage = None
             if s._kv is view:
                 width = own_storage(s, view, view.shape[3])
+                if self.lineage is not None:  # what its positions are known as, while it stays as it leaves
+                    s.stacked_lineage = ((self.lineage, b), s.n, s.seen, weakref.ref(s._positions.table))
                 for name, a in list(s._aux.items()):
                     mine = a[:, :, :width].clone()
                     mine[:, :, s.n:] = 0
                     s._aux[name] = mine
                     s._aux_zero_from = s.n  # zeroed from its length on (a dropping row left stale entries there)
         self.stores, self.views = [], []
+
+
+def same_tokens_lineage(stores: list) -> tuple | None:
+    """What the host knows of an evicting layer's rows' positions, with the policy's kind and method: two layers of a
+    policy declaring ``stacked_same_tokens`` whose lineages are equal hold the same positions slot for slot, and keep
+    holding the same while they evict the same victims. Per row, its positions' host description where no table was
+    made (``LazyPositions.shared`` and its run: StreamingLLM's sinks and window after its prefill), else what a stack
+    that let the row go left it (``StackedLayer.release``: its lineage there and its row, while the row's length,
+    logical length and table are the ones it left with — no step alone since, no copy of another table). None where
+    a row's table is not known so (what it holds is not known without reading it)."""
+    policy = stores[0].policy
+    out: list = [type(policy), id(policy.method)]
+    for s in stores:
+        P = s._positions
+        if P.due is not None or P.run is not None:
+            return None
+        if P.table is None and (P.shared is None or isinstance(P.shared, tuple)):
+            out.append((s.n, s.seen, s.reference_length, s.pos_shift, P.shared))
+            continue
+        left = s.stacked_lineage
+        if left is None or left[1:3] != (s.n, s.seen) or left[3]() is not P.table:
+            return None
+        out.append(left[0])
+    return tuple(out)
+
+
+_LINEAGES = itertools.count()
 
 
 def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -397,6 +434,7 @@ class RowStack:
         self._memo_at = -1
         self._kept: dict = {}
         self._step_masks: dict = {}
+        self._lineages: dict = {}  # ``lineage_id``
         self.layers: dict[int, StackedLayer] = {}
         self.pos: torch.Tensor | None = None
         self.pos_seen: list[int] = []
@@ -490,6 +528,15 @@ class RowStack:
         self._layouts = {k: v for k, v in self._layouts.items() if v.at == self.at}  # earlier steps' are stale
         self._layouts[key] = lay
         return lay
+
+    def lineage_id(self, lineage: tuple | None) -> int | None:
+        """One id for the layers of this stack whose rows' positions are known alike (``same_tokens_lineage``), a
+        new one for each lineage (None: none)."""
+        return None if lineage is None else self._lineages.setdefault(lineage, next(_LINEAGES))
+
+    def made(self, key) -> bool:
+        """Whether ``memo(key, ...)`` was made this step already."""
+        return self._memo_at == self.at and key in self._memo
 
     def memo(self, key, make):
         """``make()``, made once per step for every layer asking with the same hashable ``key``."""

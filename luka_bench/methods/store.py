@@ -72,6 +72,8 @@ class KVStore:
         self._unheld = 0
         self.compressed_in_forward = False  # the policy's after_prefill ran inside the prefill's last forward
         self.pos_shift = 0  # seen - the position the next token gets (StreamingLLM's positions=cache); 0: logical
+        # what an evicting stack that let this row go knew of its positions (``stacked.same_tokens_lineage``)
+        self.stacked_lineage: tuple | None = None
         self.packed: PackedHeads | None = None  # head-wise budgets packed (``pack``): then ``_k``, ``_v``, ``_kv`` None
 
     # The cache owns its stores; a strong reference back would make every cache a reference cycle, freed only by

@@ -74,9 +74,23 @@ class StreamingPolicy(ScorerPolicy):
     # position of all: their own slot is then their victim, the token stays), the dropping rows' the free position
     # (``stacked_slot_positions``: one write, where a `where` after the victims and an offset made them before)
 
+    # every layer holds the same tokens (no scores): layers stacked from the same positions share their victims
+    stacked_same_tokens = True
+
+    def _shared_victims(self, layer):
+        """The key under which the layers whose rows hold the same positions (``layer.lineage``) choose this step's
+        victims once, or None (this layer's own)."""
+        if layer.lineage is None:
+            return None
+        return ("streaming_victims", layer.lineage, tuple(layer.plans), tuple(layer.ns), layer.cap,
+                layer.kv.shape[2])
+
     def stacked_slot_positions(self, layer):
         plans = layer.plans
         if all(plans) or not any(plans):
+            return None
+        key = self._shared_victims(layer)
+        if key is not None and layer.stack.made(key):  # the victims chosen already (the marks are read there only)
             return None
         return layer.stack.constant([self.stacked_free_position if p else -1 for p in plans], torch.long,
                                     layer.pos.device)[:, None]
@@ -92,7 +106,15 @@ class StreamingPolicy(ScorerPolicy):
     def stacked_victims(self, layer):
         """``_evict``'s victim for every row: the oldest held token after the sinks (free slots never: their position
         in the stack is the largest int64, ``stacked_free_position``); a row that keeps its token: its own slot (marked
-        -1, ``stacked_slot_positions``), counted from its sinks where it lies after them, else from slot 0."""
+        -1, ``stacked_slot_positions``), counted from its sinks where it lies after them, else from slot 0. Chosen once
+        per step for the layers whose rows hold the same positions (``stacked_same_tokens``): one argmin, and the
+        marks written in the first such layer only."""
+        key = self._shared_victims(layer)
+        if key is None:
+            return self._victims(layer)
+        return layer.stack.memo(key, lambda: self._victims(layer))
+
+    def _victims(self, layer):
         b = layer.layout.mask.shape[0]
         rows = []
         for s, plan in zip(layer.stores, layer.plans):
