@@ -136,6 +136,67 @@ def test_a_ragged_batch_stacks_exactly_the_layers_every_row_decodes_exactly(name
                 assert s._kv.shape[3] <= -(-(s.n + s.declared_room()) // mult) * mult
 
 
+@pytest.mark.parametrize("case", [("full", {}), ("h2o", {}), ("streaming_llm", {}),
+                                  ("quest", {"token_budget": 48, "page_size": 8, "full_layers": 0})], ids=str)
+def test_a_batch_whose_row_finished_goes_on_without_copying_its_rows_twice(case, lm64, monkeypatch):
+    """A batch whose row finished is stacked again (``RowStack.for_rows`` -> ``dissolve(going_on)``): the rows going on
+    keep viewing the old stack's storage until the new stack copies them into its own — no copy of their own in
+    between (only the finished row gets one), and every old layer's storage is freed once the new stack holds them
+    (before: each row copied out and back in, the stack and the copies side by side — the rows' keys and values once
+    more at each row's finish, 827 MiB over the decode's start for 8 SmolLM2 rows of 1,789-2,048 tokens). A stack let go
+    outright (``release_rows``) frees each layer's storage before the next layer's rows copy theirs. Each row still
+    equals itself alone (``test_a_stacked_row_fed_alone_cloned_and_released_stays_the_row_alone``: rows 1 and 2 go on
+    while row 0 steps alone)."""
+    import gc
+    import weakref
+
+    from luka_bench.methods import stacked
+    from luka_bench.methods.stacked import StackedLayer
+
+    name, overrides = case
+    method = instantiate(sync_method_config(name, overrides), _convert_="all")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (200, 163, 140)]
+    model64 = lm64.model
+    copied: list = []
+    own = stacked.own_storage
+
+    def counted(store, view, cap):
+        copied.append(id(store))
+        return own(store, view, cap)
+
+    with attach(model64, method, lm64.tokenizer) as a, torch.no_grad():
+        caches = prefilled(a, model64, prompts)
+        for step in range(3):
+            forward_rows(model64, [7 + step] * 3, caches)
+        layers = caches[0]._row_stack.layers
+        assert len(layers) == len(caches[0].stores)
+        old = [weakref.ref(layer.kv) for layer in layers.values()]
+        del layers
+        monkeypatch.setattr(stacked, "own_storage", counted)
+        forward_rows(model64, [9, 9], caches[:2])  # row 2 finished: rows 0 and 1 stacked again
+        monkeypatch.setattr(stacked, "own_storage", own)
+        assert sorted(copied) == sorted(id(s) for s in caches[2].stores)  # the finished row's copies only
+        gc.collect()
+        assert all(r() is None for r in old)  # every old layer's storage freed
+        assert len(caches[0]._row_stack.layers) == len(caches[0].stores)
+
+        let_go: list = []
+        release = StackedLayer.release
+
+        def watched(layer, *args):
+            gc.collect()
+            assert all(r() is None for r in let_go), "an earlier layer's stacked storage is still held"
+            let_go.append(weakref.ref(layer.kv))
+            release(layer, *args)
+
+        monkeypatch.setattr(StackedLayer, "release", watched)
+        release_rows(caches)
+        assert len(let_go) == len(caches[0].stores)
+        gc.collect()
+        assert all(r() is None for r in let_go)
+
+
 def kept(cache):
     """Per layer and KV head the held positions, sorted (slots leave time order after an eviction; a head-wise
     budget's unheld slots left out)."""

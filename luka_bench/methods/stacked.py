@@ -349,22 +349,25 @@ class StackedLayer:
                 self.ns[b] = s.n
             s.policy.stacked_note(s, plans[b])
 
-    def release(self) -> None:
+    def release(self, keep: set[int] = frozenset()) -> None:
         """Each row that still views this storage gets its own again: its held tokens and its decode room (an
-        evicting layer's positions and state too; the slots from its length on zeroed in the state)."""
+        evicting layer's positions and state too; the slots from its length on zeroed in the state). The rows in
+        ``keep`` go on viewing it (``RowStack.let_go_layer``: a new stack's layer copies them next)."""
         if self.mode != "exact" and self.policy.stacked_release is not None:
             self.policy.stacked_release(self)
         for b, (s, view) in enumerate(zip(self.stores, self.views)):
             s.stacked_lineage = None
-            if s._kv is view:
+            if s._kv is not view:
+                continue
+            if b not in keep:
                 width = own_storage(s, view, view.shape[3])
-                if self.lineage is not None:  # what its positions are known as, while it stays as it leaves
-                    s.stacked_lineage = ((self.lineage, b), s.n, s.seen, weakref.ref(s._positions.table))
                 for name, a in list(s._aux.items()):
                     mine = a[:, :, :width].clone()
                     mine[:, :, s.n:] = 0
                     s._aux[name] = mine
                     s._aux_zero_from = s.n  # zeroed from its length on (a dropping row left stale entries there)
+            if self.lineage is not None:  # what its positions are known as, while it stays as it leaves
+                s.stacked_lineage = ((self.lineage, b), s.n, s.seen, weakref.ref(s._positions.table))
         self.stores, self.views = [], []
 
 
@@ -426,7 +429,11 @@ def stack_as(stores: list) -> str | None:
 class RowStack:
     """The stacked layers of one set of rows, kept across their decode steps (module docstring)."""
 
-    def __init__(self, caches: list):
+    def __init__(self, caches: list, letting_go: list | None = None):
+        """The stack of ``caches``' rows; ``letting_go``: stacks some of these rows were in (a batch whose row
+        finished), let go layer by layer as this one is made (``let_go_layer``): a row going on is copied once, from
+        the old stack's storage into the new one's, and each old layer's storage is freed as its new layer is made —
+        the process holds the rows' keys and values once plus one layer's."""
         self.rows = [weakref.ref(c) for c in caches]
         self.at = 0
         self._layouts: dict = {}
@@ -447,15 +454,19 @@ class RowStack:
         # prompt, at the first decode step): stacked as soon as every row can (``serves``)
         self.pending: list[int] = []
         packed_cols = []
+        letting_go = letting_go or []
         for i in range(len(caches[0].stores)):
             stores = [c.stores[i] for c in caches]
-            if any(s.packed is not None for s in stores):  # head-wise budgets packed (``stacked_packed.py``)
+            classic = not any(s.packed is not None for s in stores)
+            mode = stack_as(stores) if classic else None
+            for old in letting_go:
+                old.let_go_layer(i, caches, stacked_again=mode is not None)
+            if not classic:  # head-wise budgets packed (``stacked_packed.py``)
                 first = stores[0].policy
                 if all((s.packed is None or packed_decode(s)) and type(s.policy) is type(first)
                        and s.policy.method == first.method for s in stores) and packings_agree(stores):
                     packed_cols.append((i, stores))
                 continue
-            mode = stack_as(stores)
             if mode is not None:
                 self.layers[i] = StackedLayer(self, stores, mode)
             elif any(declares(stores[0].policy, f) for f in ("stacked_evict", "stacked_select")) and \
@@ -469,6 +480,8 @@ class RowStack:
             self.layers[i] = StackedPacked(self, stores, 1 + self.n_columns)
             self.n_columns += StackedPacked.columns(stores)
         self.layers = dict(sorted(self.layers.items()))
+        for old in letting_go:  # (every layer let go above: its rows no longer point at it)
+            old.dissolve()
 
     @classmethod
     def for_rows(cls, caches: list) -> "RowStack":
@@ -478,11 +491,8 @@ class RowStack:
         if old is not None and old.serves(caches):
             old.at += 1
             return old
-        for c in caches:
-            stack = getattr(c, "_row_stack", None)
-            if stack is not None:
-                stack.dissolve()
-        new = cls(caches)
+        olds = list({id(s): s for s in (getattr(c, "_row_stack", None) for c in caches) if s is not None}.values())
+        new = cls(caches, olds)  # (the old stacks let go layer by layer as the new one is made)
         for c in caches:
             c._row_stack = new
         return new
@@ -626,12 +636,29 @@ class RowStack:
                 return j
         return None
 
-    def dissolve(self) -> None:
-        """Every row back on storage of its own; the rows no longer point at this stack."""
-        for layer in self.layers.values():
+    def let_go_layer(self, i: int, going_on: list | None = None, stacked_again: bool = False) -> None:
+        """Layer ``i`` let go: each of its rows gets its own storage again — except, where ``stacked_again`` (a new
+        stack of the caches ``going_on`` stacks this classic layer too: ``RowStack.__init__``), the rows of this
+        stack among them, which keep viewing this storage until the new layer copies them into its own (one copy,
+        none in between). The layer's storage is freed once nothing views it."""
+        layer = self.layers.pop(i, None)
+        if layer is None:
+            return
+        keep: set[int] = set()
+        if going_on and stacked_again and isinstance(layer, StackedLayer):
+            mine = {id(c): b for b, c in enumerate(r() for r in self.rows) if c is not None}
+            keep = {mine[id(c)] for c in going_on if id(c) in mine}
+        if keep:
+            layer.release(keep)
+        else:
             layer.release()
-        self.layers = {}
-        self._layouts = {}
+
+    def dissolve(self) -> None:
+        """Every row back on storage of its own; the rows no longer point at this stack. Layer by layer: each layer's
+        stacked storage freed as soon as its rows hold their own copies (never the stack and the copies side by side)."""
+        for i in list(self.layers):
+            self.let_go_layer(i)
+        self._layouts, self._memo, self._kept, self._step_masks = {}, {}, {}, {}
         for r in self.rows:
             c = r()
             if c is not None and getattr(c, "_row_stack", None) is self:
