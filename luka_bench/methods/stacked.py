@@ -41,9 +41,12 @@ RazorAttention) is stacked as its rows' packings in one storage (``stacked_packe
 above are in ``stack_rules.py``.
 
 The stack lives across steps (``for_rows``: the rows' caches point at it; a ``RowBatch`` of the same rows, each
-exactly one step on, reuses it). Anything else — another set of rows (a row finished), a row fed alone, an eviction
+exactly one step on, reuses it). Another set of rows (a row finished) lets it go layer by layer as their new stack is
+made (``RowStack.let_go_layer``): a row going on is copied once, from this storage into the new one, a row that left
+gets private storage, each old layer is freed as its new layer is made. Anything else — a row fed alone, an eviction
 that re-homed a store, ``MethodCache.clone`` — dissolves it first: each row gets private storage again (its held
-tokens and its decode room, as alone) and nothing the stack wrote is lost.
+tokens and its decode room, as alone; layer by layer, each layer's storage freed before the next's rows copy theirs)
+and nothing the stack wrote is lost.
 """
 from __future__ import annotations
 
@@ -485,8 +488,8 @@ class RowStack:
 
     @classmethod
     def for_rows(cls, caches: list) -> "RowStack":
-        """The stack of these rows (in this order), reused when it still holds them one step on; else the old stacks
-        of any of them dissolved and a new one made."""
+        """The stack of these rows (in this order), reused when it still holds them one step on; else a new one made,
+        letting the old stacks of any of them go layer by layer as it is made."""
         old = getattr(caches[0], "_row_stack", None)
         if old is not None and old.serves(caches):
             old.at += 1
