@@ -14,14 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
-
-
-def _peak() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def main(argv=None) -> int:
@@ -36,7 +28,7 @@ def main(argv=None) -> int:
 
     import luka_bench as lb
     from luka_bench.data.pg19 import essays_text
-    from luka_bench.device import release_memory, reset_peak_rss, rss_bytes
+    from luka_bench.device import memory_mark, peak_growth, release_memory
     from luka_bench.engine import greedy_decode_rows
 
     torch.set_num_threads(a.threads)
@@ -57,15 +49,14 @@ def main(argv=None) -> int:
             logits.append(out.logits[0, -1])
         held = sum(s._kv.nbytes for c in caches for s in c.stores if s._kv is not None)
         release_memory()
-        before = rss_bytes()
-        reset_peak_rss()
+        mark = memory_mark("cpu")  # the resident high-water mark reset
         t = time.perf_counter()
         gens = greedy_decode_rows(lm.model, None, caches, torch.stack(logits), [2 + 2 * b for b in range(a.rows)],
                                   set(), ())
         seconds = time.perf_counter() - t
-        peak = _peak()
+        growth = peak_growth("cpu", mark)
     print(json.dumps({"method": a.method, "rows": lengths, "kv_storage_mib": round(held / 2**20, 1),
-                      "peak_growth_mib": round((peak - before) / 2**20, 1), "decode_s": round(seconds, 2),
+                      "peak_growth_mib": round(growth / 2**20, 1), "decode_s": round(seconds, 2),
                       "tokens": [len(g.token_ids) for g in gens]}))
     return 0
 
