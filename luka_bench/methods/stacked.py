@@ -463,7 +463,7 @@ class RowStack:
             classic = not any(s.packed is not None for s in stores)
             mode = stack_as(stores) if classic else None
             for old in letting_go:
-                old.let_go_layer(i, caches, stacked_again=mode is not None)
+                old.let_go_layer(i, caches if mode is not None else None)
             if not classic:  # head-wise budgets packed (``stacked_packed.py``)
                 first = stores[0].policy
                 if all((s.packed is None or packed_decode(s)) and type(s.policy) is type(first)
@@ -639,16 +639,16 @@ class RowStack:
                 return j
         return None
 
-    def let_go_layer(self, i: int, going_on: list | None = None, stacked_again: bool = False) -> None:
-        """Layer ``i`` let go: each of its rows gets its own storage again — except, where ``stacked_again`` (a new
-        stack of the caches ``going_on`` stacks this classic layer too: ``RowStack.__init__``), the rows of this
-        stack among them, which keep viewing this storage until the new layer copies them into its own (one copy,
-        none in between). The layer's storage is freed once nothing views it."""
+    def let_go_layer(self, i: int, going_on: list | None = None) -> None:
+        """Layer ``i`` let go: each of its rows gets its own storage again — except, where ``going_on`` is given (the
+        caches of a new stack that stacks this classic layer too: ``RowStack.__init__``), the rows of this stack among
+        them, which keep viewing this storage until the new layer copies them into its own (one copy, none in
+        between). The layer's storage is freed once nothing views it."""
         layer = self.layers.pop(i, None)
         if layer is None:
             return
         keep: set[int] = set()
-        if going_on and stacked_again and isinstance(layer, StackedLayer):
+        if going_on and isinstance(layer, StackedLayer):
             mine = {id(c): b for b, c in enumerate(r() for r in self.rows) if c is not None}
             keep = {mine[id(c)] for c in going_on if id(c) in mine}
         if keep:
