@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from luka_bench.errors import (CONF_DIR, GROUPS, check_group_keys, check_group_overrides, check_output_dirs,
-                               check_sweep_name)
+                               check_sweep_name, check_top_keys)
 
 
 def _drop_empty_run_folder(run_dir: str) -> None:
@@ -31,7 +31,7 @@ def _drop_empty_run_folder(run_dir: str) -> None:
 
 def main() -> None:
     argv = sys.argv[1:]
-    msg = (check_group_overrides(argv) or check_group_keys(argv) or check_output_dirs(argv)
+    msg = (check_group_overrides(argv) or check_group_keys(argv) or check_top_keys(argv) or check_output_dirs(argv)
            or check_sweep_name(argv))
     if msg:
         print(f"error: {msg}", file=sys.stderr)

@@ -111,6 +111,40 @@ def check_group_overrides(argv: list[str]) -> str | None:
     return None
 
 
+def run_settings() -> list[str]:
+    """The run's own settings: conf/config.yaml's top-level keys (its ``defaults`` and ``hydra`` aside)."""
+    import yaml
+
+    cfg = yaml.safe_load((CONF_DIR / "config.yaml").read_text(encoding="utf-8")) or {}
+    return [k for k in cfg if k not in ("defaults", "hydra")]
+
+
+def check_top_keys(argv: list[str]) -> str | None:
+    """One-line message for an override of a key the run does not have (``foo=1``, ``results_dir=x``, a typo of a
+    group or setting) or for ``experiment=NAME`` without its plus, else None. Hydra's own message for both is a
+    multi-line struct error that names no allowed key. ``+key=value`` (adding a key on purpose) is left to Hydra,
+    as is everything when an experiment is given (it may add keys of its own)."""
+    if any(a.lstrip("+").startswith("experiment=") and a.startswith("+") for a in argv):
+        return None
+    settings = run_settings()
+    groups = [*GROUPS, "logger"]
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or arg.startswith(("-", "+", "~")):
+            continue
+        top = key.split(".", 1)[0].split("/", 1)[0]  # (hydra/launcher=slurm: a group of Hydra's own)
+        if top == "experiment":
+            return (f"experiment={value} needs a plus: +experiment={value} (an experiment is added to the run's "
+                    f"config; allowed: {', '.join(p.stem for p in sorted((CONF_DIR / 'experiment').glob('*.yaml')))})")
+        if top in settings or top in groups or top == "hydra":
+            continue
+        close = difflib.get_close_matches(top, settings + groups, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return (f"{key} is not a setting of a run{hint}; allowed: {', '.join(settings)}, the groups "
+                f"{', '.join(groups)} (e.g. method=h2o, method.budget=0.25), hydra.*")
+    return None
+
+
 OUTPUT_DIR_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "logger.dir")
 
 

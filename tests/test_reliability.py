@@ -537,6 +537,18 @@ def test_a_key_the_method_does_not_have_is_one_line_with_or_without_plus(finishe
     assert line == f"error: method.foo is not a setting of method=h2o; allowed: {allowed}"  # both forms alike
 
 
+@pytest.mark.parametrize("arg, needles", [
+    ("foo=1", ["foo is not a setting of a run", "batch_size", "method.budget=0.25"]),
+    ("batchsize=8", ["batchsize is not a setting of a run (did you mean batch_size?)", "threads"]),
+    ("results_dir.x=1", ["results_dir.x is not a setting of a run", "hydra.*"]),
+    ("experiment=budgets", ["experiment=budgets needs a plus: +experiment=budgets", "luka_table1"]),
+])
+def test_a_key_the_run_does_not_have_is_one_line(finished, capsys, arg, needles):
+    """A top-level key the run has not (Hydra's own message: a multi-line struct error naming no allowed key), or an
+    experiment without its plus: one line naming it and what is allowed; the finished run untouched."""
+    assert_bad_input([*TINY, arg, f"hydra.run.dir={finished}"], finished, capsys, *needles)
+
+
 def test_sweep_hint_names_the_python_that_works(monkeypatch, tmp_path):
     import shutil
 
