@@ -526,3 +526,29 @@ def test_entropy_ols_rows_stay_stacked_through_each_rows_flush():
                   stock_launch_counts(lm.model, 400, 24), 3)["extra"]
     rows = decode_launch_counts(lm.model, method, 400, 24, tokenizer=lm.tokenizer, batch=2, ragged=True)
     assert summary(rows, stock_launch_counts(lm.model, 400, 24, batch=2), 3)["extra"] <= one + 1, rows
+
+
+def test_a_layouts_mask_read_late_is_the_mask_kept_every_step():
+    """``_Layout.mask`` is opened only when a layer reads it (LuKA's layers attend over their covers' masks: the
+    layout costs them no op): read after one step it opens the step's slots (one op), read after steps nobody read it
+    is remade from the slots — either way the mask a layout opened at every step, rows moving on or staying."""
+    from luka_bench.methods.stacked import _Layout
+
+    ns, cap, heads = [5, 9, 2, 7], 16, 3
+    every, late = (_Layout(ns, cap, heads, torch.float64, torch.device("cpu")) for _ in range(2))
+    every.advance(ns, 0, None)
+    late.advance(ns, 0, None)
+    assert late._due == 1
+    torch.testing.assert_close(every.mask, late.mask, rtol=0, atol=0)  # the one-step path
+    g = torch.Generator().manual_seed(3)
+    for at in range(1, 6):
+        delta = torch.randint(0, 2, (len(ns),), generator=g).tolist()
+        ns = [n + d for n, d in zip(ns, delta)]
+        for lay in (every, late):
+            lay.advance(ns, at, torch.tensor(delta))
+        every.mask  # noqa: B018 - read at every step, as a layer attending over it
+    assert late._due == 5
+    want = torch.where(torch.arange(cap) <= torch.tensor(ns)[:, None], 0.0, float("-inf")).double()
+    for lay in (every, late):
+        torch.testing.assert_close(lay.mask, want[:, None, None, :].expand(len(ns), heads, 1, cap), rtol=0, atol=0)
+    assert late._due == 0

@@ -17,7 +17,8 @@ exact ``full_layers`` of any method) needs no per-row decision, so its rows are 
   ``StaticExactPolicy``, the ``full_layers`` of the graph-ready methods) stays so with rows: its rows' tokens start
   at slot 0, each row writes at its own slot (a column of the stack's counter, moved on by the one add per step that
   moves the positions on: ``RowStack.positions``, ``ride``) and the SDPA reads the whole storage with each row's
-  free slots masked (``_Layout``: opened at the step's slots once per step for every layer of the same layout), no
+  free slots masked (``_Layout``: opened at the step's slots once per step for every layer of the same layout that
+  reads it — a layer attending over a mask of its own, LuKA's cover, costs it nothing), no
   Python number in the ops;
 - **bookkeeping** per row is host arithmetic (lengths, the positions' pending run, the peak and attended notes).
 
@@ -78,13 +79,31 @@ class _Layout:
         self.slot = host_to_device(ns, device) if ctr is None else ctr[:, col]
         self.rows = torch.arange(B, device=device)
         self.heads = torch.arange(heads, device=device)[None, :]
-        # [B, Hkv, 1, cap]: per KV head (a view per (row, head) for a GEMM's input; an SDPA broadcasts it)
-        self.mask = torch.where(torch.arange(cap, device=device)[None, None, :] < self.slot[:, None, None], 0.0,
-                                float("-inf")).to(dtype).expand(B, heads, cap).contiguous().view(B, heads, 1, cap)
+        # [B, Hkv, 1, cap]: per KV head (a view per (row, head) for a GEMM's input; an SDPA broadcasts it); always
+        # each row's slots up to its step's slot open (``mask``: brought up to date when read)
+        self._mask = torch.where(torch.arange(cap, device=device)[None, None, :] < self.slot[:, None, None], 0.0,
+                                 float("-inf")).to(dtype).expand(B, heads, cap).contiguous().view(B, heads, 1, cap)
         self.open = torch.zeros((), dtype=dtype, device=device)
         self.closed = torch.full((), float("-inf"), dtype=dtype, device=device)
+        self._due = 0  # steps whose slot is not opened in ``_mask`` yet (0, 1: the step's slot; more: remade whole)
         self.at: int | None = None  # the step whose slots it holds (None: fresh)
         self.kept: dict = {}  # what a policy's stacked step shares between the layers of this layout, across steps
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The rows' additive mask [B, Hkv, 1, cap]: 0 on each row's slots up to its step's slot, -inf after. Opened
+        where a step moved a row on only when a layer reads it (a layer attending over a mask of its own — LuKA's
+        cover — costs the layout no op): the step's slot opened (one op, as every step of a reader), or, after
+        steps nobody read, remade from the slots (two)."""
+        if self._due == 1:
+            self._mask.view(self._mask.shape[0], self._mask.shape[1], -1).index_put_(
+                (self.rows[:, None], self.heads, self.slot[:, None]), self.open)
+        elif self._due > 1:
+            at = torch.arange(self.cap, device=self._mask.device)
+            torch.where((at <= self.slot[:, None, None, None]).expand(self._mask.shape), self.open, self.closed,
+                        out=self._mask)
+        self._due = 0
+        return self._mask
 
     def advance(self, ns: list[int], at: int, delta, moved: bool = False) -> None:
         """Move to step ``at`` (rows at lengths ``ns``, each the last step's or one more: ``delta`` [B] of 0/1, or 1
@@ -97,8 +116,7 @@ class _Layout:
             return
         if self.at is not None and not (moved and isinstance(delta, int)):  # moved on: only a row that stayed
             self.slot.add_(delta)  # (given as -1 then) goes back by one
-        self.mask.view(self.mask.shape[0], self.mask.shape[1], -1).index_put_((self.rows[:, None], self.heads,
-                                                                               self.slot[:, None]), self.open)
+        self._due += 1  # the step's slots opened when the mask is read (``mask``)
         self.ns, self.at = list(ns), at
 
 

@@ -115,7 +115,7 @@ class StreamingPolicy(ScorerPolicy):
         return layer.stack.memo(key, lambda: self._victims(layer))
 
     def _victims(self, layer):
-        b = layer.layout.mask.shape[0]
+        b = layer.layout.rows.shape[0]
         rows = []
         for s, plan in zip(layer.stores, layer.plans):
             sink = min(self.method.sink, self.capacity(s))

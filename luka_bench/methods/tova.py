@@ -150,7 +150,7 @@ class TOVAPolicy(ScorerPolicy):
         never (``stacked_free_position``); a row that keeps its token: its own slot (marked: ``stacked_slot_positions``)."""
         scores, self._step_scores = self._step_scores, None
         lay = layer.layout
-        b = lay.mask.shape[0]
+        b = lay.rows.shape[0]
         if self.method.protect_last:
             plans = layer.plans
             scores[lay.rows, lay.slot] = float("inf") if all(plans) else host_to_device(
