@@ -107,10 +107,10 @@ class _Layout:
 
     def advance(self, ns: list[int], at: int, delta, moved: bool = False) -> None:
         """Move to step ``at`` (rows at lengths ``ns``, each the last step's or one more: ``delta`` [B] of 0/1, or 1
-        for all) and open the step's slots in the mask: once per step for all its layers. ``moved``: the slots were
-        moved on by one already (a column of the stack's counter, advanced with the positions this step). Rows that
-        all stayed at their slots (``delta`` 0: an evicting layer's rows at their capacity) cost no op: the slots
-        are where they were and open already."""
+        for all) and open the step's slots in the mask (when a layer reads it: ``mask``), once per step for all its
+        layers. ``moved``: the slots were moved on by one already (a column of the stack's counter, advanced with the
+        positions this step). Rows that all stayed at their slots (``delta`` 0: an evicting layer's rows at their
+        capacity) cost no op: the slots are where they were and open already."""
         if self.at is not None and isinstance(delta, int) and delta == 0 and not moved:  # all stayed: nothing to do
             self.ns, self.at = list(ns), at
             return
