@@ -4,9 +4,11 @@
 # writing $OUT/<stage>.log and a line of $OUT/summary.txt (what a timed-out stage printed stays in its log):
 #
 #   env    torch / CUDA / transformers / hydra as the run sees them; a method attached to a tiny model on the device
-#   tests  every test marked `device` on CUDA (LUKA_TEST_DEVICE=cuda: rows of a batch each equal to the row alone,
+#   tests  the tests marked `device`, on CUDA (LUKA_TEST_DEVICE=cuda: rows of a batch each equal to the row alone,
 #          stacked and packed layers, 0 host syncs under CUDA's sync-debug mode, the graph-ready steady state, the
-#          Triton kernel compiled for real, half precision), -v so that a timeout keeps what passed and failed
+#          Triton kernel compiled for real), -v so that a timeout keeps what passed and failed
+#   half   the rest of them, every method in bfloat16 and float16 (tests/test_half_precision.py: 216 cases), not
+#          in the default run (name it in a second call if the budget allows)
 #   bench  decode tokens/s at batch 1, 4, 8, 16 on Llama-3.1-8B's shape in bf16 at 8K (issue 60's GPU command):
 #          $OUT/gpu_8b_8k.json and .png, beside stock transformers' batched generate
 #
@@ -20,8 +22,9 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-results/gpu_checks}
 SMOKE=${GPU_CHECKS_SMOKE:-0}
 STAGES=${*:-env tests bench}
+ALLOWED="env, tests, bench, half"
 for s in $STAGES; do  # every name checked before any stage runs
-    case $s in env|tests|bench) ;; *) echo "gpu_checks: unknown stage '$s'; allowed: env, tests, bench"; exit 2 ;; esac
+    case $s in env|tests|bench|half) ;; *) echo "gpu_checks: unknown stage '$s'; allowed: $ALLOWED"; exit 2 ;; esac
 done
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -73,10 +76,15 @@ PYEOF
         if [ "$SMOKE" = 1 ]; then
             sel=(tests/test_batch_rows.py tests/test_graph_ready.py -k "h2o or streaming")
         else
-            sel=(-m device tests/)
+            sel=(-m device tests/ --ignore tests/test_half_precision.py)
         fi
         stage tests 270 env LUKA_TEST_DEVICE="$DEV" "$PY" -m pytest -v -p no:cacheprovider -n "$WORKERS" \
             --timeout 150 --durations 15 -rfE "${sel[@]}"
+        ;;
+    half)
+        if [ "$SMOKE" = 1 ]; then sel=(-k "h2o and llama"); else sel=(); fi
+        stage half 270 env LUKA_TEST_DEVICE="$DEV" "$PY" -m pytest -v -p no:cacheprovider -n "$WORKERS" \
+            --timeout 150 --durations 15 -rfE tests/test_half_precision.py "${sel[@]}"
         ;;
     bench)
         if [ "$SMOKE" = 1 ]; then

@@ -29,6 +29,6 @@ def test_the_gpu_checks_env_stage_runs_here_in_smoke_mode(tmp_path):
 def test_an_unknown_stage_is_one_line_before_any_stage_runs(tmp_path):
     proc = _checks(tmp_path, "env", "bogus")
     assert proc.returncode == 2 and proc.stdout.strip() == \
-        "gpu_checks: unknown stage 'bogus'; allowed: env, tests, bench", proc.stdout + proc.stderr
+        "gpu_checks: unknown stage 'bogus'; allowed: env, tests, bench, half", proc.stdout + proc.stderr
     assert not (tmp_path / "summary.txt").exists()  # env did not run first
 
