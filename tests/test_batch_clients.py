@@ -107,3 +107,25 @@ def test_smollm2_prompts_of_different_lengths_decoded_together_give_the_tokens_a
     for a, t in zip(alone, together):
         assert t.token_ids == a.token_ids and len(a.token_ids) > 0
         assert t.kv_tokens == a.kv_tokens and t.kv_ratio == a.kv_ratio
+
+
+def test_rows_alone_script_checks_every_row_and_calls_only_near_ties_flips(tmp_path):
+    """``scripts/rows_alone.py`` (every config on a real model in the committed table): on the tiny model, rows of
+    different lengths decoded together equal each alone, written as JSON and a table; its rule: a row that differs
+    passes only as a near-tie (the solo run's top-two margin below 1e-4 at the first differing step, the manual
+    solo decode giving ``generate``'s tokens), else the config DIFFERS and the script exits 1."""
+    from conftest import load_script
+
+    ra = load_script("rows_alone")
+    out = tmp_path / "r.json"
+    assert ra.main(["--model", "tiny_llama", "--methods", "h2o", "streaming_llm", "--rows", "3", "--new", "3",
+                    "--scale", "0.1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert set(res) == {"h2o", "streaming_llm"}
+    assert all(r["equal"] and r["kv_equal"] for v in res.values() for r in v["rows"])
+    assert len({r["prompt_tokens"] for r in res["h2o"]["rows"]}) == 3
+    assert "| h2o | 3/3 | 3/3 | — | identical |" in out.with_suffix(".md").read_text()
+    flip = {"equal": False, "step": 2, "solo_matches_generate": True}
+    assert ra.verdict({"rows": [{"equal": True}, {**flip, "margin": 5e-5}]}) == "near-tie flips only"
+    assert ra.verdict({"rows": [{**flip, "margin": 3e-2}]}) == "DIFFERS"
+    assert ra.verdict({"rows": [{**flip, "margin": 5e-5, "solo_matches_generate": False}]}) == "DIFFERS"
