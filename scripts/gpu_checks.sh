@@ -38,6 +38,7 @@ fi
 if [ "$SMOKE" = 1 ]; then DEV=cpu; DTYPE=float32; WORKERS=2; else DEV=cuda; DTYPE=bfloat16; WORKERS=8; fi
 
 summary="$OUT/summary.txt"
+: > "$summary"
 stage() {  # name, seconds, command...
     local name=$1 limit=$2 t0 rc
     shift 2
