@@ -111,12 +111,16 @@ def check_group_overrides(argv: list[str]) -> str | None:
     return None
 
 
-def run_settings() -> list[str]:
-    """The run's own settings: conf/config.yaml's top-level keys (its ``defaults`` and ``hydra`` aside)."""
+def _root_config() -> dict:
+    """conf/config.yaml as written (its defaults list, the run's settings, Hydra's block)."""
     import yaml
 
-    cfg = yaml.safe_load((CONF_DIR / "config.yaml").read_text(encoding="utf-8")) or {}
-    return [k for k in cfg if k not in ("defaults", "hydra")]
+    return yaml.safe_load((CONF_DIR / "config.yaml").read_text(encoding="utf-8")) or {}
+
+
+def run_settings() -> list[str]:
+    """The run's own settings: conf/config.yaml's top-level keys (its ``defaults`` and ``hydra`` aside)."""
+    return [k for k in _root_config() if k not in ("defaults", "hydra")]
 
 
 def check_top_keys(argv: list[str]) -> str | None:
@@ -124,7 +128,7 @@ def check_top_keys(argv: list[str]) -> str | None:
     group or setting) or for ``experiment=NAME`` without its plus, else None. Hydra's own message for both is a
     multi-line struct error that names no allowed key. ``+key=value`` (adding a key on purpose) is left to Hydra,
     as is everything when an experiment is given (it may add keys of its own)."""
-    if any(a.lstrip("+").startswith("experiment=") and a.startswith("+") for a in argv):
+    if any(a.startswith("+experiment=") for a in argv):
         return None
     settings = run_settings()
     groups = [*GROUPS, "logger"]
@@ -135,7 +139,7 @@ def check_top_keys(argv: list[str]) -> str | None:
         top = key.split(".", 1)[0].split("/", 1)[0]  # (hydra/launcher=slurm: a group of Hydra's own)
         if top == "experiment":
             return (f"experiment={value} needs a plus: +experiment={value} (an experiment is added to the run's "
-                    f"config; allowed: {', '.join(p.stem for p in sorted((CONF_DIR / 'experiment').glob('*.yaml')))})")
+                    f"config; allowed: {', '.join(group_options('experiment'))})")
         if top in settings or top in groups or top == "hydra":
             continue
         close = difflib.get_close_matches(top, settings + groups, n=1)
@@ -193,9 +197,7 @@ def check_sweep_name(argv: list[str]) -> str | None:
 def _group_choices(argv: list[str]) -> dict[str, list[str]] | None:
     """The config chosen for each group by the command line (comma lists: each), else conf/config.yaml's
     default; None when an experiment is given (it may choose the groups itself)."""
-    import yaml
-
-    defaults = yaml.safe_load((CONF_DIR / "config.yaml").read_text(encoding="utf-8")).get("defaults", [])
+    defaults = _root_config().get("defaults", [])
     chosen = {g: [v] for d in defaults if isinstance(d, dict) for g, v in d.items() if g in GROUPS}
     for arg in argv:
         key, sep, value = arg.partition("=")

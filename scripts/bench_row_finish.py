@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     import luka_bench as lb
     from luka_bench.data.pg19 import essays_text
     from luka_bench.device import memory_mark, peak_growth, release_memory
-    from luka_bench.engine import greedy_decode_rows
+    from luka_bench.engine import greedy_decode_rows, prefill
 
     torch.set_num_threads(a.threads)
     lm = lb.load_model("smollm2_135m")
@@ -43,10 +43,8 @@ def main(argv=None) -> int:
         caches, logits = [], []
         for p in prompts:
             c = kv.new_cache(reference_length=len(p))
-            c.add_tokens(p)
-            out = lm.model(input_ids=torch.tensor([p]), past_key_values=c, use_cache=True, logits_to_keep=1)
+            logits.append(prefill(lm.model, p, c))
             caches.append(c)
-            logits.append(out.logits[0, -1])
         held = sum(s._kv.nbytes for c in caches for s in c.stores if s._kv is not None)
         release_memory()
         mark = memory_mark("cpu")  # the resident high-water mark reset

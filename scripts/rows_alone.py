@@ -32,7 +32,9 @@ QUESTION = "What is this passage about? Answer in one sentence."
 
 
 def configs() -> list[str]:
-    return sorted(p.stem for p in (ROOT / "conf" / "method").glob("*.yaml"))
+    from luka_bench.errors import group_options
+
+    return group_options("method")
 
 
 @torch.no_grad()
@@ -137,8 +139,7 @@ def main(argv=None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"model": args.model, "rows": args.rows, "new": args.new,
-                                         "prompt_tokens": results[names[0]]["rows"] and
-                                         [r["prompt_tokens"] for r in results[names[0]]["rows"]],
+                                         "prompt_tokens": [r["prompt_tokens"] for r in results[names[0]]["rows"]],
                                          "results": results}, indent=1))
         args.json.with_suffix(".md").write_text(out + "\n")
     return 0 if all(verdict(r) != "DIFFERS" for r in results.values()) else 1

@@ -139,7 +139,8 @@ def test_a_ragged_batch_stacks_exactly_the_layers_every_row_decodes_exactly(name
 @pytest.mark.parametrize("case", [("full", {}), ("h2o", {}), ("streaming_llm", {}),
                                   ("quest", {"token_budget": 48, "page_size": 8, "full_layers": 0})], ids=str)
 def test_a_batch_whose_row_finished_goes_on_without_copying_its_rows_twice(case, lm64, monkeypatch):
-    """A batch whose row finished is stacked again (``RowStack.for_rows`` -> ``dissolve(going_on)``): the rows going on
+    """A batch whose row finished is stacked again (``RowStack.for_rows`` -> ``RowStack(caches, letting_go)``, each old
+    layer let go by ``let_go_layer`` as the new one is made): the rows going on
     keep viewing the old stack's storage until the new stack copies them into its own — no copy of their own in
     between (only the finished row gets one), and every old layer's storage is freed once the new stack holds them
     (before: each row copied out and back in, the stack and the copies side by side — the rows' keys and values once
