@@ -669,7 +669,10 @@ class RowStack:
         if going_on and isinstance(layer, StackedLayer):
             mine = {id(c): b for b, c in enumerate(r() for r in self.rows) if c is not None}
             keep = {mine[id(c)] for c in going_on if id(c) in mine}
-        layer.release(keep)
+        if keep:  # (a packed layer, ``StackedPacked``, releases every row: its rows are never kept)
+            layer.release(keep)
+        else:
+            layer.release()
 
     def dissolve(self) -> None:
         """Every row back on storage of its own; the rows no longer point at this stack. Layer by layer: each layer's
